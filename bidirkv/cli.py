@@ -1,0 +1,106 @@
+"""The `bidir-kv` command: one entry point, one subcommand per component.
+
+Components import lazily so `bidir-kv router` does not load kopf and `bidir-kv render`
+does not load aiohttp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _render(args: argparse.Namespace) -> int:
+    import yaml
+
+    from bidirkv.operator.render import render_resource
+    from bidirkv.operator.spec import SpecError
+
+    try:
+        with (sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")) as fh:
+            docs = [d for d in yaml.safe_load_all(fh) if d]
+    except OSError as exc:
+        print(f"bidir-kv render: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
+        return 2
+    except yaml.YAMLError as exc:
+        print(f"bidir-kv render: {args.file} is not valid YAML: {exc}", file=sys.stderr)
+        return 2
+    out = []
+    for doc in docs:
+        if doc.get("kind") != "DisaggregatedInference":
+            print(f"bidir-kv render: skipping kind {doc.get('kind')!r} (only "
+                  "DisaggregatedInference is rendered)", file=sys.stderr)
+            continue
+        try:
+            out += render_resource(doc)
+        except SpecError as exc:
+            name = (doc.get("metadata") or {}).get("name", "?")
+            print(f"bidir-kv render: {name}: {exc}", file=sys.stderr)
+            return 1
+    sys.stdout.write(yaml.safe_dump_all(out, sort_keys=False, width=120))
+    return 0
+
+
+def _crd(_: argparse.Namespace) -> int:
+    from bidirkv.operator.crd import crd_yaml
+
+    sys.stdout.write(crd_yaml())
+    return 0
+
+
+def _operator(args: argparse.Namespace) -> int:
+    from bidirkv.operator.main import run
+
+    return run(args)
+
+
+def _router(args: argparse.Namespace) -> int:
+    from bidirkv.router.app import main as router_main
+
+    return router_main(args.rest)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from bidirkv.connector.launcher import main as serve_main
+
+    return serve_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bidir-kv",
+        description="1PnD vLLM with bidirectional KV transfer: operator, router, connector.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("render", help="print every child manifest of a DisaggregatedInference")
+    p.add_argument("-f", "--file", required=True, help="YAML file ('-' for stdin)")
+    p.set_defaults(func=_render)
+
+    p = sub.add_parser("crd", help="print the CustomResourceDefinition")
+    p.set_defaults(func=_crd)
+
+    p = sub.add_parser("operator", help="run the operator")
+    from bidirkv.operator.main import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=_operator)
+
+    p = sub.add_parser("router", help="run the KV-cache-aware router", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_router)
+
+    p = sub.add_parser("serve", help="preflight checks, then the vLLM server of one role",
+                       add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

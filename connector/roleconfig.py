@@ -1,0 +1,148 @@
+"""vLLM arguments, environment and kv-transfer config of one role, from a spec.
+
+The one place these are built: the operator puts them in pod templates and the local
+stack runs them as processes, so a laptop and a cluster get the same settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from bidirkv.operator.spec import DisaggregatedInferenceSpec, SpecError
+
+ROLES = ("prefill", "decode")
+ENGINE_PORT = 8000
+# Set by the downward API in a pod; the local stack substitutes the loopback address.
+POD_IP = {"valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+
+# Arguments derived from spec fields; accepting them in extraArgs too would give two
+# sources of truth (and, for kv-transfer-config, a way to split the pool's flags).
+MANAGED_ARGS = (
+    "--model",
+    "--served-model-name",
+    "--host",
+    "--port",
+    "--tensor-parallel-size",
+    "-tp",
+    "--dtype",
+    "--max-model-len",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--kv-transfer-config",
+)
+MANAGED_ENV_PREFIXES = ("VLLM_NIXL_SIDE_CHANNEL_", "FI_")
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    role: str
+    args: list[str]
+    env: list[dict[str, Any]]
+    kv_transfer_config: dict[str, Any]
+    ports: dict[str, int] = field(default_factory=dict)
+
+
+def kv_transfer_config(spec: DisaggregatedInferenceSpec, role: str) -> dict[str, Any]:
+    kv = spec.kv_transfer
+    extra: dict[str, Any] = {
+        "backends": [kv.backend],
+        "bidirectional_kv_xfer": kv.bidirectional,
+    }
+    if kv.bidirectional:
+        extra["decoder_kv_blocks_ttl"] = kv.decoder_kv_blocks_ttl_seconds
+        extra["kv_recompute_threshold"] = kv.kv_recompute_threshold
+    return {
+        "kv_connector": "NixlConnector",
+        # With bidirectional transfer both roles read and are read from; kv_both is the
+        # role that was measured to work for that on vLLM 0.32.
+        "kv_role": "kv_both" if kv.bidirectional else (
+            "kv_producer" if role == "prefill" else "kv_consumer"
+        ),
+        "kv_load_failure_policy": kv.load_failure_policy,
+        "kv_connector_extra_config": extra,
+    }
+
+
+def extra_args_errors(spec: DisaggregatedInferenceSpec) -> list[str]:
+    errors = []
+    for i, arg in enumerate(spec.engine.extra_args):
+        flag = arg.split("=", 1)[0]
+        if flag in MANAGED_ARGS:
+            errors.append(
+                f"spec.engine.extraArgs[{i}]: {arg!r} is managed by the operator; set the "
+                "matching spec field instead"
+            )
+    for i, env in enumerate(spec.engine.extra_env):
+        if env.name.startswith(MANAGED_ENV_PREFIXES):
+            errors.append(
+                f"spec.engine.extraEnv[{i}].name: {env.name!r} is managed by the operator "
+                f"(names starting with {', '.join(MANAGED_ENV_PREFIXES)} are not allowed)"
+            )
+    return errors
+
+
+def _env(name: str, value: str | dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, **(value if isinstance(value, dict) else {"value": value})}
+
+
+def build_role_config(spec: DisaggregatedInferenceSpec, role: str) -> RoleConfig:
+    if role not in ROLES:
+        raise ValueError(f"role {role!r}: must be one of {', '.join(ROLES)}")
+    errors = extra_args_errors(spec)
+    if errors:
+        raise SpecError("; ".join(errors))
+    role_spec = getattr(spec, role)
+    kvt = kv_transfer_config(spec, role)
+    args = [
+        "--model", spec.model.name,
+        "--served-model-name", spec.model.served_name or spec.model.name,
+        "--host", "0.0.0.0",
+        "--port", str(ENGINE_PORT),
+        "--tensor-parallel-size", str(role_spec.tensor_parallel_size),
+        "--dtype", spec.model.dtype,
+    ]
+    if spec.model.max_model_len is not None:
+        args += ["--max-model-len", str(spec.model.max_model_len)]
+    args.append(
+        "--enable-prefix-caching" if role_spec.enable_prefix_caching
+        else "--no-enable-prefix-caching"
+    )
+    args += ["--kv-transfer-config", json.dumps(kvt, sort_keys=True, separators=(",", ":"))]
+    args += list(spec.engine.extra_args)
+
+    env = [
+        _env("VLLM_NIXL_SIDE_CHANNEL_HOST", POD_IP),
+        _env("VLLM_NIXL_SIDE_CHANNEL_PORT", str(spec.kv_transfer.side_channel_port)),
+        _env("BIDIRKV_ROLE", role),
+    ]
+    if spec.efa.enabled:
+        env += [
+            _env("FI_PROVIDER", "efa"),
+            _env("FI_EFA_USE_DEVICE_RDMA", "1"),
+            _env("FI_EFA_ENABLE_SHM_TRANSFER", "0"),
+            _env("FI_EFA_USE_HUGE_PAGE", "1" if spec.efa.hugepages_2mi else "0"),
+        ]
+    env += [_env(e.name, e.value) for e in spec.engine.extra_env]
+    return RoleConfig(
+        role=role,
+        args=args,
+        env=env,
+        kv_transfer_config=kvt,
+        ports={"http": ENGINE_PORT, "nixl": spec.kv_transfer.side_channel_port},
+    )
+
+
+def kv_fingerprint(spec: DisaggregatedInferenceSpec) -> str:
+    """Hash of everything prefill and decode must share for their KV to be interchangeable."""
+    shared = {
+        "model": spec.model.name,
+        "dtype": spec.model.dtype,
+        "image": spec.engine.image,
+        "extraArgs": spec.engine.extra_args,
+        "kvTransfer": spec.kv_transfer.model_dump(by_alias=True, mode="json"),
+    }
+    blob = json.dumps(shared, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,0 +1,225 @@
+import copy
+import json
+
+import pytest
+
+from bidirkv.connector.roleconfig import build_role_config, kv_fingerprint
+from bidirkv.operator.render import render_resource
+from bidirkv.operator.spec import SpecError, parse_spec
+from bidirkv.testing.schemas import KUBE_VERSIONS, schema_errors
+
+
+def by_kind_name(objs):
+    return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+
+def container(objs, name):
+    return by_kind_name(objs)[("StatefulSet", name)]["spec"]["template"]["spec"]["containers"][0]
+
+
+def kv_config(c):
+    args = c["args"]
+    return json.loads(args[args.index("--kv-transfer-config") + 1])
+
+
+def env(c):
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+
+
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+def test_every_child_is_valid_for_strict_schemas(example, minimal, version):
+    for doc in (example, minimal):
+        for obj in render_resource(doc):
+            assert schema_errors(obj, version) == []
+
+
+def test_children_and_owner_references(minimal):
+    objs = render_resource(minimal)
+    assert sorted(by_kind_name(objs)) == [
+        ("ConfigMap", "tiny-router"),
+        ("Deployment", "tiny-router"),
+        ("PodDisruptionBudget", "tiny-decode"),
+        ("PodDisruptionBudget", "tiny-prefill"),
+        ("Service", "tiny-decode"),
+        ("Service", "tiny-prefill"),
+        ("Service", "tiny-router"),
+        ("StatefulSet", "tiny-decode"),
+        ("StatefulSet", "tiny-prefill"),
+    ]
+    for obj in objs:
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref["uid"] == "u-1" and ref["controller"] is True
+        assert obj["metadata"]["namespace"] == "ns1"
+        assert obj["metadata"]["labels"]["app.kubernetes.io/instance"] == "tiny"
+        assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "bidir-kv-operator"
+
+
+def test_defaults_reach_the_vllm_config(minimal):
+    objs = render_resource(minimal)
+    for role in ("prefill", "decode"):
+        c = container(objs, f"tiny-{role}")
+        cfg = kv_config(c)
+        assert cfg["kv_connector"] == "NixlConnector"
+        extra = cfg["kv_connector_extra_config"]
+        assert extra == {"backends": ["UCX"], "bidirectional_kv_xfer": True,
+                         "decoder_kv_blocks_ttl": 480, "kv_recompute_threshold": 64}
+        assert env(c)["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {
+            "fieldRef": {"fieldPath": "status.podIP"}}
+        assert env(c)["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+        assert not any(k.startswith("FI_") for k in env(c))
+        assert c["command"] == ["bidir-kv", "serve", "--role", role, "--"]
+    headless = by_kind_name(objs)[("Service", "tiny-decode")]["spec"]
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+
+
+def test_bidirectional_off_on_both_roles(minimal):
+    minimal["spec"]["kvTransfer"] = {"bidirectional": False}
+    objs = render_resource(minimal)
+    roles = {kv_config(container(objs, f"tiny-{r}"))["kv_role"] for r in ("prefill", "decode")}
+    assert roles == {"kv_producer", "kv_consumer"}
+    for r in ("prefill", "decode"):
+        extra = kv_config(container(objs, f"tiny-{r}"))["kv_connector_extra_config"]
+        assert extra["bidirectional_kv_xfer"] is False and "decoder_kv_blocks_ttl" not in extra
+    cfg = json.loads(by_kind_name(objs)[("ConfigMap", "tiny-router")]["data"]["router.json"])
+    assert cfg["bidirectional"] is False
+
+
+def test_efa_profile(example):
+    objs = render_resource(example)
+    for role in ("prefill", "decode"):
+        sts = by_kind_name(objs)[("StatefulSet", f"qwen3-32b-{role}")]
+        pod = sts["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert env(c)["FI_PROVIDER"] == "efa"
+        assert env(c)["FI_EFA_USE_DEVICE_RDMA"] == "1"
+        assert env(c)["FI_EFA_USE_HUGE_PAGE"] == "1"
+        assert kv_config(c)["kv_connector_extra_config"]["backends"] == ["LIBFABRIC"]
+        assert c["resources"]["limits"]["vpc.amazonaws.com/efa"] == 16
+        assert c["resources"]["requests"]["hugepages-2Mi"] == "5Gi"
+        assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        assert {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in pod[
+            "volumes"]
+        other = "decode" if role == "prefill" else "prefill"
+        (term,) = pod["affinity"]["podAntiAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == other
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        assert "--tensor-parallel-size" in c["args"] and "8" in c["args"]
+
+
+def test_user_affinity_is_kept_beside_the_efa_anti_affinity(example):
+    node_aff = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "node.kubernetes.io/instance-type", "operator": "In",
+             "values": ["p5en.48xlarge"]}]}]}}}
+    example["spec"]["decode"]["affinity"] = copy.deepcopy(node_aff)
+    pod = by_kind_name(render_resource(example))[("StatefulSet", "qwen3-32b-decode")][
+        "spec"]["template"]["spec"]
+    assert pod["affinity"]["nodeAffinity"] == node_aff["nodeAffinity"]
+    assert "podAntiAffinity" in pod["affinity"]
+    assert example["spec"]["decode"]["affinity"] == node_aff  # input not mutated
+
+
+def templates(objs):
+    return {k: o["spec"]["template"] for k, o in by_kind_name(objs).items()
+            if o["kind"] in ("StatefulSet", "Deployment")}
+
+
+def test_ttl_knob_rolls_engines_not_router(minimal):
+    before = render_resource(minimal)
+    minimal["spec"]["kvTransfer"] = {"decoderKvBlocksTtlSeconds": 900}
+    after = render_resource(minimal)
+    tb, ta = templates(before), templates(after)
+    assert tb[("Deployment", "tiny-router")] == ta[("Deployment", "tiny-router")]
+    for role in ("prefill", "decode"):
+        key = ("StatefulSet", f"tiny-{role}")
+        assert tb[key] != ta[key]
+        assert (tb[key]["metadata"]["annotations"] != ta[key]["metadata"]["annotations"])
+    cfg = json.loads(by_kind_name(after)[("ConfigMap", "tiny-router")]["data"]["router.json"])
+    assert cfg["decoderKvBlocksTtlSeconds"] == 900
+
+
+def test_router_ttl_changes_only_the_router_config(minimal):
+    before = by_kind_name(render_resource(minimal))
+    minimal["spec"]["router"] = {"conversationTtlSeconds": 100}
+    after = by_kind_name(render_resource(minimal))
+    changed = {k for k in before if before[k] != after[k]}
+    assert changed == {("ConfigMap", "tiny-router")}
+
+
+def test_scale_changes_replicas_and_endpoints_only(minimal):
+    before = by_kind_name(render_resource(minimal))
+    minimal["spec"]["decode"] = {"replicas": 3}
+    after = by_kind_name(render_resource(minimal))
+    changed = {k for k in before if before[k] != after[k]}
+    assert changed == {("StatefulSet", "tiny-decode"), ("ConfigMap", "tiny-router")}
+    sts_b, sts_a = before[("StatefulSet", "tiny-decode")], after[("StatefulSet", "tiny-decode")]
+    assert sts_a["spec"]["replicas"] == 3
+    assert sts_b["spec"]["template"] == sts_a["spec"]["template"]
+    cfg = json.loads(after[("ConfigMap", "tiny-router")]["data"]["router.json"])
+    assert cfg["decode"] == [
+        f"http://tiny-decode-{i}.tiny-decode.ns1.svc:8000" for i in range(3)]
+
+
+def test_fingerprint_covers_shared_settings_only(minimal):
+    base = parse_spec(minimal["spec"])
+    fp = kv_fingerprint(base)
+    scaled = parse_spec({**minimal["spec"], "decode": {"replicas": 5}})
+    assert kv_fingerprint(scaled) == fp
+    for change in ({"model": {"name": "facebook/opt-125m", "dtype": "float32"}},
+                   {"engine": {"image": "other:1"}},
+                   {"kvTransfer": {"backend": "LIBFABRIC"}}):
+        assert kv_fingerprint(parse_spec({**minimal["spec"], **change})) != fp
+    objs = by_kind_name(render_resource(minimal))
+    labels = {objs[("StatefulSet", f"tiny-{r}")]["spec"]["template"]["metadata"]["labels"][
+        "bidirkv.io/kv-fingerprint"] for r in ("prefill", "decode")}
+    assert labels == {fp}
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({"engine": {"extraArgs": ["--block-size", "16", "--port=9000"]}},
+         "spec.engine.extraArgs[2]: '--port=9000' is managed"),
+        ({"engine": {"extraEnv": [{"name": "FI_PROVIDER", "value": "tcp"}]}},
+         "spec.engine.extraEnv[0].name: 'FI_PROVIDER' is managed"),
+        ({"router": {"conversationTtlSeconds": 475}},
+         "spec.router.conversationTtlSeconds: 475 must be at most 470"),
+        ({"efa": {"enabled": True}, "prefill": {"efaDevices": 1}, "decode": {"efaDevices": 1}},
+         "spec.kvTransfer.backend: 'UCX' must be 'LIBFABRIC'"),
+        ({"prefill": {"efaDevices": 2}}, "spec.prefill.efaDevices: 2 must be 0"),
+        ({"prefill": {"replicas": 0}}, "spec.prefill.replicas: 0: Input should be greater"),
+        ({"kvTransfer": {"kvRecomputeThreshold": -1}},
+         "spec.kvTransfer.kvRecomputeThreshold: -1"),
+        ({"prefill": {"resources": {"limits": {"memory": "lots"}}}},
+         "spec.prefill.resources.limits.memory"),
+        ({"model": {"name": "m", "dtype": "int3"}}, "spec.model.dtype: 'int3'"),
+        ({"kvTransfr": {}}, "spec.kvTransfr: {...}: Extra inputs are not permitted"),
+    ],
+)
+def test_bad_specs_name_the_field(minimal, change, expected):
+    minimal["spec"].update(change)
+    with pytest.raises(SpecError) as err:
+        render_resource(minimal)
+    assert expected in str(err.value)
+
+
+def test_long_name_refused(minimal):
+    minimal["metadata"]["name"] = "n" * 41
+    with pytest.raises(SpecError, match="metadata.name: 'n{41}' has 41 characters; at most 40"):
+        render_resource(minimal)
+
+
+def test_role_config_is_shared_by_both_roles(example):
+    spec = parse_spec(example["spec"])
+    p, d = build_role_config(spec, "prefill"), build_role_config(spec, "decode")
+    assert p.kv_transfer_config == d.kv_transfer_config
+    assert "--no-enable-prefix-caching" in p.args and "--enable-prefix-caching" in d.args
+    with pytest.raises(ValueError, match="role 'router': must be one of prefill, decode"):
+        build_role_config(spec, "router")
+
+
+def test_hugepages_need_a_cpu_or_memory_request(example):
+    del example["spec"]["decode"]["resources"]["requests"]
+    with pytest.raises(SpecError, match=r"spec.decode.resources: efa.hugepages2Mi needs a cpu"):
+        render_resource(example)
