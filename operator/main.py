@@ -113,8 +113,8 @@ async def run_operator(
     priority: int = 0,
     controller: Controller | None = None,
 ) -> None:
-    client = KubeClient(configuration)
-    controller = controller or Controller(client)
+    if controller is None:
+        controller = Controller(KubeClient(configuration))
     registry = build_registry(controller, configuration)
     try:
         await kopf.operator(
@@ -130,7 +130,7 @@ async def run_operator(
         )
     finally:
         controller.close()
-        client.close()
+        controller.client.close()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -4,7 +4,7 @@ import pathlib
 import pytest
 import yaml
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parent
 
 
 @pytest.fixture

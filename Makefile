@@ -1,0 +1,41 @@
+# Two set-up commands: `make demo` (the main job) and `make test`. Both create .venv and
+# install what they need from this project's own files.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
+DEV_STAMP := $(VENV)/.bidirkv-dev
+
+.PHONY: install test test-unit demo crds lint bench-operator clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(DEV_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $@
+
+install: $(DEV_STAMP)
+
+test: $(DEV_STAMP)
+	$(BIN)/ruff check .
+	$(PY) -m pytest -q -p no:cacheprovider
+
+demo: $(DEV_STAMP)
+	$(PY) -m bidirkv.demo
+
+# The CRD and the README's CRD reference are both generated from operator/spec.py.
+crds: $(DEV_STAMP)
+	$(BIN)/bidir-kv crd > crds/bidirkv.io_disaggregatedinferences.yaml
+	$(PY) -c 'import pathlib; from bidirkv.operator.crdref import splice; \
+	p = pathlib.Path("README.md"); p.write_text(splice(p.read_text()))'
+
+lint: $(DEV_STAMP)
+	$(BIN)/ruff check .
+
+bench-operator: $(DEV_STAMP)
+	$(PY) benchmarks/operator_bench.py
+
+clean:
+	rm -rf $(VENV) out
