@@ -20,8 +20,6 @@ import statistics
 import sys
 import time
 
-import yaml
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 

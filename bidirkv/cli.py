@@ -97,7 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# These hand their whole argument list to their own parser (argparse's REMAINDER does
+# not pass on a leading option such as --help).
+PASSTHROUGH = {"router": _router, "serve": _serve}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in PASSTHROUGH:
+        return PASSTHROUGH[argv[0]](argparse.Namespace(rest=argv[1:]))
     args = build_parser().parse_args(argv)
     return args.func(args)
 

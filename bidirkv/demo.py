@@ -12,6 +12,7 @@ engine stack lands (see the README's status section).
 from __future__ import annotations
 
 import asyncio
+import logging
 import pathlib
 import sys
 
@@ -48,11 +49,9 @@ async def demo() -> int:
             await client.call("POST", di_path("default"), resource(doc))
             await eventually(lambda: _status(client), what="status")
             await controller.idle()
-            written = sorted({(r.resource, r.name) for r in server.writes()
-                              if r.verb == "create" and r.resource != "events"
-                              and r.resource != "disaggregatedinferences"})
-            for res, name in written:
-                print(f"    created {res}/{name}")
+            for method, _, body in controller.client.sent:
+                if method == "POST":
+                    print(f"    created {body['kind']} {body['metadata']['name']}")
             step("kubectl get disaggregatedinference")
             print(printer.table([await _get(client)]))
 
@@ -105,6 +104,10 @@ async def _phase(client, phase):
 
 
 def main() -> int:
+    # kopf reports its own reconnects and retries at INFO/WARNING; the demo shows results.
+    logging.basicConfig(level=logging.WARNING, format="    [%(name)s] %(message)s")
+    logging.getLogger("kopf").setLevel(logging.CRITICAL)
+    logging.getLogger("bidirkv.operator").setLevel(logging.ERROR)
     try:
         return asyncio.run(demo())
     except KeyboardInterrupt:

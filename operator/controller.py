@@ -201,8 +201,8 @@ class Controller:
                                 ("InvalidSpec", message))
         await self._write_status(body, status)
         if _condition_message(previous) != message:
+            log.warning("%s/%s: %s", owner.namespace, owner.name, message)
             await self._event(body, "Warning", "InvalidSpec", message)
-        log.warning("%s/%s: %s", owner.namespace, owner.name, message)
 
     async def _event(self, body: dict[str, Any], type_: str, reason: str, message: str):
         meta = body["metadata"]

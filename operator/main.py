@@ -37,13 +37,14 @@ def build_registry(
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        # Events are posted by the controller itself, for its own reasons only.
+        # Handlers are async: sync ones run in a thread pool, away from the controller's loop.
+    # Events are posted by the controller itself, for its own reasons only.
         settings.posting.enabled = False
         settings.watching.server_timeout = 300
         settings.watching.reconnect_backoff = 0.5
 
     @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL, registry=registry)
-    def owner_event(type: str | None, body: kopf.Body, **_: Any) -> None:  # noqa: A002
+    async def owner_event(type: str | None, body: kopf.Body, **_: Any) -> None:  # noqa: A002
         controller.owner_event(type, _plain(body))
 
     for group, version, plural in CHILD_RESOURCES:
@@ -52,14 +53,14 @@ def build_registry(
         )
 
     @kopf.on.cleanup(registry=registry)
-    def cleanup(**_: Any) -> None:
+    async def cleanup(**_: Any) -> None:
         controller.close()
 
     return registry
 
 
 def _child_handler(controller: Controller):
-    def child_event(type: str | None, body: kopf.Body, **_: Any) -> None:  # noqa: A002
+    async def child_event(type: str | None, body: kopf.Body, **_: Any) -> None:  # noqa: A002
         controller.child_event(type, _plain(body))
 
     return child_event
