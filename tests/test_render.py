@@ -223,3 +223,18 @@ def test_hugepages_need_a_cpu_or_memory_request(example):
     del example["spec"]["decode"]["resources"]["requests"]
     with pytest.raises(SpecError, match=r"spec.decode.resources: efa.hugepages2Mi needs a cpu"):
         render_resource(example)
+
+
+def test_the_router_accepts_the_rendered_config(example):
+    from bidirkv.router.config import parse_config
+
+    objs = by_kind_name(render_resource(example))
+    data = json.loads(objs[("ConfigMap", "qwen3-32b-router")]["data"]["router.json"])
+    cfg = parse_config(data, "router.json")
+    assert len(cfg.decode) == 2 and len(cfg.prefill) == 1
+    assert cfg.handle_ttl_seconds == 420
+    assert cfg.kv_fingerprint == data["kvFingerprint"]
+    dep = objs[("Deployment", "qwen3-32b-router")]["spec"]["template"]["spec"]
+    args = dep["containers"][0]["args"]
+    mount = dep["containers"][0]["volumeMounts"][0]["mountPath"]
+    assert args[args.index("--config") + 1] == f"{mount}/router.json"

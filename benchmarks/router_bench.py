@@ -1,0 +1,336 @@
+"""Router overhead benchmark against zero-latency fake engines (not a test).
+
+Starts a fake prefill engine, a fake decode engine and the router as separate processes
+(on a machine with 2+ CPUs the router is pinned to a CPU of its own; the engines and this
+client share the rest), then measures:
+  1. added TTFT: time to the first streamed byte through the router vs a client doing
+     both legs itself (P, then D), one conversation, requests interleaved;
+  2. sustained req/s, streamed and not, at 50 and 200 concurrent conversations, router
+     vs the direct two-leg client (and vLLM's example proxy with --vllm-proxy PATH);
+  3. router RSS with 100k stored handles (filled through the router's debug route, which
+     the router only serves with BIDIRKV_ROUTER_DEBUG=1).
+Prints a table, writes JSON and, when matplotlib is installed, a PNG.
+
+    .venv/bin/python benchmarks/router_bench.py --duration 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE = ROOT / "tests" / "fake_engine.py"
+MISS_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+               "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pin(cpus: set[int] | None) -> Any:
+    if cpus is None:
+        return None
+
+    def fn() -> None:
+        os.sched_setaffinity(0, cpus)
+
+    return fn
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+class Stack:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.procs: list[subprocess.Popen[bytes]] = []
+        ncpu = len(os.sched_getaffinity(0))
+        self.router_cpus = {max(os.sched_getaffinity(0))} if ncpu >= 2 and not args.no_pin \
+            else None
+        self.other_cpus = (os.sched_getaffinity(0) - self.router_cpus) if self.router_cpus \
+            else None
+        self.p_url = self.d_url = self.router_url = self.proxy_url = ""
+        self.router_pid = 0
+
+    def spawn(self, cmd: list[str], cpus: set[int] | None, env: dict[str, str] | None = None
+              ) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(cmd, preexec_fn=pin(cpus), env={**os.environ, **(env or {})},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append(proc)
+        return proc
+
+    async def start(self) -> None:
+        a = self.args
+        pp, dp, rp = free_port(), free_port(), free_port()
+        for role, port in (("prefill", pp), ("decode", dp)):
+            self.spawn([sys.executable, str(FAKE), "--role", role, "--port", str(port),
+                        "--reply-tokens", str(a.reply_tokens)], self.other_cpus)
+        self.p_url, self.d_url = f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}"
+        router = self.spawn(
+            [sys.executable, "-c", "import sys; from bidirkv.router.app import main; "
+             "sys.exit(main(sys.argv[1:]))", "--prefill", self.p_url, "--decode", self.d_url,
+             "--port", str(rp), "--host", "127.0.0.1", "--log-level", "WARNING"],
+            self.router_cpus, {"BIDIRKV_ROUTER_DEBUG": "1"})
+        self.router_pid = router.pid
+        self.router_url = f"http://127.0.0.1:{rp}"
+        await wait_ready(self.router_url + "/ready")
+        if a.vllm_proxy:
+            xp = free_port()
+            self.spawn([sys.executable, a.vllm_proxy, "--host", "127.0.0.1", "--port", str(xp),
+                        "--prefiller-host", "127.0.0.1", "--prefiller-port", str(pp),
+                        "--decoder-host", "127.0.0.1", "--decoder-port", str(dp)],
+                       self.router_cpus)
+            try:
+                await wait_ready(f"http://127.0.0.1:{xp}/health", 30)
+                self.proxy_url = f"http://127.0.0.1:{xp}"
+            except TimeoutError:
+                print(f"vLLM proxy {a.vllm_proxy} did not start (needs fastapi, uvicorn, "
+                      "httpx); skipped", file=sys.stderr)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+async def wait_ready(url: str, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(url) as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+    raise TimeoutError(url)
+
+
+class Client:
+    """The three ways of serving one turn: via the router, via vLLM's proxy, or both legs
+    done by the client itself."""
+
+    def __init__(self, session: aiohttp.ClientSession, stack: Stack) -> None:
+        self.s = session
+        self.stack = stack
+
+    async def _read(self, resp: aiohttp.ClientResponse, t0: float) -> float:
+        first = await resp.content.readany()
+        ttft = time.perf_counter() - t0
+        if resp.status != 200 or not first:
+            raise RuntimeError(f"HTTP {resp.status}")
+        while await resp.content.readany():
+            pass
+        return ttft
+
+    async def via(self, base: str, body: dict[str, Any]) -> float:
+        t0 = time.perf_counter()
+        async with self.s.post(base + "/v1/chat/completions", json=body) as r:
+            return await self._read(r, t0)
+
+    async def direct(self, body: dict[str, Any]) -> float:
+        t0 = time.perf_counter()
+        pbody = {k: v for k, v in body.items() if k not in ("conversation_id", "stream_options")}
+        pbody.update(stream=False, max_tokens=1, kv_transfer_params=MISS_PARAMS)
+        async with self.s.post(self.stack.p_url + "/v1/chat/completions", json=pbody) as r:
+            pj = await r.json()
+        dbody = {k: v for k, v in body.items() if k != "conversation_id"}
+        dbody["kv_transfer_params"] = pj["kv_transfer_params"]
+        async with self.s.post(self.stack.d_url + "/v1/chat/completions", json=dbody) as r:
+            return await self._read(r, t0)
+
+    async def turn(self, mode: str, body: dict[str, Any]) -> float:
+        if mode == "direct":
+            return await self.direct(body)
+        return await self.via(self.stack.router_url if mode == "router"
+                              else self.stack.proxy_url, body)
+
+
+def turn_body(conv: str, history: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
+    return {"model": "fake-model", "messages": history, "stream": stream,
+            "conversation_id": conv, "max_tokens": 16}
+
+
+async def ttft(client: Client, modes: list[str], n: int) -> dict[str, dict[str, float]]:
+    samples: dict[str, list[float]] = {m: [] for m in modes}
+    history = [{"role": "system", "content": "You are terse."},
+               {"role": "user", "content": "Hello there, how are you?"}]
+    for i in range(n + 20):
+        for m in modes:
+            t = await client.turn(m, turn_body(f"ttft-{m}", history, True))
+            if i >= 20:  # warm-up
+                samples[m].append(t * 1000)
+    return {m: {"p50_ms": pct(v, 0.5), "p99_ms": pct(v, 0.99), "n": len(v)}
+            for m, v in samples.items()}
+
+
+async def throughput(client: Client, mode: str, conversations: int, stream: bool,
+                     duration: float) -> dict[str, float]:
+    done = errors = 0
+    end = time.monotonic() + duration
+
+    async def worker(i: int) -> None:
+        nonlocal done, errors
+        turns = 0
+        history = [{"role": "user", "content": f"conversation {i} starts"}]
+        while time.monotonic() < end:
+            try:
+                await client.turn(mode, turn_body(f"tp-{mode}-{i}-{turns // 8}", history,
+                                                  stream))
+                done += 1
+            except (TimeoutError, aiohttp.ClientError, RuntimeError):
+                errors += 1
+            turns += 1
+            history = history[-6:] + [{"role": "assistant", "content": "ok"},
+                                      {"role": "user", "content": f"turn {turns}"}]
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(worker(i) for i in range(conversations)))
+    elapsed = time.monotonic() - t0
+    return {"req_per_s": done / elapsed, "requests": done, "errors": errors}
+
+
+async def fill_rss(stack: Stack, handles: int) -> dict[str, float]:
+    before = rss_mb(stack.router_pid)
+    async with aiohttp.ClientSession() as s:
+        left = handles
+        while left > 0:
+            n = min(10_000, left)
+            async with s.post(stack.router_url + "/debug/fill-handles",
+                              json={"count": n, "blocks": 64}) as r:
+                stored = (await r.json())["stored"]
+            left -= n
+    await asyncio.sleep(0.5)
+    return {"handles": stored, "rss_before_mb": before, "rss_after_mb": rss_mb(stack.router_pid)}
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    stack = Stack(args)
+    await stack.start()
+    try:
+        modes = ["direct", "router"] + (["vllm_proxy"] if stack.proxy_url else [])
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=conn) as session:
+            client = Client(session, stack)
+            result: dict[str, Any] = {"pinned_router_cpu": sorted(stack.router_cpus or []),
+                                      "reply_tokens": args.reply_tokens}
+            result["ttft"] = await ttft(client, modes, args.requests)
+            result["throughput"] = []
+            for conv in args.conversations:
+                for stream in (True, False):
+                    for m in modes:
+                        r = await throughput(client, m, conv, stream, args.duration)
+                        result["throughput"].append(
+                            {"mode": m, "conversations": conv, "stream": stream, **r})
+        result["memory"] = await fill_rss(stack, args.handles)
+        return result
+    finally:
+        stack.stop()
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = ["TTFT, one conversation (ms)", f"{'mode':<12}{'p50':>10}{'p99':>10}"]
+    t = result["ttft"]
+    for m, v in t.items():
+        lines.append(f"{m:<12}{v['p50_ms']:>10.2f}{v['p99_ms']:>10.2f}")
+    lines.append(f"added by the router: p50 {t['router']['p50_ms'] - t['direct']['p50_ms']:.2f}"
+                 f" ms, p99 {t['router']['p99_ms'] - t['direct']['p99_ms']:.2f} ms")
+    lines += ["", "Throughput (req/s)",
+              f"{'mode':<12}{'conv':>6}{'stream':>8}{'req/s':>10}{'errors':>8}"]
+    for r in result["throughput"]:
+        lines.append(f"{r['mode']:<12}{r['conversations']:>6}{str(r['stream']):>8}"
+                     f"{r['req_per_s']:>10.0f}{r['errors']:>8}")
+    m = result["memory"]
+    lines += ["", f"Router RSS: {m['rss_before_mb']:.0f} MB empty, {m['rss_after_mb']:.0f} MB "
+              f"with {m['handles']} handles (64 blocks each)"]
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG (pip install 'bidir-kv[bench]')")
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    t = result["ttft"]
+    ax1.bar(list(t), [v["p50_ms"] for v in t.values()], label="p50")
+    ax1.scatter(list(t), [v["p99_ms"] for v in t.values()], color="k", label="p99", zorder=3)
+    ax1.set_ylabel("TTFT (ms)")
+    ax1.set_title("one conversation")
+    ax1.legend()
+    labels = sorted({(r["conversations"], r["stream"]) for r in result["throughput"]})
+    modes = list(dict.fromkeys(r["mode"] for r in result["throughput"]))
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        ys = [next(r["req_per_s"] for r in result["throughput"]
+                   if r["mode"] == mode and (r["conversations"], r["stream"]) == lab)
+              for lab in labels]
+        ax2.bar([j + i * width for j in range(len(labels))], ys, width, label=mode)
+    ax2.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))],
+                   [f"{c} conv\n{'stream' if s else 'json'}" for c, s in labels])
+    ax2.set_ylabel("req/s")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"wrote {path}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=300, help="TTFT samples per mode")
+    ap.add_argument("--duration", type=float, default=5.0, help="seconds per throughput run")
+    ap.add_argument("--conversations", type=int, nargs="+", default=[50, 200])
+    ap.add_argument("--handles", type=int, default=100_000)
+    ap.add_argument("--reply-tokens", type=int, default=8)
+    ap.add_argument("--vllm-proxy", metavar="PATH",
+                    help="vLLM's disagg_proxy_multiturn.py, run side by side")
+    ap.add_argument("--no-pin", action="store_true", help="do not give the router its own CPU")
+    ap.add_argument("--out", type=Path, default=ROOT / "out" / "router_bench")
+    args = ap.parse_args()
+    result = asyncio.run(run(args))
+    result["date"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    result["cpus"] = len(os.sched_getaffinity(0))
+    print(report(result))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out.with_suffix('.json')}")
+    plot(result, args.out.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

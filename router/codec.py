@@ -1,0 +1,39 @@
+"""JSON encode/decode for the hot path: orjson when installed, the standard library if not.
+
+orjson is optional on purpose (not a dependency); both paths produce compact UTF-8 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+loads: Callable[[bytes | str], Any]
+dumps: Callable[[Any], bytes]
+
+try:  # pragma: no cover - depends on the environment
+    import orjson
+
+    loads = orjson.loads
+
+    def dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj)
+
+    HAVE_ORJSON = True
+except ImportError:  # pragma: no cover - depends on the environment
+    _encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+    loads = json.loads
+
+    def dumps(obj: Any) -> bytes:
+        return _encoder.encode(obj).encode()
+
+    HAVE_ORJSON = False
+
+# Canonical form for hashing: stable key order, no whitespace; the same process always
+# produces the same bytes, which is all a lookup key needs.
+_canonical = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+
+
+def canonical(obj: Any) -> bytes:
+    return _canonical.encode(obj).encode()

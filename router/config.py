@@ -1,0 +1,205 @@
+"""Router configuration: the keys the operator renders into the router's ConfigMap.
+
+The file is JSON (YAML accepted too). Keys are camelCase like the CRD's; CLI flags
+override the file where both exist. Validation errors name the key, the value and what
+is allowed, so a bad ConfigMap is diagnosable from one log line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+MIB = 1024 * 1024
+
+
+class ConfigError(ValueError):
+    """A configuration the router refuses; the message is meant for a human."""
+
+
+class _Model(BaseModel):
+    # strict: "true" or "5" in a ConfigMap is a rendering bug, not something to coerce.
+    # forbid: a misspelt key must not silently fall back to a default.
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        strict=True,
+        frozen=True,
+    )
+
+
+class Timeouts(_Model):
+    connect_seconds: float = Field(default=5.0, gt=0, le=3600)
+    # Whole prefill leg (P answers once, after computing the prompt).
+    prefill_seconds: float = Field(default=300.0, gt=0, le=86400)
+    # Longest silence allowed on the decode leg, between bytes: a streamed generation may
+    # legitimately run for minutes, a stalled one should not hold the client forever.
+    decode_seconds: float = Field(default=600.0, gt=0, le=86400)
+
+
+def normalise_url(value: str) -> str:
+    """`http(s)://host[:port][/path]` without a trailing slash, or ConfigError."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{value!r} is not a URL; expected http://host:port")
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{value!r} is not a URL; expected http://host:port or https://host:port")
+    if parts.query or parts.fragment:
+        raise ConfigError(f"{value!r} must not have a query or fragment")
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError as exc:
+        raise ConfigError(f"{value!r} has an invalid port: {exc}") from None
+    return value.rstrip("/")
+
+
+def _urls(value: list[str], key: str) -> list[str]:
+    out: list[str] = []
+    for item in value:
+        try:
+            url = normalise_url(item)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        if url in out:
+            raise ValueError(f"{item!r} is listed twice in {key}")
+        out.append(url)
+    return out
+
+
+class RouterConfig(_Model):
+    prefill: list[str] = Field(default_factory=list)
+    decode: list[str] = Field(default_factory=list)
+    model: str | None = Field(default=None, min_length=1)
+    # False: plain P/D, no decode handles are stored or sent.
+    bidirectional: bool = True
+    conversation_ttl_seconds: float = Field(default=420.0, gt=0, le=86400)
+    # vLLM's `decoder_kv_blocks_ttl`: how long D pins a finished request's blocks.
+    decoder_kv_blocks_ttl_seconds: float = Field(default=480.0, gt=0, le=86400)
+    safety_margin_seconds: float = Field(default=10.0, ge=0, le=3600)
+    max_conversations: int = Field(default=100_000, ge=1, le=10_000_000)
+    # vLLM's `kv_recompute_threshold`: P reads from D only at or above this many tokens.
+    kv_recompute_threshold: int = Field(default=64, ge=0)
+    tenant_header: str = Field(
+        default="Authorization", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9-]+$"
+    )
+    max_body_bytes: int = Field(default=8 * MIB, ge=1024, le=1024 * MIB)
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    health_check_interval_seconds: float = Field(default=5.0, gt=0, le=3600)
+    # Hash of what P and D must share, as stamped on the engine pods by the operator;
+    # carried so a router can refuse engines of another fingerprint.
+    kv_fingerprint: str | None = Field(default=None, max_length=64)
+
+    @field_validator("prefill")
+    @classmethod
+    def _prefill_urls(cls, value: list[str]) -> list[str]:
+        return _urls(value, "prefill")
+
+    @field_validator("decode")
+    @classmethod
+    def _decode_urls(cls, value: list[str]) -> list[str]:
+        return _urls(value, "decode")
+
+    @model_validator(mode="after")
+    def _ttl_positive(self) -> RouterConfig:
+        if self.decoder_kv_blocks_ttl_seconds - self.safety_margin_seconds <= 0:
+            raise ValueError(
+                f"decoderKvBlocksTtlSeconds ({self.decoder_kv_blocks_ttl_seconds}) minus "
+                f"safetyMarginSeconds ({self.safety_margin_seconds}) must be positive: it "
+                "bounds how long a decode handle is kept"
+            )
+        return self
+
+    @property
+    def handle_ttl_seconds(self) -> float:
+        """How long a stored handle is handed out: never past D's deadline minus margin."""
+        return min(
+            self.conversation_ttl_seconds,
+            self.decoder_kv_blocks_ttl_seconds - self.safety_margin_seconds,
+        )
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "(top level)"
+
+
+def format_errors(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors(include_url=False):
+        where = _loc(err["loc"])
+        value = err.get("input")
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            model = Timeouts if err["loc"][:1] == ("timeouts",) else RouterConfig
+            allowed = ", ".join(sorted(f.alias or n for n, f in model.model_fields.items()))
+            msg = f"unknown key; allowed keys: {allowed}"
+        elif err["type"] == "missing":
+            lines.append(f"{source}: {where}: required")
+            continue
+        lines.append(f"{source}: {where}: value {value!r} not allowed: {msg}")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, source: str = "config") -> RouterConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        return RouterConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_errors(exc, source)) from None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The file's mapping (JSON, or YAML when it is not JSON); ConfigError if unreadable."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as json_exc:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as yaml_exc:
+            raise ConfigError(
+                f"{path}: neither JSON ({json_exc}) nor YAML ({yaml_exc})"
+            ) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> RouterConfig:
+    """File (if any) with CLI overrides on top, validated as one document."""
+    data: dict[str, Any] = read_config_file(path) if path is not None else {}
+    data = {**data, **(overrides or {})}
+    cfg = parse_config(data, str(path) if path is not None else "command line")
+    if not cfg.prefill:
+        raise ConfigError("prefill: no prefill URL; give --prefill URL or `prefill` in the file")
+    if not cfg.decode:
+        raise ConfigError("decode: no decode URL; give --decode URL or `decode` in the file")
+    return cfg

@@ -1,0 +1,101 @@
+"""Prometheus metrics; one CollectorRegistry per router, so several can live in a process."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Added latency is the router's budget (milliseconds), engine TTFT is seconds: both ends.
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+
+REQUEST_OUTCOMES = (
+    "ok", "client_error", "upstream_client_error", "unavailable", "upstream_error",
+    "timeout", "stream_error", "cancelled",
+)
+REUSE_OUTCOMES = ("hit", "miss", "expired", "verified-partial", "dropped", "off")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        p = "bidirkv_router_"
+        self.requests = Counter(
+            p + "requests", "Client requests by route and outcome.", ["route", "outcome"],
+            registry=r,
+        )
+        self.reuse = Counter(
+            p + "reuse", "Decode-handle reuse outcome per request that reached P: hit (P took the "
+            "handle), miss (none stored), expired (stored but past its TTL), verified-partial "
+            "(P reported reusing fewer tokens than offered), dropped (P failed with the "
+            "handle; retried without), off (bidirectional disabled).", ["outcome"], registry=r,
+        )
+        self.tokens_offered = Counter(
+            p + "reuse_tokens_offered",
+            "remote_num_tokens of handles sent to P at or above kvRecomputeThreshold "
+            "(an upper bound of reuse).", registry=r,
+        )
+        self.tokens_reused = Counter(
+            p + "reuse_tokens", "Tokens P reports it did not recompute, by where the number "
+            "came from (bidirkv: P's reuse report; usage_cached: usage.prompt_tokens_details"
+            ".cached_tokens, which includes P's local prefix-cache hits).", ["source"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            p + "ttft_seconds", "Request arrival to first byte written to the client.",
+            ["route", "stream"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.leg = Histogram(
+            p + "leg_duration_seconds", "Duration of one upstream leg (decode: to its end).",
+            ["leg", "result"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.retries = Counter(
+            p + "retries", "Upstream retries by reason.", ["reason"], registry=r,
+        )
+        self.handles = Gauge(p + "handles", "Decode handles stored.", registry=r)
+        self.evictions = Counter(
+            p + "handle_evictions", "Handles removed before use, by reason.", ["reason"],
+            registry=r,
+        )
+        self.backend_healthy = Gauge(
+            p + "backend_healthy", "1 when the backend is usable.", ["role", "url"], registry=r,
+        )
+        self.backend_outstanding = Gauge(
+            p + "backend_outstanding", "Legs in flight per backend.", ["role", "url"],
+            registry=r,
+        )
+        self.config_reloads = Counter(
+            p + "config_reloads", "Config file reloads by result.", ["result"], registry=r,
+        )
+        # Bound children, so the hot path does no label lookups.
+        self._req = {}
+        # Created up front so every outcome is exported (at zero) from the start.
+        self._reuse = {o: self.reuse.labels(o) for o in REUSE_OUTCOMES}
+        self._ttft = {}
+        self._leg = {}
+
+    def request(self, route: str, outcome: str) -> None:
+        child = self._req.get((route, outcome))
+        if child is None:
+            child = self._req[(route, outcome)] = self.requests.labels(route, outcome)
+        child.inc()
+
+    def reuse_outcome(self, outcome: str) -> None:
+        self._reuse[outcome].inc()
+
+    def observe_ttft(self, route: str, stream: bool, seconds: float) -> None:
+        child = self._ttft.get((route, stream))
+        if child is None:
+            child = self._ttft[(route, stream)] = self.ttft.labels(
+                route, "true" if stream else "false")
+        child.observe(seconds)
+
+    def observe_leg(self, leg: str, result: str, seconds: float) -> None:
+        child = self._leg.get((leg, result))
+        if child is None:
+            child = self._leg[(leg, result)] = self.leg.labels(leg, result)
+        child.observe(seconds)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,59 @@
+"""Which replica serves a leg: pure functions over the pools' current state."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from .backends import Backend
+
+
+def least_outstanding(
+    backends: Sequence[Backend], start: int = 0, exclude: Collection[Backend] = ()
+) -> Backend | None:
+    """Healthy replica with the fewest legs in flight.
+
+    Ties are broken by scanning from `start` (a rotating counter), so an idle cluster
+    still spreads sequential requests instead of always picking the first replica.
+    """
+    n = len(backends)
+    best: Backend | None = None
+    for i in range(n):
+        b = backends[(start + i) % n]
+        if not b.healthy or b in exclude:
+            continue
+        if best is None or b.outstanding < best.outstanding:
+            best = b
+            if b.outstanding == 0:
+                break
+    return best
+
+
+def holder_of(
+    decodes: Sequence[Backend], decode_url: str | None, remote_host: str | None
+) -> Backend | None:
+    """The decode replica holding a handle's blocks: by the URL the handle came from, else
+    by its `remote_host` when exactly one replica has that host (ports in params are NIXL
+    side-channel ports, not HTTP ports, so a host shared by replicas is ambiguous)."""
+    if decode_url:
+        for b in decodes:
+            if b.url == decode_url:
+                return b
+    if remote_host:
+        same = [b for b in decodes if b.host == remote_host]
+        if len(same) == 1:
+            return same[0]
+    return None
+
+
+def pick_decode(
+    decodes: Sequence[Backend],
+    start: int = 0,
+    exclude: Collection[Backend] = (),
+    decode_url: str | None = None,
+    remote_host: str | None = None,
+) -> Backend | None:
+    """The conversation's holder when it is usable, else the least loaded replica."""
+    holder = holder_of(decodes, decode_url, remote_host)
+    if holder is not None and holder.healthy and holder not in exclude:
+        return holder
+    return least_outstanding(decodes, start, exclude)

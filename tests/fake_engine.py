@@ -1,0 +1,429 @@
+"""A fake vLLM engine speaking the NixlConnector P/D protocol over HTTP, for tests and
+benchmarks (see shared/reference/protocol.md section 3).
+
+Prefill role: answers a one-token, non-streamed completion whose top-level
+`kv_transfer_params` say where its blocks are (do_remote_prefill: true, ...).
+Decode role: streams SSE chunks and ends with a params-only chunk
+`{"choices": [], "kv_transfer_params": {...}}` before `data: [DONE]`; a non-streamed
+reply carries the params at the top of its body.
+
+Every request is recorded; behaviour can be changed at run time (fail, hang, stall or
+break mid-stream, return 5xx), and a request the client abandons is counted.
+
+Run standalone (benchmarks): python tests/fake_engine.py --role decode --port 8200
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+
+@dataclass
+class Received:
+    path: str
+    headers: Any  # case-insensitive, as on the wire
+    body: dict[str, Any]
+
+    @property
+    def kv(self) -> dict[str, Any] | None:
+        return self.body.get("kv_transfer_params")
+
+    @property
+    def has_handle(self) -> bool:
+        """True when a prefill request carries a decode handle (reuse turn)."""
+        kv = self.kv or {}
+        return bool(kv.get("remote_block_ids")) and kv.get("do_remote_decode") is True
+
+
+@dataclass
+class Behaviour:
+    status: int | None = None  # answer every generation request with this status
+    fail_next: int = 0  # answer this many generation requests with `status_next`
+    status_next: int = 500
+    fail_with_handle: int | None = None  # prefill: this status when a handle is sent
+    hang: bool = False  # never answer generation requests
+    close_before_reply: bool = False  # drop the connection without answering
+    stall_after: int | None = None  # decode stream: stall forever after N chunks
+    break_after: int | None = None  # decode stream: drop the connection after N chunks
+    chunk_delay: float = 0.0  # decode stream: pause between chunks
+    reply: list[str] = field(default_factory=lambda: ["Hello", " from", " the", " fake", "."])
+    params_on_last_chunk: bool = False  # decode: params on the finish chunk, not alone
+    no_params: bool = False  # decode: finish without kv_transfer_params
+    health_status: int = 200
+
+
+class FakeEngine:
+    def __init__(self, role: str, engine_id: str | None = None, model: str = "fake-model",
+                 nixl_host: str = "10.0.0.9", nixl_port: int = 5600) -> None:
+        assert role in ("prefill", "decode")
+        self.role = role
+        self.engine_id = engine_id or f"{role}-{uuid.uuid4().hex[:8]}"
+        self.model = model
+        # What the engine believes its side-channel address is (a pod IP in a cluster).
+        self.nixl_host = nixl_host
+        self.nixl_port = nixl_port
+        self.behaviour = Behaviour()
+        self.received: list[Received] = []
+        self.health_checks = 0
+        self.cancelled = 0
+        self.cancelled_event = asyncio.Event()
+        self.completed = 0
+        self.record = True
+        self._blocks = itertools.count(1)
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+        self.port = 0
+
+    # -- lifecycle ---------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://{host}:{self.port}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- helpers -------------------------------------------------------------------
+    def generations(self) -> list[Received]:
+        return [r for r in self.received if r.path.startswith("/v1/") and r.body is not None]
+
+    def _mark_cancelled(self) -> None:
+        self.cancelled += 1
+        self.cancelled_event.set()
+
+    def _params(self, request_id: str, num_tokens: int) -> dict[str, Any]:
+        blocks = [next(self._blocks) for _ in range(max(1, num_tokens // 16 + 1))]
+        if self.role == "prefill":
+            return {
+                "do_remote_prefill": True, "do_remote_decode": False,
+                "remote_block_ids": [blocks], "remote_engine_id": self.engine_id,
+                "remote_request_id": request_id, "remote_host": self.nixl_host,
+                "remote_port": self.nixl_port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
+                "remote_num_tokens": num_tokens, "remote_blocks_expiry_time": None,
+                "transfer_mode": "pull",
+            }
+        return {
+            "do_remote_prefill": False, "do_remote_decode": True,
+            "remote_block_ids": [blocks], "remote_engine_id": self.engine_id,
+            "remote_request_id": request_id, "remote_host": self.nixl_host,
+            "remote_port": self.nixl_port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
+            "remote_num_tokens": num_tokens, "remote_blocks_expiry_time": 123456.789,
+            "transfer_mode": "pull",
+        }
+
+    @staticmethod
+    def _prompt_tokens(body: dict[str, Any]) -> int:
+        if "messages" in body:
+            return sum(len(json.dumps(m)) // 4 + 1 for m in body["messages"])
+        return len(str(body.get("prompt", ""))) // 4 + 1
+
+    # -- handlers ------------------------------------------------------------------
+    async def _health(self, request: web.Request) -> web.Response:
+        self.health_checks += 1
+        return web.json_response({}, status=self.behaviour.health_status)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model, "object": "model", "owned_by": "fake"}]})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        body = json.loads(raw)
+        rec = Received(request.path, CIMultiDict(request.headers), body)
+        if self.record:
+            self.received.append(rec)
+        b = self.behaviour
+        try:
+            if b.hang:
+                await asyncio.sleep(3600)
+            if b.close_before_reply:
+                assert request.transport is not None
+                request.transport.close()
+                await asyncio.sleep(1)
+                return web.Response()
+            if b.fail_next > 0:
+                b.fail_next -= 1
+                return web.json_response({"error": {"message": "injected"}},
+                                         status=b.status_next)
+            if b.status is not None:
+                return web.json_response({"error": {"message": "injected"}}, status=b.status)
+            if self.role == "prefill" and b.fail_with_handle is not None and rec.has_handle:
+                return web.json_response({"error": {"message": "expired remote read"}},
+                                         status=b.fail_with_handle)
+            if self.role == "prefill":
+                return self._prefill_reply(request, rec)
+            if body.get("stream"):
+                return await self._stream(request, rec)
+            return self._decode_reply(request, rec)
+        except asyncio.CancelledError:
+            self._mark_cancelled()
+            raise
+
+    def _rid(self, request: web.Request) -> str:
+        return request.headers.get("X-Request-Id", uuid.uuid4().hex)
+
+    def _prefill_reply(self, request: web.Request, rec: Received) -> web.Response:
+        n = self._prompt_tokens(rec.body)
+        kv = self._params(self._rid(request), n)
+        offered = (rec.kv or {}).get("remote_num_tokens") if rec.has_handle else None
+        if isinstance(offered, int):
+            kv["bidirkv"] = {"reused_tokens": min(offered, n), "offered_tokens": offered,
+                             "verified": True}
+        chat = "messages" in rec.body
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": "x"}
+        else:
+            choice["text"] = "x"
+        self.completed += 1
+        return web.json_response({
+            "id": "cmpl-p", "object": "chat.completion" if chat else "text_completion",
+            "model": self.model, "choices": [choice],
+            "usage": {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1},
+            "kv_transfer_params": kv,
+        })
+
+    def _decode_reply(self, request: web.Request, rec: Received) -> web.Response:
+        b = self.behaviour
+        chat = "messages" in rec.body
+        text = "".join(b.reply)
+        n = self._prompt_tokens(rec.body) + len(b.reply) - 1
+        out: dict[str, Any] = {}
+        if not b.no_params:
+            out["kv_transfer_params"] = self._params(self._rid(request), n)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "stop"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        out.update({
+            "id": "cmpl-d", "object": "chat.completion" if chat else "text_completion",
+            "model": self.model, "choices": [choice],
+            "usage": {"prompt_tokens": n, "completion_tokens": len(b.reply)},
+        })
+        self.completed += 1
+        return web.json_response(out)
+
+    async def _stream(self, request: web.Request, rec: Received) -> web.StreamResponse:
+        b = self.behaviour
+        chat = "messages" in rec.body
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+            data = {"id": "cmpl-d", "object": obj, "created": 1, "model": self.model,
+                    "choices": choices, **extra}
+            return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+        events: list[bytes] = []
+        if chat:
+            events.append(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                  "finish_reason": None}]))
+        for piece in b.reply:
+            if chat:
+                events.append(chunk([{"index": 0, "delta": {"content": piece},
+                                      "finish_reason": None}]))
+            else:
+                events.append(chunk([{"index": 0, "text": piece, "finish_reason": None}]))
+        n = self._prompt_tokens(rec.body) + len(b.reply) - 1
+        params = None if b.no_params else self._params(self._rid(request), n)
+        finish = [{"index": 0, "delta": {}, "finish_reason": "stop"}] if chat else \
+            [{"index": 0, "text": "", "finish_reason": "stop"}]
+        if params is not None and b.params_on_last_chunk:
+            events.append(chunk(finish, kv_transfer_params=params))
+        else:
+            events.append(chunk(finish))
+            if params is not None:
+                events.append(chunk([], kv_transfer_params=params))
+        events.append(b"data: [DONE]\n\n")
+        try:
+            for i, ev in enumerate(events):
+                if b.stall_after is not None and i >= b.stall_after:
+                    await asyncio.sleep(3600)
+                if b.break_after is not None and i >= b.break_after:
+                    assert request.transport is not None
+                    request.transport.abort()
+                    return resp
+                await resp.write(ev)
+                if b.chunk_delay:
+                    await asyncio.sleep(b.chunk_delay)
+            await resp.write_eof()
+        except (ConnectionError, asyncio.CancelledError):
+            self._mark_cancelled()
+            raise
+        self.completed += 1
+        return resp
+
+
+async def _serve(role: str, host: str, port: int, reply_tokens: int) -> None:
+    engine = FakeEngine(role)
+    engine.record = False  # a benchmark would otherwise grow memory forever
+    engine.behaviour.reply = [f" t{i}" for i in range(reply_tokens)]
+    await engine.start(host, port)
+    print(f"fake {role} engine on {engine.url}", flush=True)
+    await asyncio.Event().wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--role", choices=["prefill", "decode"], required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--reply-tokens", type=int, default=8)
+    args = ap.parse_args()
+    asyncio.run(_serve(args.role, args.host, args.port, args.reply_tokens))
+
+
+if __name__ == "__main__":
+    main()
+
+
+class Cluster:
+    """Fake engines plus a router in this process, all on 127.0.0.1 ephemeral ports.
+
+        async with Cluster(prefill=1, decode=2, config={"bidirectional": True}) as c:
+            await c.chat([...], conversation_id="a")
+    """
+
+    def __init__(self, prefill: int = 1, decode: int = 1, config: dict[str, Any] | None = None,
+                 config_path: Any = None, file_config: Any = None,
+                 reload_interval: float = 0.05) -> None:
+        self.p = [FakeEngine("prefill", nixl_host="10.0.1.1") for _ in range(prefill)]
+        self.d = [FakeEngine("decode", nixl_host="10.0.2.2") for _ in range(decode)]
+        self.config = config or {}
+        # With a file: `file_config(cluster)` gives its content once the engines listen,
+        # and the command-line overrides are only `config`.
+        self.config_path = config_path
+        self.file_config = file_config
+        self.reload_interval = reload_interval
+        self.running: Any = None
+        self.session: Any = None
+
+    async def __aenter__(self) -> Cluster:
+        import aiohttp
+
+        from bidirkv.router.app import build_app, start_router
+        from bidirkv.router.config import load_config
+
+        for e in self.p + self.d:
+            await e.start()
+        if self.config_path is not None:
+            self.write_config(self.file_config(self))
+            overrides = dict(self.config)
+        else:
+            overrides = {"prefill": [e.url for e in self.p], "decode": [e.url for e in self.d]}
+            overrides.update(self.config)
+        cfg = load_config(self.config_path, overrides)
+        app = build_app(cfg, config_path=self.config_path, overrides=overrides,
+                        reload_interval=self.reload_interval)
+        self.running = await start_router(app)
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20))
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self.session is not None:
+            await self.session.close()
+        if self.running is not None:
+            await self.running.stop()
+        for e in self.p + self.d:
+            await e.stop()
+
+    def write_config(self, data: dict[str, Any]) -> None:
+        """Replace the config file atomically (as a ConfigMap update would)."""
+        import os
+
+        tmp = f"{self.config_path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, self.config_path)
+
+    @property
+    def url(self) -> str:
+        return self.running.url
+
+    @property
+    def router(self) -> Any:
+        return self.running.router
+
+    async def post(self, path: str, body: Any, headers: dict[str, str] | None = None
+                   ) -> tuple[int, bytes, Any]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        async with self.session.post(self.url + path, data=data, headers={
+                "Content-Type": "application/json", **(headers or {})}) as r:
+            return r.status, await r.read(), r.headers
+
+    async def chat(self, messages: list[dict[str, Any]], stream: bool = False,
+                   headers: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
+        """One chat turn; returns {status, raw, message, events} (events when streamed)."""
+        body = {"model": "fake-model", "messages": messages, "stream": stream, **extra}
+        status, raw, hdrs = await self.post("/v1/chat/completions", body, headers)
+        return _parse(status, raw, hdrs, stream, chat=True)
+
+    async def complete(self, prompt: Any, stream: bool = False,
+                       headers: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
+        body = {"model": "fake-model", "prompt": prompt, "stream": stream, **extra}
+        status, raw, hdrs = await self.post("/v1/completions", body, headers)
+        return _parse(status, raw, hdrs, stream, chat=False)
+
+    async def metrics(self) -> str:
+        async with self.session.get(self.url + "/metrics") as r:
+            return await r.text()
+
+
+def sse_events(raw: bytes) -> list[Any]:
+    """Data payloads of an SSE body: decoded JSON, or the string for [DONE]."""
+    out: list[Any] = []
+    for event in raw.replace(b"\r\n", b"\n").split(b"\n\n"):
+        for line in event.split(b"\n"):
+            if line.startswith(b"data:"):
+                data = line[5:].strip()
+                out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return out
+
+
+def _parse(status: int, raw: bytes, headers: Any, stream: bool, chat: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"status": status, "raw": raw, "headers": headers}
+    if status != 200:
+        out["error"] = json.loads(raw) if raw.startswith(b"{") else raw
+        return out
+    if stream:
+        events = sse_events(raw)
+        out["events"] = events
+        text = []
+        for ev in events:
+            if isinstance(ev, dict):
+                for ch in ev.get("choices") or ():
+                    text.append((ch.get("delta") or {}).get("content") or ch.get("text") or "")
+        out["text"] = "".join(text)
+    else:
+        body = json.loads(raw)
+        out["body"] = body
+        choice = body["choices"][0]
+        out["text"] = choice["message"]["content"] if chat else choice["text"]
+    if chat:
+        out["message"] = {"role": "assistant", "content": out["text"]}
+    return out

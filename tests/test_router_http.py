@@ -1,0 +1,103 @@
+"""The HTTP surface: client errors as JSON 4xx, health/ready/metrics/models routes."""
+
+import json
+
+import pytest
+from fake_engine import Cluster
+
+pytestmark = pytest.mark.timeout(30)
+
+U1 = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture
+async def cluster():
+    async with Cluster(config={"maxBodyBytes": 4096}) as c:
+        yield c
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "needle"),
+    [
+        ("/v1/chat/completions", b"{oops", "not valid JSON"),
+        ("/v1/chat/completions", b"", "not valid JSON"),
+        ("/v1/chat/completions", b'"text"', "must be a JSON object"),
+        ("/v1/chat/completions", {"model": "m"}, "messages: required"),
+        ("/v1/chat/completions", {"messages": {"role": "user"}}, "messages: {'role': 'user'}"),
+        ("/v1/chat/completions", {"messages": U1, "stream": 1}, "stream: 1"),
+        ("/v1/chat/completions", {"messages": U1, "max_tokens": -3}, "max_tokens: -3"),
+        ("/v1/completions", {"model": "m"}, "prompt: required"),
+        ("/v1/completions", {"prompt": 5}, "prompt: 5"),
+    ],
+)
+async def test_bad_requests_get_a_400_naming_field_and_value(cluster, path, body, needle):
+    status, raw, headers = await cluster.post(path, body)
+    assert status == 400
+    assert headers["Content-Type"].startswith("application/json")
+    err = json.loads(raw)["error"]
+    assert needle in err["message"] and err["type"] == "invalid_request_error"
+    assert cluster.p[0].generations() == []
+    # The router is still fine.
+    assert (await cluster.chat(U1))["status"] == 200
+
+
+async def test_body_over_the_limit_is_413(cluster):
+    big = {"messages": [{"role": "user", "content": "x" * 5000}]}
+    status, raw, _ = await cluster.post("/v1/chat/completions", big)
+    assert status == 413 and "maxBodyBytes" in json.loads(raw)["error"]["message"]
+
+    async def chunks():
+        for _ in range(10):
+            yield b" " * 1000
+
+    async with cluster.session.post(cluster.url + "/v1/chat/completions", data=chunks()) as r:
+        assert r.status == 413
+    assert cluster.p[0].generations() == []
+
+
+async def test_unknown_route_404_and_wrong_method_405(cluster):
+    async with cluster.session.get(cluster.url + "/v2/nothing") as r:
+        assert r.status == 404 and "no route" in (await r.json())["error"]["message"]
+    async with cluster.session.get(cluster.url + "/v1/chat/completions") as r:
+        assert r.status == 405
+        body = await r.json()
+        assert "POST" in body["error"]["message"] and r.headers["Allow"] == "POST"
+    async with cluster.session.delete(cluster.url + "/health") as r:
+        assert r.status == 405 and r.headers["Content-Type"].startswith("application/json")
+
+
+async def test_health_ready_models_metrics(cluster):
+    async with cluster.session.get(cluster.url + "/health") as r:
+        assert r.status == 200
+    async with cluster.session.get(cluster.url + "/ready") as r:
+        assert r.status == 200 and (await r.json())["decode"] == {"healthy": 1, "total": 1}
+    async with cluster.session.get(cluster.url + "/v1/models") as r:
+        assert r.status == 200 and (await r.json())["data"][0]["id"] == "fake-model"
+    await cluster.chat(U1, stream=True)
+    async with cluster.session.get(cluster.url + "/metrics") as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = await r.text()
+    for name in (
+        'bidirkv_router_requests_total{outcome="ok",route="chat"} 1.0',
+        "bidirkv_router_ttft_seconds_bucket",
+        'bidirkv_router_leg_duration_seconds_count{leg="prefill",result="ok"} 1.0',
+        'bidirkv_router_leg_duration_seconds_count{leg="decode",result="ok"} 1.0',
+        "bidirkv_router_handles 1.0",
+        f'bidirkv_router_backend_healthy{{role="decode",url="{cluster.d[0].url}"}} 1.0',
+        'bidirkv_router_reuse_total{outcome="miss"} 1.0',
+    ):
+        assert name in text, name
+
+
+async def test_models_with_no_healthy_decode_is_503(cluster):
+    cluster.d[0].behaviour.health_status = 500
+    await cluster.router.check_health()
+    async with cluster.session.get(cluster.url + "/v1/models") as r:
+        assert r.status == 503 and "Retry-After" in r.headers
+
+
+async def test_two_routers_in_one_process_have_separate_metrics():
+    async with Cluster() as a, Cluster() as b:
+        await a.chat(U1)
+        assert 'outcome="ok",route="chat"} 1.0' in await a.metrics()
+        assert 'outcome="ok",route="chat"}' not in await b.metrics()

@@ -1,0 +1,65 @@
+"""Client request validation: 400s that name the field and value; consumed fields."""
+
+import json
+
+import pytest
+
+from bidirkv.router.validation import CHAT, COMPLETIONS, ClientError, parse_request
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def parse(body, kind=CHAT, header=None):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return parse_request(raw, kind, header)
+
+
+@pytest.mark.parametrize(
+    ("body", "kind", "needle"),
+    [
+        (b"{not json", CHAT, "not valid JSON"),
+        ([1, 2], CHAT, "must be a JSON object"),
+        ({}, CHAT, "messages: required"),
+        ({"messages": "hi"}, CHAT, "messages: 'hi'"),
+        ({"messages": []}, CHAT, "non-empty list"),
+        ({"messages": ["hi"]}, CHAT, "messages[0]: 'hi'"),
+        ({"messages": [{"content": "x"}]}, CHAT, "messages[0].role: None"),
+        ({"messages": MSGS, "stream": "yes"}, CHAT, "stream: 'yes' is not allowed; expected "
+                                                    "true or false"),
+        ({"messages": MSGS, "max_tokens": 0}, CHAT, "max_tokens: 0"),
+        ({"messages": MSGS, "max_tokens": "5"}, CHAT, "max_tokens: '5'"),
+        ({"messages": MSGS, "max_tokens": True}, CHAT, "max_tokens: True"),
+        ({"messages": MSGS, "n": -1}, CHAT, "n: -1"),
+        ({"messages": MSGS, "model": 3}, CHAT, "model: 3"),
+        ({"messages": MSGS, "conversation_id": 7}, CHAT, "conversation_id: 7"),
+        ({"messages": MSGS, "conversation_id": "x" * 600}, CHAT, "too long"),
+        ({"messages": MSGS, "stream_options": "x"}, CHAT, "stream_options: 'x'"),
+        ({"prompt": None}, COMPLETIONS, "prompt: None"),
+        ({}, COMPLETIONS, "prompt: required"),
+        ({"prompt": [1, "a"]}, COMPLETIONS, "prompt: [1, 'a']"),
+    ],
+)
+def test_bad_requests_are_400_naming_field_and_value(body, kind, needle):
+    with pytest.raises(ClientError) as exc:
+        parse(body, kind)
+    assert exc.value.status == 400
+    assert needle in exc.value.message
+
+
+def test_consumed_fields_and_defaults():
+    req = parse({"messages": MSGS, "conversation_id": "c", "kv_transfer_params": {"x": 1},
+                 "temperature": 0.5})
+    assert req.conversation_id == "c" and req.stream is False
+    assert req.body == {"messages": MSGS, "temperature": 0.5}
+
+
+def test_header_id_and_body_precedence():
+    assert parse({"messages": MSGS}, header="h").conversation_id == "h"
+    assert parse({"messages": MSGS, "conversation_id": "b"}, header="h").conversation_id == "b"
+    with pytest.raises(ClientError, match="X-Conversation-Id"):
+        parse({"messages": MSGS}, header="")
+
+
+@pytest.mark.parametrize("prompt", ["a", ["a", "b"], [1, 2], [[1], [2, 3]]])
+def test_prompt_forms(prompt):
+    assert parse({"prompt": prompt, "stream": None}, COMPLETIONS).stream is False
