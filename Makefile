@@ -1,3 +1,5 @@
+# -P keeps the working directory off sys.path: the top-level operator/ folder would
+# otherwise shadow the standard library module of that name.
 # Two set-up commands: `make demo` (the main job) and `make test`. Both create .venv and
 # install what they need from this project's own files.
 PYTHON ?= python3
@@ -6,24 +8,24 @@ PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 DEV_STAMP := $(VENV)/.bidirkv-dev
 
-.PHONY: install test test-unit demo crds lint bench-operator clean
+.PHONY: install test demo crds lint bench-operator clean
 
 $(PY):
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PYTHON) -P -m venv $(VENV)
+	$(PY) -P -m pip install -q --upgrade pip
 
 $(DEV_STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -P -m pip install -q -e '.[test,bench]'
 	touch $@
 
 install: $(DEV_STAMP)
 
 test: $(DEV_STAMP)
 	$(BIN)/ruff check .
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -P -m pytest -q -p no:cacheprovider
 
 demo: $(DEV_STAMP)
-	$(PY) -m bidirkv.demo
+	$(PY) -P -m bidirkv.demo
 
 # The CRD and the README's CRD reference are both generated from operator/spec.py.
 crds: $(DEV_STAMP)

@@ -67,3 +67,78 @@ def test_crd_file_is_valid_yaml_with_one_document():
     docs = list(yaml.safe_load_all(
         (ROOT / "crds" / "bidirkv.io_disaggregatedinferences.yaml").read_text()))
     assert len(docs) == 1 and docs[0]["kind"] == "CustomResourceDefinition"
+
+
+# The CRD (what the API server enforces) and the pydantic models (what the operator and
+# the local stack enforce) must agree on what is valid and on every default.
+GOOD_SPECS = [
+    {"model": {"name": "m"}},
+    {"model": {"name": "m", "dtype": "float32", "maxModelLen": 4096},
+     "decode": {"replicas": 3, "enablePrefixCaching": False},
+     "kvTransfer": {"bidirectional": False, "decoderKvBlocksTtlSeconds": 60},
+     "router": {"conversationTtlSeconds": 50, "serviceType": "LoadBalancer"}},
+    {"model": {"name": "m"}, "efa": {"enabled": True, "hugepages2Mi": "5Gi"},
+     "kvTransfer": {"backend": "LIBFABRIC"},
+     "prefill": {"efaDevices": 2, "resources": {"requests": {"memory": "1Gi"}}},
+     "decode": {"efaDevices": 8, "resources": {"requests": {"cpu": 4}},
+                "tolerations": [{"key": "gpu", "operator": "Exists"}]}},
+]
+BAD_SPECS = [
+    {},
+    {"model": {"name": ""}},
+    {"model": {"name": "m", "dtype": "fp8"}},
+    {"model": {"name": "m"}, "prefill": {"replicas": 0}},
+    {"model": {"name": "m"}, "decode": {"tensorParallelSize": 65}},
+    {"model": {"name": "m"}, "kvTransfer": {"kvRecomputeThreshold": -1}},
+    {"model": {"name": "m"}, "kvTransfer": {"backend": "TCP"}},
+    {"model": {"name": "m"}, "kvTransfer": {"sideChannelPort": 80}},
+    {"model": {"name": "m"}, "router": {"conversationTtlSeconds": 471}},
+    {"model": {"name": "m"}, "kvTransfer": {"decoderKvBlocksTtlSeconds": 100}},
+    {"model": {"name": "m"}, "efa": {"enabled": True}, "kvTransfer": {"backend": "LIBFABRIC"}},
+    {"model": {"name": "m"}, "efa": {"enabled": True}, "prefill": {"efaDevices": 1},
+     "decode": {"efaDevices": 1}},
+    {"model": {"name": "m"}, "decode": {"efaDevices": 1}},
+    {"model": {"name": "m"}, "router": {"serviceType": "ExternalName"}},
+]
+
+
+def _crd_validate(spec, name="x"):
+    from bidirkv.testing.crdschema import validate_custom_resource
+
+    obj = {"apiVersion": "bidirkv.io/v1alpha1", "kind": "DisaggregatedInference",
+           "metadata": {"name": name, "namespace": "default"}, "spec": spec}
+    return validate_custom_resource(build_crd(), obj)
+
+
+@pytest.mark.parametrize("spec", GOOD_SPECS)
+def test_crd_and_models_accept_alike_with_equal_defaults(spec):
+    obj, errors = _crd_validate(spec)
+    assert [str(e) for e in errors] == []
+    model = parse_spec(spec).model_dump(by_alias=True, mode="json", exclude_none=True)
+    assert obj["spec"] == _drop_empty(model)
+
+
+def _drop_empty(value):
+    """The server does not default empty lists/maps the models carry as defaults."""
+    if isinstance(value, dict):
+        return {k: _drop_empty(v) for k, v in value.items() if v not in ([], {})}
+    return value
+
+
+@pytest.mark.parametrize("spec", BAD_SPECS)
+def test_crd_and_models_refuse_alike(spec):
+    _, errors = _crd_validate(spec)
+    assert errors, f"CRD accepted {spec}"
+    with pytest.raises(SpecError):
+        parse_spec(spec)
+
+
+def test_crd_refuses_a_long_name():
+    _, errors = _crd_validate({"model": {"name": "m"}}, name="n" * 41)
+    assert any("metadata.name must be at most 40 characters" in str(e) for e in errors)
+
+
+def test_crd_rules_compile():
+    from bidirkv.testing.crdschema import validate_crd
+
+    assert validate_crd(build_crd()) == []
