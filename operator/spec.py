@@ -62,6 +62,11 @@ class Backend(StrEnum):
     LIBFABRIC = "LIBFABRIC"
 
 
+class KvBufferDevice(StrEnum):
+    cuda = "cuda"
+    cpu = "cpu"
+
+
 class LoadFailurePolicy(StrEnum):
     fail = "fail"
     recompute = "recompute"
@@ -201,6 +206,12 @@ class RoleSpec(_Model):
         description="Local prefix caching of this role (vLLM `--enable-prefix-caching` / "
         "`--no-enable-prefix-caching`).",
     )
+    extra_env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Extra environment of this role only, after `engine.extraEnv` (e.g. a "
+        "CPU core binding per role on a local machine). Managed names are refused.",
+    )
 
 
 class KvTransferSpec(_Model):
@@ -227,6 +238,11 @@ class KvTransferSpec(_Model):
         default=Backend.UCX,
         description="NIXL backend (vLLM `kv_connector_extra_config.backends`): UCX, or "
         "LIBFABRIC on EFA (UCX over EFA silently falls back to TCP).",
+    )
+    kv_buffer_device: KvBufferDevice | None = Field(
+        default=None,
+        description="Where the connector stages KV (vLLM `kv_buffer_device`): `cuda` on "
+        "GPUs; `cpu` for the CPU build of vLLM. Unset: vLLM's default for the platform.",
     )
     load_failure_policy: LoadFailurePolicy = Field(
         default=LoadFailurePolicy.recompute,

@@ -238,3 +238,25 @@ def test_the_router_accepts_the_rendered_config(example):
     args = dep["containers"][0]["args"]
     mount = dep["containers"][0]["volumeMounts"][0]["mountPath"]
     assert args[args.index("--config") + 1] == f"{mount}/router.json"
+
+
+def test_role_env_follows_engine_env_and_buffer_device(minimal):
+    minimal["spec"]["engine"] = {"extraEnv": [{"name": "A", "value": "1"},
+                                              {"name": "B", "value": "x"}]}
+    minimal["spec"]["decode"] = {"extraEnv": [{"name": "B", "value": "decode"}]}
+    minimal["spec"]["kvTransfer"] = {"kvBufferDevice": "cpu"}
+    objs = render_resource(minimal)
+    assert env(container(objs, "tiny-prefill"))["B"] == "x"
+    dec = container(objs, "tiny-decode")
+    assert env(dec)["B"] == "decode" and env(dec)["A"] == "1"
+    assert [e["name"] for e in dec["env"]].count("B") == 1
+    assert kv_config(dec)["kv_buffer_device"] == "cpu"
+    assert "kv_buffer_device" not in kv_config(container(render_resource(
+        {**minimal, "spec": {"model": {"name": "m"}}}), "tiny-decode"))
+
+
+def test_role_env_managed_names_refused(minimal):
+    minimal["spec"]["prefill"] = {"extraEnv": [{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST",
+                                                "value": "0.0.0.0"}]}
+    with pytest.raises(SpecError, match=r"spec.prefill.extraEnv\[0\].name"):
+        render_resource(minimal)

@@ -1,0 +1,128 @@
+"""Start, watch and stop local server processes (by pid, never by name)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+class StartError(RuntimeError):
+    """A process exited or never answered its health check; the message has its log tail."""
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: pathlib.Path
+    health_url: str | None = None
+    popen: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    def start(self, cwd: str | None = None) -> Proc:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        try:
+            # A session of its own: stop() signals the whole group (vLLM spawns engine
+            # processes) without touching anything else.
+            self.popen = subprocess.Popen(
+                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True,
+            )
+        finally:
+            log.close()
+        return self
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])
+
+    def wait_healthy(self, timeout: float, interval: float = 0.5) -> None:
+        """Poll health_url until 200; raise StartError with the log tail otherwise."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                code = self.popen.returncode if self.popen else None
+                raise StartError(f"{self.name} exited with {code}; last log lines "
+                                 f"({self.log_path}):\n{self.log_tail()}")
+            if self.health_url is None or http_ok(self.health_url):
+                return
+            time.sleep(interval)
+        raise StartError(f"{self.name} not healthy after {timeout:.0f} s; last log lines "
+                         f"({self.log_path}):\n{self.log_tail()}")
+
+    def stop(self, grace: float = 15.0) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        pgid = self.popen.pid  # start_new_session: the group id is the child's pid
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.popen.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        # Children of the group that outlived the leader.
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def stop_all(procs: Sequence[Proc]) -> None:
+    for proc in reversed(list(procs)):
+        proc.stop()
+
+
+def kill_pid_group(pid: int) -> bool:
+    """Stop a process group recorded in a pid file (for `bidir-kv local down`)."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return False
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return True
+
+
+def merged_env(extra: Mapping[str, str], base: Mapping[str, str] | None = None) -> dict:
+    env = dict(os.environ if base is None else base)
+    env.update(extra)
+    return env
