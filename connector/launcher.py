@@ -2,7 +2,9 @@
 
 Misconfigured KV transport fails silently in vLLM (a wrong side-channel host strands
 peers, UCX on EFA falls back to TCP), so the pod refuses to start instead, with one line
-that says what is wrong and how to fix it.
+that says what is wrong and how to fix it. The same goes for a server that would start
+without the bidir-kv vLLM plugin (connector/plugin.py): it would stream no handles and
+reuse KV unverified.
 """
 
 from __future__ import annotations
@@ -92,6 +94,26 @@ def nixl_error(backends: Sequence[str]) -> str | None:
     return None
 
 
+def plugin_error(env: Mapping[str, str]) -> str | None:
+    """Why vLLM would start without the bidir-kv plugin (streamed handles, verified
+    reuse, CPU fixes); None when it will load it."""
+    from importlib.metadata import entry_points
+
+    from .plugin import ENTRY_POINT
+
+    names = [ep.name for ep in entry_points(group="vllm.general_plugins")
+             if ep.value == ENTRY_POINT]
+    if not names:
+        return ("the bidir-kv vLLM plugin is not registered (no vllm.general_plugins entry "
+                f"point {ENTRY_POINT}): install the package with pip, not via PYTHONPATH")
+    allowed = env.get("VLLM_PLUGINS")
+    # vLLM reads VLLM_PLUGINS as a comma-separated allow-list.
+    if allowed is not None and names[0] not in allowed.split(","):
+        return (f"VLLM_PLUGINS={allowed!r} leaves out {names[0]!r}: add it, or unset "
+                "VLLM_PLUGINS")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bidir-kv serve")
     parser.add_argument("--role", required=True, choices=ROLES)
@@ -106,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = kv_config_from_args(vllm_args) or {}
         backends = (cfg.get("kv_connector_extra_config") or {}).get("backends") or ["UCX"]
         err = nixl_error(backends)
+        if err:
+            errors.append(err)
+    if not errors:
+        err = plugin_error(os.environ)
         if err:
             errors.append(err)
     if errors:

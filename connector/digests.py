@@ -1,0 +1,140 @@
+"""Per-block digests of the tokens a KV cache holds, and the verified reusable prefix.
+
+D publishes, with the handle of a finished request, one chained digest per full block
+of the tokens its KV was computed for. P digests its own prompt the same way and reuses
+only the leading blocks whose digests agree: block i's digest covers every token up to
+the end of block i, so one differing token anywhere before it breaks the chain from
+there on, like vLLM's own prefix-cache block hashes (which cannot be used here: their
+seed is random per process unless PYTHONHASHSEED is pinned, and P may run with prefix
+caching off).
+
+The chain starts from a seed of what else decides the KV of a token sequence: model,
+revision, dtype, KV cache dtype, block size, and per request the LoRA adapter and
+`cache_salt`. A different model or tenant salt therefore never matches, even with equal
+token ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+VERSION = 1
+DIGEST_BYTES = 16
+DIGEST_HEX = 2 * DIGEST_BYTES
+
+
+def _h(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    for p in parts:
+        h.update(p)
+    return h.digest()
+
+
+def _canon(obj: object) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+def model_seed(model: str, revision: str | None, dtype: str, cache_dtype: str,
+               block_size: int) -> bytes:
+    """What makes two engines' KV for the same tokens interchangeable."""
+    return _h(_canon(["bidir-kv/blocks", VERSION, model, revision, dtype, cache_dtype,
+                      block_size]))
+
+
+def fingerprint(seed: bytes) -> str:
+    """Short public id of a model seed, published so P can say why nothing matched."""
+    return _h(b"fp", seed).hex()[:16]
+
+
+def request_seed(seed: bytes, lora_name: str | None, cache_salt: str | None) -> bytes:
+    return _h(seed, _canon([lora_name, cache_salt]))
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    arr = array("q", tokens)
+    if sys.byteorder == "big":  # the digest must not depend on the host
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def block_digests(seed: bytes, tokens: Sequence[int], block_size: int,
+                  max_blocks: int | None = None) -> list[str]:
+    """Hex digest of each full block of `tokens` (a partial last block gets none)."""
+    n = len(tokens) // block_size
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    out: list[str] = []
+    prev = seed
+    for i in range(n):
+        prev = _h(prev, _token_bytes(tokens[i * block_size:(i + 1) * block_size]))
+        out.append(prev.hex())
+    return out
+
+
+@dataclass(frozen=True)
+class HeldBlocks:
+    """What D says its retained blocks hold (the `bidirkv_blocks` record)."""
+
+    block_size: int
+    fingerprint: str
+    digests: list[str]
+
+    def to_wire(self) -> dict:
+        return {"v": VERSION, "bs": self.block_size, "fp": self.fingerprint,
+                "digests": list(self.digests)}
+
+
+def parse_held(record: object, max_blocks: int) -> HeldBlocks | None:
+    """The record from a handle, or None when it is not exactly what D writes."""
+    if not isinstance(record, dict) or record.get("v") != VERSION:
+        return None
+    bs, fp, digests = record.get("bs"), record.get("fp"), record.get("digests")
+    if not (isinstance(bs, int) and not isinstance(bs, bool) and 0 < bs <= 1 << 20):
+        return None
+    if not (isinstance(fp, str) and len(fp) == 16):
+        return None
+    if not (isinstance(digests, list) and len(digests) <= max_blocks):
+        return None
+    for d in digests:
+        if not (isinstance(d, str) and len(d) == DIGEST_HEX):
+            return None
+    return HeldBlocks(bs, fp, digests)
+
+
+@dataclass(frozen=True)
+class Verification:
+    blocks: int  # leading blocks P may read
+    tokens: int  # blocks * block_size
+    comparable_blocks: int  # blocks both sides could have agreed on
+    reason: str  # match | prompt_shorter | mismatch | model_mismatch | block_size_mismatch
+
+
+def verify_prefix(held: HeldBlocks, prompt: Sequence[int], seed: bytes, req_seed: bytes,
+                  block_size: int) -> Verification:
+    """How many leading blocks of D's KV are valid for `prompt`.
+
+    At least one prompt token is always left to compute: the last position must run
+    through the model to produce logits, and a prompt covered to its end by reused
+    blocks is a path vLLM handles by rewinding into a block that was just read.
+    """
+    comparable = min(len(held.digests), max(len(prompt) - 1, 0) // held.block_size)
+    if held.block_size != block_size:
+        return Verification(0, 0, comparable, "block_size_mismatch")
+    if held.fingerprint != fingerprint(seed):
+        return Verification(0, 0, comparable, "model_mismatch")
+    mine = block_digests(req_seed, prompt, block_size, comparable)
+    n = 0
+    while n < comparable and mine[n] == held.digests[n]:
+        n += 1
+    if n < comparable:
+        reason = "mismatch"
+    elif comparable < len(held.digests):
+        reason = "prompt_shorter"
+    else:
+        reason = "match"
+    return Verification(n, n * block_size, comparable, reason)

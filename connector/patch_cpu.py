@@ -1,0 +1,67 @@
+"""CPU-platform patches of vLLM's NIXL worker (cpu-stack.md items 2 and 3).
+
+- `NixlBaseConnectorWorker.__init__` (nixl/base_worker.py) pins the calling thread to
+  the last core of each NUMA node on the CPU platform, to keep KV transfer off the model's
+  cores. That thread is the model thread, so the forward pass moves onto the reserved
+  core, which on a small host is another server's core: an 8k-token prefill took
+  35-65 s instead of 4.5 s. The binding the CPU worker chose before is put back.
+- The same `__init__` creates the NIXL agent with the progress thread on, which
+  busy-polls about one core per idle server. vLLM polls transfer state on every engine
+  step anyway, so on the CPU platform the agent is created without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+
+from .patching import Skip, resolve, wrap
+from .settings import Resolved
+
+log = logging.getLogger("vllm.bidirkv")
+
+MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+
+
+def _keep_affinity(orig, settings: Resolved):
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        before = os.sched_getaffinity(0) if settings.keep_affinity else None
+        orig(self, *args, **kwargs)
+        after = os.sched_getaffinity(0) if before is not None else None
+        if before is not None and after != before:
+            os.sched_setaffinity(0, before)
+            log.info("bidir-kv: kept the model thread on cores %s (vLLM's NIXL worker "
+                     "had moved it to %s; BIDIRKV_CPU_KEEP_AFFINITY=0 allows that)",
+                     sorted(before), sorted(after))
+
+    return __init__
+
+
+def _agent_config(orig, settings: Resolved):
+    @functools.wraps(orig)
+    def nixl_agent_config(*args, **kwargs):
+        if settings.nixl_progress_thread is not None:
+            kwargs.setdefault("enable_prog_thread", settings.nixl_progress_thread)
+        return orig(*args, **kwargs)
+
+    return nixl_agent_config
+
+
+def install(settings: Resolved) -> list[str]:
+    applied = []
+    if settings.keep_affinity and hasattr(os, "sched_getaffinity"):
+        wrap(MODULE, "NixlBaseConnectorWorker.__init__",
+             lambda o: _keep_affinity(o, settings))
+        applied.append("keep-affinity")
+    if settings.nixl_progress_thread is not None:
+        _, _, cfg = resolve(MODULE, "nixl_agent_config")
+        if cfg is None:
+            raise Skip("NIXL is not installed (nixl_agent_config is None)")
+        if "enable_prog_thread" not in inspect.signature(cfg).parameters:
+            raise Skip("nixl_agent_config takes no enable_prog_thread")
+        wrap(MODULE, "nixl_agent_config", lambda o: _agent_config(o, settings))
+        applied.append(f"nixl-progress-thread={'on' if settings.nixl_progress_thread else 'off'}")
+    return applied

@@ -1,0 +1,93 @@
+"""Stop an engine from spinning while it only holds finished requests' blocks.
+
+With bidirectional transfer every finished request pins its blocks until the peer has
+read them or the TTL ends, and `Scheduler.has_requests()` stays true all that time, so
+`EngineCoreProc.run_busy_loop` (v1/engine/core.py) keeps stepping an empty batch with a
+1 ms sleep: about one core per server, for minutes after a conversation's last turn.
+
+`_process_engine_step` is wrapped: after a step that ran no model while nothing is
+running or waiting, the loop blocks on its input queue for up to BIDIRKV_IDLE_POLL_MS
+instead. A new request ends the wait at once (it is handled exactly as the loop would);
+otherwise the next empty step still polls NIXL notifications and frees expired blocks,
+only less often.
+
+That alone moves the spin into the worker process: after every message, a worker
+busy-waits 1 s for the next one (`SpinCondition` in vllm/distributed/
+device_communicators/shm_broadcast.py) before it sleeps on a notification, so a step
+every few ms keeps it spinning for good. `WorkerProc._execute_worker_rpc` (v1/executor/
+multiproc_executor.py) is wrapped too: after a step that scheduled nothing, the worker
+goes straight to sleep (the writer notifies on every message, so it wakes at once);
+after a real step it busy-waits as vLLM does, so decoding keeps its latency.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+
+from .patching import wrap
+
+MODULE = "vllm.v1.engine.core"
+WORKER_MODULE = "vllm.v1.executor.multiproc_executor"
+
+
+def only_retained(engine) -> bool:
+    """Nothing to compute: the scheduler only holds blocks of finished requests."""
+    sched = engine.scheduler
+    connector = getattr(sched, "connector", None)
+    # Data-parallel engines step in lockstep with their peers: their loop is not ours.
+    return (
+        engine.vllm_config.parallel_config.data_parallel_size == 1
+        and sched.get_num_unfinished_requests() == 0
+        and not getattr(sched, "finished_req_ids", None)
+        and not getattr(engine, "batch_queue", None)
+        and not getattr(engine, "engines_running", False)
+        and not (connector is not None and connector.has_pending_push_work())
+    )
+
+
+def _process_engine_step(orig, poll_s: float):
+    @functools.wraps(orig)
+    def _step(self):
+        executed = orig(self)
+        if executed or not only_retained(self):
+            return executed
+        try:
+            req = self.input_queue.get(timeout=poll_s)
+        except queue.Empty:
+            return executed
+        self._handle_client_request(*req)
+        return executed
+
+    return _step
+
+
+def _execute_worker_rpc(orig):
+    @functools.wraps(orig)
+    def _rpc(self, rpc_request):
+        orig(self, rpc_request)
+        method, args = rpc_request[0], rpc_request[1]
+        cond = getattr(getattr(self, "rpc_broadcast_mq", None), "_spin_condition", None)
+        if method != "execute_model" or not args or not hasattr(cond, "busy_loop_s"):
+            return
+        default = cond.__dict__.setdefault("_bidirkv_busy_loop_s", cond.busy_loop_s)
+        empty = getattr(args[0], "total_num_scheduled_tokens", None) == 0
+        cond.busy_loop_s = 0.0 if empty else default
+
+    return _rpc
+
+
+def install(poll_ms: int) -> list[str]:
+    if poll_ms <= 0:
+        return []
+    wrap(MODULE, "EngineCoreProc._process_engine_step",
+         lambda o: _process_engine_step(o, poll_ms / 1000))
+    return [f"idle-poll={poll_ms}ms"]
+
+
+def install_worker(poll_ms: int) -> list[str]:
+    """Only with the idle poll: it is what sends the empty steps."""
+    if poll_ms <= 0:
+        return []
+    wrap(WORKER_MODULE, "WorkerProc._execute_worker_rpc", _execute_worker_rpc)
+    return ["worker-sleeps-after-empty-step"]

@@ -1,0 +1,96 @@
+"""The plugin's settings: `BIDIRKV_*` environment variables of the engine pod.
+
+The CPU knobs default to `auto`: on for vLLM's CPU platform, where the problems they fix
+were measured (see cpu-stack.md), and untouched elsewhere, where vLLM's defaults were
+tuned for accelerators. A value that does not parse falls back to `auto` with a
+warning: a typo must not take a serving pod down.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+log = logging.getLogger("vllm.bidirkv")
+
+TRUE = {"1", "true", "yes", "on"}
+FALSE = {"0", "false", "no", "off"}
+AUTO = {"", "auto"}
+# Engine-loop wait while the scheduler only holds finished requests' blocks. Long enough
+# to free the core, short enough that freeing blocks after a peer's read, lease expiry
+# and UCX progress without the NIXL thread stay prompt.
+CPU_IDLE_POLL_MS = 20
+MAX_IDLE_POLL_MS = 1000
+
+
+def _tristate(env: Mapping[str, str], name: str) -> bool | None:
+    raw = env.get(name, "").strip().lower()
+    if raw in AUTO:
+        return None
+    if raw in TRUE:
+        return True
+    if raw in FALSE:
+        return False
+    log.warning("bidir-kv: %s=%r is not one of auto, 1, 0; using auto", name, raw)
+    return None
+
+
+def _ms(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name, "").strip().lower()
+    if raw in AUTO:
+        return None
+    if raw.isdigit() and int(raw) <= MAX_IDLE_POLL_MS:
+        return int(raw)
+    log.warning("bidir-kv: %s=%r is not auto or 0-%d (ms); using auto", name, raw,
+                MAX_IDLE_POLL_MS)
+    return None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Raw settings; `None` means auto (decided per platform by `resolve`)."""
+
+    keep_affinity: bool | None = None
+    nixl_progress_thread: bool | None = None
+    idle_poll_ms: int | None = None
+    stream_params: bool = True
+    handle_key: bytes | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Settings:
+        key = env.get("BIDIRKV_HANDLE_KEY", "")
+        return cls(
+            keep_affinity=_tristate(env, "BIDIRKV_CPU_KEEP_AFFINITY"),
+            nixl_progress_thread=_tristate(env, "BIDIRKV_NIXL_PROGRESS_THREAD"),
+            idle_poll_ms=_ms(env, "BIDIRKV_IDLE_POLL_MS"),
+            stream_params=_tristate(env, "BIDIRKV_STREAM_PARAMS") is not False,
+            handle_key=key.encode() if key else None,
+        )
+
+    def resolve(self, is_cpu: bool) -> Resolved:
+        return Resolved(
+            # vLLM only re-pins on the CPU platform, so keeping the binding is a no-op
+            # elsewhere either way.
+            keep_affinity=self.keep_affinity is not False,
+            # None: leave vLLM's choice (the thread is on) alone.
+            nixl_progress_thread=(
+                self.nixl_progress_thread
+                if self.nixl_progress_thread is not None
+                else (False if is_cpu else None)
+            ),
+            idle_poll_ms=(
+                self.idle_poll_ms
+                if self.idle_poll_ms is not None
+                else (CPU_IDLE_POLL_MS if is_cpu else 0)
+            ),
+            stream_params=self.stream_params,
+        )
+
+
+@dataclass(frozen=True)
+class Resolved:
+    keep_affinity: bool
+    nixl_progress_thread: bool | None
+    idle_poll_ms: int
+    stream_params: bool

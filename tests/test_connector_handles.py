@@ -1,0 +1,112 @@
+"""Admission of kv_transfer_params (connector/handles.py)."""
+
+import pytest
+
+from bidirkv.connector.handles import (
+    MAC_KEY,
+    ReplayGuard,
+    admit,
+    normalized,
+    sign,
+    signature_ok,
+)
+
+KEY = b"secret"
+MAX = 4096
+
+
+def d_handle(**over):
+    h = {
+        "do_remote_decode": True, "do_remote_prefill": False,
+        "remote_block_ids": [[3, 4, 5]], "remote_engine_id": "eng-d",
+        "remote_request_id": "req-1", "remote_host": "10.0.0.2", "remote_port": 5600,
+        "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 300,
+        "remote_blocks_expiry_time": 1234.5678, "transfer_mode": "pull",
+    }
+    h.update(over)
+    h[MAC_KEY] = sign(h, KEY)
+    return h
+
+
+def test_signed_handle_is_admitted_once():
+    guard = ReplayGuard(ttl=60)
+    h = d_handle()
+    a = admit(h, KEY, MAX, guard, now=0)
+    assert a.handle and a.problem is None and a.params == h
+    again = admit(h, KEY, MAX, guard, now=1)
+    assert not again.handle and again.reason == "replayed"
+    # Seen signatures are forgotten after the TTL (the blocks are gone by then anyway).
+    assert admit(h, KEY, MAX, guard, now=61).handle
+
+
+def test_router_rewrites_survive_the_signature():
+    h = d_handle()
+    h.update(remote_host="d-0.d.ns.svc", do_remote_decode=False, do_remote_prefill=True)
+    assert signature_ok(h, KEY)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("remote_block_ids", [[3, 4, 6]]), ("remote_engine_id", "eng-x"),
+    ("remote_request_id", "req-2"), ("remote_port", 5601), ("remote_num_tokens", 900),
+    ("remote_blocks_expiry_time", 99999.0), ("tp_size", 2),
+])
+def test_any_change_of_what_is_read_breaks_the_signature(field, value):
+    h = d_handle()
+    h[field] = value
+    a = admit(h, KEY, MAX)
+    assert not a.handle and a.reason == "unauthenticated"
+    assert not any(k.startswith("remote_") for k in a.params)
+    assert a.params["do_remote_prefill"] is False and a.params["do_remote_decode"] is True
+
+
+def test_wrong_key_and_missing_signature():
+    assert admit(d_handle(), b"other", MAX).reason == "unauthenticated"
+    h = d_handle()
+    del h[MAC_KEY]
+    a = admit(h, KEY, MAX)
+    assert a.reason == "malformed" and "not signed" in a.problem
+
+
+@pytest.mark.parametrize("over", [
+    {"remote_block_ids": "abc"}, {"remote_block_ids": []}, {"remote_block_ids": [[-1]]},
+    {"remote_block_ids": [["1"]]}, {"remote_block_ids": [[True]]},
+    {"remote_block_ids": [list(range(MAX + 2))]}, {"remote_block_ids": [[1]] * 17},
+    {"remote_engine_id": None}, {"remote_engine_id": 7}, {"remote_request_id": ""},
+    {"remote_host": ["h"]}, {"remote_port": "5600"}, {"remote_port": 70000},
+    {"remote_num_tokens": "many"}, {"remote_num_tokens": -1}, {"tp_size": 0},
+    {"remote_blocks_expiry_time": "soon"}, {"remote_blocks_expiry_time": float("nan")},
+])
+def test_malformed_handles_are_dropped(over):
+    a = admit(d_handle(**over), KEY, MAX)
+    assert not a.handle and a.reason == "malformed" and a.problem
+
+
+def test_missing_keys_are_dropped():
+    a = admit({"do_remote_decode": True, "remote_block_ids": [[1, 2]]}, KEY, MAX)
+    assert not a.handle and a.params == {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def test_plain_and_miss_params_pass_untouched():
+    miss = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    a = admit(miss, KEY, MAX)
+    assert a.params == miss and not a.handle and a.problem is None
+
+
+def test_internal_keys_and_bad_flags_from_clients_are_removed():
+    a = admit({"do_remote_decode": "yes", "_remote_blocks_processed": True,
+               "_p_side_truncated": True}, KEY, MAX)
+    assert a.params == {"do_remote_decode": False}
+
+
+def test_replay_guard_is_bounded():
+    guard = ReplayGuard(ttl=1000, capacity=3)
+    for i in range(10):
+        assert guard.first_use(f"m{i}", now=0)
+    assert len(guard._seen) <= 3
+
+
+def test_upstream_tuple_block_ids_sign_like_their_json_form():
+    h = normalized({**d_handle(), "remote_block_ids": ([3, 4, 5],)})
+    assert h["remote_block_ids"] == [[3, 4, 5]]
+    assert signature_ok(h, KEY)

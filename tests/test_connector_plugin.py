@@ -1,0 +1,155 @@
+"""Plugin registration, guarded patching and the CPU/idle wrappers, without vLLM."""
+
+import os
+import queue
+import sys
+import textwrap
+from types import ModuleType, SimpleNamespace
+
+import pytest
+
+from bidirkv.connector import patch_cpu, patch_idle, plugin
+from bidirkv.connector.launcher import plugin_error
+from bidirkv.connector.patching import (
+    MARK,
+    Skip,
+    unwrap,
+    vllm_supported,
+    when_imported,
+    wrap,
+)
+from bidirkv.connector.settings import Settings
+
+
+def test_version_guard():
+    assert vllm_supported("0.32.0") and vllm_supported("0.32.1")
+    assert not vllm_supported("0.33.0") and not vllm_supported("0.3.2")
+
+
+@pytest.fixture
+def fake_module(tmp_path, monkeypatch):
+    (tmp_path / "bidirkv_fake_target.py").write_text(textwrap.dedent("""
+        class Engine:
+            def step(self):
+                return "orig"
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "bidirkv_fake_target"
+    sys.modules.pop("bidirkv_fake_target", None)
+
+
+def test_patch_waits_for_the_module_and_applies_once(fake_module):
+    def make(orig):
+        def step(self):
+            return "patched:" + orig(self)
+        return step
+
+    seen = []
+    when_imported(fake_module, lambda: seen.append(wrap(fake_module, "Engine.step", make)))
+    assert seen == [] and fake_module not in sys.modules
+    mod = __import__(fake_module)
+    assert seen == [True] and mod.Engine().step() == "patched:orig"
+    assert getattr(mod.Engine.step, MARK)
+    assert wrap(fake_module, "Engine.step", make) is False  # idempotent
+    unwrap(fake_module, "Engine.step")
+    assert mod.Engine().step() == "orig"
+    with pytest.raises(Skip, match="not found"):
+        wrap(fake_module, "Engine.gone", make)
+    with pytest.raises(Skip, match="cannot import"):
+        wrap("bidirkv_no_such_module", "X.y", make)
+
+
+def test_register_skips_everything_on_an_unknown_vllm(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "vllm", ModuleType("vllm"))
+    sys.modules["vllm"].__version__ = "0.99.0"
+    monkeypatch.setattr(plugin, "_registered", False)
+    plugin.register()
+    assert "no patches applied" in caplog.text and plugin.applied == []
+    plugin.register()  # vLLM calls it again in the same process: no second warning
+    assert caplog.text.count("no patches applied") == 1
+
+
+def test_launcher_sees_the_registered_entry_point():
+    assert plugin_error({}) is None
+    assert plugin_error({"VLLM_PLUGINS": "bidirkv,lora_filesystem_resolver"}) is None
+    err = plugin_error({"VLLM_PLUGINS": "lora_filesystem_resolver"})
+    assert err and "leaves out 'bidirkv'" in err
+
+
+def test_agent_config_drops_the_progress_thread_only_when_asked():
+    def config(enable_prog_thread=True, num_threads=0):
+        return enable_prog_thread, num_threads
+
+    off = patch_cpu._agent_config(config, Settings().resolve(is_cpu=True))
+    assert off(num_threads=4) == (False, 4)
+    assert off(enable_prog_thread=True) == (True, 0)  # an explicit caller wins
+    keep = patch_cpu._agent_config(config, Settings().resolve(is_cpu=False))
+    assert keep() == (True, 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs sched_setaffinity and two cores")
+def test_model_thread_keeps_its_cores():
+    before = os.sched_getaffinity(0)
+    last = max(before)
+
+    def nixl_worker_init(self):  # what vLLM 0.32 does on the CPU platform
+        os.sched_setaffinity(0, {last})
+
+    try:
+        patch_cpu._keep_affinity(nixl_worker_init, Settings().resolve(True))(None)
+        assert os.sched_getaffinity(0) == before
+        off = Settings.from_env({"BIDIRKV_CPU_KEEP_AFFINITY": "0"}).resolve(True)
+        patch_cpu._keep_affinity(nixl_worker_init, off)(None)
+        assert os.sched_getaffinity(0) == {last}
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+class FakeEngine:
+    def __init__(self, unfinished=0, finished=(), dp=1):
+        self.vllm_config = SimpleNamespace(
+            parallel_config=SimpleNamespace(data_parallel_size=dp))
+        self.scheduler = SimpleNamespace(
+            get_num_unfinished_requests=lambda: unfinished, finished_req_ids=set(finished),
+            connector=SimpleNamespace(has_pending_push_work=lambda: False))
+        self.batch_queue = None
+        self.input_queue = queue.Queue()
+        self.handled = []
+
+    def _handle_client_request(self, kind, req):
+        self.handled.append((kind, req))
+
+
+def test_idle_loop_waits_on_its_input_only_while_holding_blocks():
+    step = patch_idle._process_engine_step(lambda self: False, 0.05)
+    holding = FakeEngine()
+    assert patch_idle.only_retained(holding)
+    holding.input_queue.put(("ADD", "r1"))
+    assert step(holding) is False and holding.handled == [("ADD", "r1")]
+    for busy in (FakeEngine(unfinished=1), FakeEngine(finished={"r"}), FakeEngine(dp=2)):
+        assert not patch_idle.only_retained(busy)
+        busy.input_queue.put(("ADD", "r2"))
+        step(busy)
+        assert busy.handled == []  # the loop itself takes it, right away
+    assert patch_idle._process_engine_step(lambda self: True, 5)(FakeEngine()) is True
+    assert patch_idle.install(0) == []
+
+
+def test_worker_sleeps_after_an_empty_step_and_spins_after_a_real_one():
+    cond = SimpleNamespace(busy_loop_s=1.0)  # vLLM 0.32: 1 s busy-wait after a message
+    proc = SimpleNamespace(rpc_broadcast_mq=SimpleNamespace(_spin_condition=cond))
+    calls = []
+    rpc = patch_idle._execute_worker_rpc(lambda self, req: calls.append(req[0]))
+
+    def step(n):
+        return ("execute_model", (SimpleNamespace(total_num_scheduled_tokens=n),), {}, 0)
+
+    rpc(proc, step(0))
+    assert cond.busy_loop_s == 0.0
+    rpc(proc, ("get_kv_connector_handshake_metadata", (), {}, 0))
+    assert cond.busy_loop_s == 0.0  # other calls leave the mode alone
+    rpc(proc, step(12))
+    assert cond.busy_loop_s == 1.0
+    assert calls == ["execute_model", "get_kv_connector_handshake_metadata", "execute_model"]
+    assert patch_idle.install_worker(0) == []

@@ -1,0 +1,225 @@
+"""D publishes digests, P verifies: the scheduler patches driven with stand-ins for vLLM.
+
+The wrapped originals mimic vLLM 0.32's NixlPullConnectorScheduler closely enough for the
+contract between the patches (connector/patch_reuse.py) and the pure parts (digests,
+handles, reuse); the real scheduler runs in e2e/test_connector.py.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+
+from bidirkv.connector import patch_reuse
+from bidirkv.connector.handles import MAC_KEY, admit, sign
+from bidirkv.connector.reuse import Report, plan
+
+BS = 16
+KEY = b"k"
+
+
+def scheduler(dtype="torch.float32", bs=BS, threshold=0):
+    return SimpleNamespace(
+        vllm_config=SimpleNamespace(
+            model_config=SimpleNamespace(model="tiny", revision=None, dtype=dtype,
+                                         max_model_len=4096),
+            cache_config=SimpleNamespace(cache_dtype="auto"),
+        ),
+        block_size=bs, decoder_kv_blocks_ttl=60, _kv_lease_duration=30, engine_id="e",
+        kv_cache_config=SimpleNamespace(transfer_groups=[object()]),
+        _is_hma_required=False, kv_recompute_threshold=threshold,
+    )
+
+
+def request(rid, prompt, params, output=()):
+    tokens = list(prompt) + list(output)
+    return SimpleNamespace(
+        request_id=rid, kv_transfer_params=params, prompt_token_ids=list(prompt),
+        all_token_ids=tokens, num_prompt_tokens=len(prompt),
+        # vLLM never computes KV for the last sampled token.
+        num_computed_tokens=len(tokens) - 1 if output else len(prompt),
+        lora_request=None, cache_salt=None, prompt_embeds=None, mm_features=[],
+    )
+
+
+def upstream_finished(self, req, block_ids):
+    is_p = bool(req.kv_transfer_params.get("do_remote_decode"))
+    return True, {
+        "do_remote_prefill": is_p, "do_remote_decode": not is_p,
+        "remote_block_ids": (list(block_ids[0]),), "remote_engine_id": self.engine_id,
+        "remote_request_id": req.request_id, "remote_host": "127.0.0.1", "remote_port": 1,
+        "tp_size": 1, "dcp_size": 1, "pp_size": 1,
+        "remote_num_tokens": req.num_computed_tokens, "remote_blocks_expiry_time": 5.0,
+        "transfer_mode": "pull",
+    }
+
+
+def upstream_matched(self, req, num_computed):
+    p = req.kv_transfer_params
+    if p.get("do_remote_decode") and p.get("remote_block_ids"):
+        count = min(p.get("remote_num_tokens") or 0, req.num_prompt_tokens) - num_computed
+        if count > 0 and not (self.kv_recompute_threshold and count < self.kv_recompute_threshold):
+            return count, True
+    return 0, False
+
+
+on_new = patch_reuse._on_new_request(lambda self, req: None, KEY)
+matched = patch_reuse._get_num_new_matched_tokens(upstream_matched)
+finished = patch_reuse._request_finished(upstream_finished, KEY)
+conn_out = patch_reuse._update_connector_output(lambda self, out: None, KEY)
+
+PROMPT1 = list(range(1000, 1070))  # 70 tokens
+OUTPUT1 = list(range(2000, 2030))  # 30 tokens: D holds 99 -> 6 full blocks
+
+
+def decode_turn(d):
+    req = request("d1", PROMPT1, {"do_remote_prefill": False, "do_remote_decode": False},
+                  OUTPUT1)
+    d_blocks = list(range(50, 57))
+    _, handle = finished(d, req, (d_blocks,))
+    return handle
+
+
+def prefill_turn(p, handle, prompt, local_cached=0, fail=False):
+    params = dict(handle, do_remote_decode=True, do_remote_prefill=False)
+    req = request("p2", prompt, params)
+    on_new(p, req)
+    count, _ = matched(p, req, local_cached)
+    if fail:
+        conn_out(p, SimpleNamespace(failed_recving={"p2"}))
+    _, out = finished(p, req, ([1, 2, 3],))
+    return req.kv_transfer_params, count, out
+
+
+def test_decode_publishes_signed_digests_of_what_it_holds():
+    h = decode_turn(scheduler())
+    assert h["remote_num_tokens"] == 99
+    assert len(h["bidirkv_blocks"]["digests"]) == 99 // BS
+    assert h[MAC_KEY] == sign(h, KEY)
+    assert h["remote_block_ids"] == [list(range(50, 57))]
+
+
+def test_exact_extension_pulls_every_full_block():
+    d, p = scheduler(), scheduler()
+    h = decode_turn(d)
+    prompt = PROMPT1 + OUTPUT1[:-1] + [OUTPUT1[-1]] + list(range(3000, 3040))
+    params, count, out = prefill_turn(p, h, prompt)
+    assert count == 96 and params["remote_num_tokens"] == 96
+    assert params["remote_block_ids"] == [list(range(50, 56))]
+    rep = out["bidirkv"]
+    assert rep["reused_tokens"] == rep["offered_tokens"] == 96 and rep["verified"]
+    assert rep["reason"] == "match" and rep["held_tokens"] == 99
+    assert rep["recomputed_tokens"] == len(prompt) - 96
+    assert out[MAC_KEY] == sign(out, KEY)  # P's own handle, for D
+
+
+def test_edited_history_pulls_only_the_blocks_before_the_edit():
+    d, p = scheduler(), scheduler()
+    h = decode_turn(d)
+    prompt = PROMPT1 + OUTPUT1 + list(range(3000, 3040))
+    prompt[75] = 7  # in block 4 (tokens 64-79)
+    params, count, out = prefill_turn(p, h, prompt)
+    assert count == 64 and params["remote_block_ids"] == [list(range(50, 54))]
+    rep = out["bidirkv"]
+    assert (rep["reused_tokens"], rep["offered_tokens"], rep["reason"]) == (64, 96, "mismatch")
+
+
+def test_edit_in_block_zero_pulls_nothing_but_still_lets_d_free():
+    d, p = scheduler(), scheduler()
+    h = decode_turn(d)
+    prompt = [1] + PROMPT1[1:] + OUTPUT1 + [5]
+    params, count, out = prefill_turn(p, h, prompt)
+    assert count == 0 and params["remote_num_tokens"] == 0
+    # The (authentic) block list stays, so vLLM notifies D, which frees the blocks.
+    assert params["remote_block_ids"] == [list(range(50, 57))]
+    assert out["bidirkv"]["reused_tokens"] == 0 and out["bidirkv"]["verified"]
+
+
+def test_shorter_prompt_reads_the_leading_blocks_not_the_last_ones():
+    d, p = scheduler(), scheduler()
+    h = decode_turn(d)
+    prompt = PROMPT1[:40]  # 2 full blocks + 8
+    params, count, out = prefill_turn(p, h, prompt)
+    assert count == 32 and params["remote_block_ids"] == [[50, 51]]
+    assert out["bidirkv"]["reason"] == "prompt_shorter"
+
+
+def test_other_dtype_on_prefill_reuses_nothing():
+    h = decode_turn(scheduler())
+    params, count, out = prefill_turn(scheduler(dtype="torch.bfloat16"), h,
+                                      PROMPT1 + OUTPUT1 + [1])
+    assert count == 0 and out["bidirkv"]["reason"] == "model_mismatch"
+
+
+def test_local_cache_threshold_and_failed_read_are_reported():
+    h = decode_turn(scheduler())
+    prompt = PROMPT1 + OUTPUT1 + [1]
+    _, count, out = prefill_turn(scheduler(), h, prompt, local_cached=96)
+    assert count == 0 and out["bidirkv"]["reason"] == "local_cache"
+    h = decode_turn(scheduler())
+    _, count, out = prefill_turn(scheduler(threshold=200), h, prompt)
+    assert count == 0 and out["bidirkv"]["reason"] == "below_threshold"
+    h = decode_turn(scheduler())
+    _, count, out = prefill_turn(scheduler(), h, prompt, fail=True)
+    assert count == 96
+    assert out["bidirkv"]["reused_tokens"] == 0 and out["bidirkv"]["reason"] == "load_failed"
+
+
+def test_a_request_back_from_a_failed_read_recomputes_instead_of_waiting_again():
+    h = decode_turn(scheduler())
+    p = scheduler()
+    req = request("p3", PROMPT1 + OUTPUT1 + [1], dict(h, do_remote_decode=True))
+    on_new(p, req)
+    assert matched(p, req, 0) == (96, True)
+    req.kv_transfer_params["_remote_blocks_processed"] = True  # vLLM, after allocation
+    # The read failed (or the request was preempted): vLLM asks again from scratch.
+    assert matched(p, req, 0) == (0, False)
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda h: h.update(remote_block_ids=[[1, 2, 3, 4, 5, 6, 7]]), "unauthenticated"),
+    (lambda h: h.pop(MAC_KEY), "malformed"),
+    (lambda h: h.update(remote_port="x"), "malformed"),
+])
+def test_untrusted_handles_are_reported_and_not_read(mutate, reason):
+    h = decode_turn(scheduler())
+    mutate(h)
+    params, count, out = prefill_turn(scheduler(), h, PROMPT1 + OUTPUT1 + [1])
+    assert count == 0 and "remote_block_ids" not in params
+    rep = out["bidirkv"]
+    assert (rep["reused_tokens"], rep["verified"], rep["reason"]) == (0, False, reason)
+
+
+def test_a_handle_is_read_at_most_once_per_prefill_engine():
+    p = scheduler()
+    h = decode_turn(scheduler())
+    prompt = PROMPT1 + OUTPUT1 + [1]
+    assert prefill_turn(p, h, prompt)[1] == 96
+    _, count, out = prefill_turn(p, h, prompt)
+    assert count == 0 and out["bidirkv"]["reason"] == "replayed"
+
+
+def test_unsigned_digests_without_a_record_are_refused():
+    d = scheduler()
+    h = decode_turn(d)
+    del h["bidirkv_blocks"]
+    h[MAC_KEY] = sign(h, KEY)
+    params, count, out = prefill_turn(scheduler(), h, PROMPT1 + OUTPUT1 + [1])
+    assert count == 0 and out["bidirkv"]["reason"] == "no_digest"
+
+
+def test_prompt_embeddings_are_never_reused():
+    h = decode_turn(scheduler())
+    adm = admit(dict(h, do_remote_decode=True), KEY, 4096)
+    rep = plan(adm, 99, None, b"s", b"r", BS, True)
+    assert isinstance(rep, Report) and rep.reason == "unsupported_prompt"
+    assert adm.params["remote_num_tokens"] == 0
+
+
+def test_a_failing_check_costs_reuse_not_the_engine(caplog):
+    seen = []
+    guarded = patch_reuse._on_new_request(lambda self, req: seen.append(req), KEY)
+    broken = SimpleNamespace()  # no vllm_config: the check itself raises
+    req = request("p9", PROMPT1, {"do_remote_prefill": True, "remote_block_ids": [[1]]})
+    guarded(broken, req)
+    assert seen == [req] and req.kv_transfer_params == {}
+    assert "served without KV transfer" in caplog.text
