@@ -31,17 +31,20 @@ $(ENGINE_STAMP): $(DEV_STAMP)
 
 engine: $(ENGINE_STAMP)
 
-test: $(DEV_STAMP)
+# The data-plane suites run real vLLM CPU servers, so the tests need the engine stack.
+test: $(ENGINE_STAMP)
 	$(BIN)/ruff check .
 	$(PY) -P -m pytest -q -p no:cacheprovider
 
-demo: $(DEV_STAMP)
+# The local vLLM stack needs the engine stack (installed from this project's own files).
+demo: $(ENGINE_STAMP)
 	$(PY) -P -m bidirkv.demo
 
 # The CRD and the README's CRD reference are both generated from operator/spec.py.
 crds: $(DEV_STAMP)
 	$(BIN)/bidir-kv crd > crds/bidirkv.io_disaggregatedinferences.yaml
-	$(PY) -c 'import pathlib; from bidirkv.operator.crdref import splice; \
+	cp crds/bidirkv.io_disaggregatedinferences.yaml charts/bidir-kv/crds/
+	$(PY) -P -c 'import pathlib; from bidirkv.operator.crdref import splice; \
 	p = pathlib.Path("README.md"); p.write_text(splice(p.read_text()))'
 
 lint: $(DEV_STAMP)

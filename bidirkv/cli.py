@@ -41,11 +41,19 @@ def _render(args: argparse.Namespace) -> int:
     return 0
 
 
-def _crd(_: argparse.Namespace) -> int:
+def _crd(args: argparse.Namespace) -> int:
     from bidirkv.operator.crd import crd_yaml
 
+    if args.apply:
+        return _crd_apply(args.kubeconfig)
     sys.stdout.write(crd_yaml())
     return 0
+
+
+def _crd_apply(kubeconfig: str | None) -> int:
+    from bidirkv.operator.crdapply import apply_crd_cli
+
+    return apply_crd_cli(kubeconfig)
 
 
 def _operator(args: argparse.Namespace) -> int:
@@ -66,6 +74,18 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_main(args.rest)
 
 
+def _local(args: argparse.Namespace) -> int:
+    from bidirkv.local.cli import run
+
+    return run(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from bidirkv.bench.cli import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bidir-kv",
@@ -77,7 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--file", required=True, help="YAML file ('-' for stdin)")
     p.set_defaults(func=_render)
 
-    p = sub.add_parser("crd", help="print the CustomResourceDefinition")
+    p = sub.add_parser("crd", help="print the CustomResourceDefinition, or apply it (--apply)")
+    p.add_argument("--apply", action="store_true",
+                   help="create or update the CRD in the cluster instead of printing it "
+                   "(the chart's pre-install/pre-upgrade hook runs this)")
+    p.add_argument("--kubeconfig", help="with --apply: kubeconfig file (default: in-cluster, "
+                   "then KUBECONFIG / ~/.kube/config)")
     p.set_defaults(func=_crd)
 
     p = sub.add_parser("operator", help="run the operator")
@@ -94,6 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser("local", help="run a spec's servers and router as local processes")
+    from bidirkv.local.cli import add_arguments as local_arguments
+
+    local_arguments(p)
+    p.set_defaults(func=_local)
+
+    p = sub.add_parser("bench", help="multi-turn TTFT benchmark against a router")
+    from bidirkv.bench.cli import add_arguments as bench_arguments
+
+    bench_arguments(p)
+    p.set_defaults(func=_bench)
     return parser
 
 

@@ -1,117 +1,203 @@
-"""`make demo`: the control plane end to end, on this machine, in about ten seconds.
+"""`make demo`: the control plane in a few seconds, then a real 1P1D vLLM stack on this
+machine and the multi-turn TTFT benchmark with bidirectional KV transfer ON and OFF.
 
-Starts the in-memory Kubernetes API server (real HTTP on 127.0.0.1), installs the CRD,
-runs the real operator, applies examples/inference.yaml and shows what a user sees:
-the rendered children, `kubectl get disaggregatedinference`, a scale of the decode
-pool, a spec the CRD refuses and one only the operator can refuse.
+1. Control plane: the in-memory Kubernetes API server, the CRD, the real operator;
+   examples/local.yaml applied and its children listed (skip: --skip-control-plane).
+2. The tiny model is built locally (no download).
+3. examples/local.yaml runs as local processes (P, D, router: exactly what the operator
+   renders, pod IPs mapped to 127.0.0.1) and the benchmark runs against the router.
+4. The same spec with kvTransfer.bidirectional false (on the servers too, not only the
+   router: pinned blocks on D would steal CPU), the benchmark again, plus the lower bound.
+5. Table, JSON and PNGs in out/demo/.
 
-The local vLLM data plane and the multi-turn TTFT benchmark join this command when the
-engine stack lands (see the README's status section).
+Every process started is stopped at the end, on failure, on Ctrl-C and on SIGTERM.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
+import os
 import pathlib
 import sys
-
-import yaml
-
-from bidirkv.operator import printer
-from bidirkv.operator.kube import ApiError
-from bidirkv.testing.operatorenv import (
-    api_server,
-    di_path,
-    eventually,
-    resource,
-    running_operator,
-)
+import time
+from collections.abc import Callable
+from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "inference.yaml"
+SPEC = ROOT / "examples" / "local.yaml"
+OUT = ROOT / "out" / "demo"
+
+# Sized for a 2-core machine and a 15-minute budget (measured: ~6-7 min without the
+# engine install): 10 turns of +1000 tokens reach ~10.5k tokens of context (maxModelLen
+# 12288); 3 conversations, so a turn's median is not one noisy request.
+DEFAULTS = {"conversations": 3, "turns": 10, "new_tokens": 1000, "output_tokens": 48}
 
 
 def step(text: str) -> None:
     print(f"\n==> {text}", flush=True)
 
 
-async def _get(client, name="qwen3-32b"):
-    return await client.get("DisaggregatedInference", "default", name)
+# -- 1. control plane --------------------------------------------------------------------
+async def control_plane(spec_path: pathlib.Path) -> None:
+    import yaml
+
+    from bidirkv.operator import printer
+    from bidirkv.testing.operatorenv import (
+        api_server,
+        di_path,
+        eventually,
+        resource,
+        running_operator,
+    )
+
+    doc = yaml.safe_load(spec_path.read_text())
+    name, ns = doc["metadata"]["name"], doc["metadata"].get("namespace", "default")
+    async with api_server() as (server, client), running_operator(client) as controller:
+        print(f"    API server {server.url}; CRD installed; operator running")
+        await client.call("POST", di_path(ns), resource(doc))
+
+        async def status():
+            di = await client.get("DisaggregatedInference", ns, name)
+            return di if (di.get("status") or {}).get("conditions") else None
+
+        di = await eventually(status, what="status")
+        await controller.idle()
+        for method, _, body in controller.client.sent:
+            if method == "POST":
+                print(f"    created {body['kind']} {body['metadata']['name']}")
+        print(printer.table([di]))
+    print("    the next steps run these same rendered containers as local processes")
 
 
-async def demo() -> int:
-    doc = yaml.safe_load(EXAMPLE.read_text())
-    async with api_server() as (server, client):
-        step(f"API server on {server.url}; CRD installed")
-        async with running_operator(client) as controller:
-            step(f"kubectl apply -f {EXAMPLE.relative_to(ROOT)}")
-            await client.call("POST", di_path("default"), resource(doc))
-            await eventually(lambda: _status(client), what="status")
-            await controller.idle()
-            for method, _, body in controller.client.sent:
-                if method == "POST":
-                    print(f"    created {body['kind']} {body['metadata']['name']}")
-            step("kubectl get disaggregatedinference")
-            print(printer.table([await _get(client)]))
+# -- 2-5. data plane -----------------------------------------------------------------------
+def run_phase(label: str, patch: dict[str, Any] | None, bench_kw: dict[str, Any],
+              args: argparse.Namespace, lower_bound: bool) -> dict[str, Any]:
+    from bidirkv.bench.client import RequestFailed
+    from bidirkv.bench.report import run_document, write_json
+    from bidirkv.bench.runner import BenchConfig, Runner
+    from bidirkv.local.cli import prepare_stack
+    from bidirkv.local.stack import StartError
 
-            step("kubectl scale di/qwen3-32b --replicas=3   (decode pool)")
-            await client.call("PATCH", di_path("default", "qwen3-32b", "scale"),
-                              {"spec": {"replicas": 3}}, "application/merge-patch+json")
-            await eventually(lambda: _decode_desired(client, 3), what="scale")
-            await controller.idle()
-            sts = await client.get("StatefulSet", "default", "qwen3-32b-decode")
-            print(f"    StatefulSet qwen3-32b-decode replicas: {sts['spec']['replicas']}")
-            print(printer.table([await _get(client)]))
+    progress = not args.no_progress
+    stack = prepare_stack(args.spec, args.out / f"stack-{label}", patch=patch, cwd=ROOT,
+                          progress=progress)
+    with stack:
+        t = time.monotonic()
+        stack.start(progress=progress)
+        print(f"    P {stack.urls('prefill')[0]}  D {stack.urls('decode')[0]}  router "
+              f"{stack.router_url}  (healthy after {time.monotonic() - t:.0f} s; logs in "
+              f"{stack.state_dir / 'logs'})", flush=True)
+        cfg = BenchConfig(
+            url=stack.router_url, label=label, prefill_metrics=stack.urls("prefill")[0] +
+            "/metrics", decode_metrics=stack.urls("decode")[0] + "/metrics",
+            lower_bound_url=stack.urls("decode")[0] if lower_bound else None, **bench_kw)
+        t = time.monotonic()
+        runner = Runner(cfg, progress=progress)
+        try:
+            records = runner.run()
+        except RequestFailed as exc:
+            # A dead server explains a failed request better than the request does.
+            raise StartError("\n".join([str(exc), *stack.exited()])) from None
+        doc = run_document(cfg, records, time.monotonic() - t, runner.loadavg)
+        write_json(args.out / f"{label}.json", doc)
+        load = runner.loadavg
+        print(f"    {len(records)} turns in {time.monotonic() - t:.0f} s (1-min load average "
+              f"{load.get('start', 0):.1f} -> {load.get('end', 0):.1f} on "
+              f"{os.cpu_count()} cpus)", flush=True)
+    print(f"    stopped P, D and router of the {label.upper()} stack", flush=True)
+    return doc
 
-            step("a spec the API server refuses (CEL rule): router TTL above decode TTL")
-            bad = resource(doc)
-            bad["metadata"]["name"] = "bad-ttl"
-            bad["spec"]["router"]["conversationTtlSeconds"] = 600
-            try:
-                await client.call("POST", di_path("default"), bad)
-                print("    unexpectedly accepted")
-                return 1
-            except ApiError as exc:
-                print(f"    {exc.status} {exc.reason}: {exc.message}")
 
-            step("a spec only the operator can refuse: --port in engine.extraArgs")
-            await client.call("PATCH", di_path("default", "qwen3-32b"),
-                              {"spec": {"engine": {"extraArgs": ["--port=9000"]}}},
-                              "application/merge-patch+json")
-            di = await eventually(lambda: _phase(client, "Invalid"), what="Invalid")
-            cond = next(c for c in di["status"]["conditions"] if c["type"] == "Reconciled")
-            print(f"    condition Reconciled={cond['status']} reason={cond['reason']}: "
-                  f"{cond['message']}")
-            print(printer.table([di]))
-    step("done: every process and port this demo opened is closed")
+def data_plane(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]], Any]
+               ) -> int:
+    from bidirkv.bench import report
+    from bidirkv.local.cli import build_tiny_model
+    from bidirkv.local.plan import read_spec_file
+
+    spec = read_spec_file(args.spec)
+    model = pathlib.Path(ROOT, spec["model"]["name"])
+    dtype = spec["model"].get("dtype", "bfloat16")
+    shown = model.relative_to(ROOT) if model.is_relative_to(ROOT) else model
+    timed(f"tiny model ({dtype}) at {shown}",
+          lambda: build_tiny_model(model, dtype, not args.no_progress))
+    bench_kw = {"conversations": args.conversations, "turns": args.turns,
+                "new_tokens": args.new_tokens, "output_tokens": args.output_tokens,
+                "warmup_turns": args.warmup_turns, "settle_s": args.settle}
+    print(f"    benchmark: {args.conversations} conversations x {args.turns} turns, "
+          f"+{args.new_tokens} user tokens and {args.output_tokens} output tokens a turn, "
+          "streamed, P prefix caching off (emulated eviction)")
+    on = timed("bidirectional ON: start the stack from examples/local.yaml, benchmark, stop",
+               lambda: run_phase("on", None, bench_kw, args, lower_bound=False))
+    off = timed("bidirectional OFF (servers and router): restart, benchmark + lower bound, "
+                "stop", lambda: run_phase("off", {"kvTransfer": {"bidirectional": False}},
+                                          bench_kw, args, lower_bound=True))
+    doc = report.compare_document(on, off, {"spec": str(args.spec)})
+    paths = report.write_comparison(args.out, doc, "1P1D vLLM CPU, tiny model, bf16")
+    step("results (median over conversations per turn)")
+    print(report.comparison_text(doc))
+    print("\nHow each column is measured:")
+    print(report.method_text())
+    print()
+    for name, path in paths.items():
+        print(f"{name}: {path}")
     return 0
 
 
-async def _status(client):
-    di = await _get(client)
-    return di if (di.get("status") or {}).get("conditions") else None
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bidirkv.demo", description=__doc__.split("\n")[0])
+    p.add_argument("--spec", type=pathlib.Path, default=SPEC)
+    p.add_argument("--out", type=pathlib.Path, default=OUT)
+    p.add_argument("--conversations", type=int, default=DEFAULTS["conversations"])
+    p.add_argument("--turns", type=int, default=DEFAULTS["turns"])
+    p.add_argument("--new-tokens", type=int, default=DEFAULTS["new_tokens"])
+    p.add_argument("--output-tokens", type=int, default=DEFAULTS["output_tokens"])
+    p.add_argument("--warmup-turns", type=int, default=2)
+    p.add_argument("--settle", type=float, default=1.0, metavar="SECONDS")
+    p.add_argument("--skip-control-plane", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
 
 
-async def _decode_desired(client, n):
-    di = await _get(client)
-    return (di.get("status") or {}).get("decode", {}).get("desired") == n
+def main(argv: list[str] | None = None) -> int:
+    from bidirkv.bench.client import RequestFailed
+    from bidirkv.local.ports import PortInUse
+    from bidirkv.local.stack import StackRunning, StartError, interrupt_on_signals
 
-
-async def _phase(client, phase):
-    di = await _get(client)
-    return di if (di.get("status") or {}).get("phase") == phase else None
-
-
-def main() -> int:
+    args = parse_args(argv)
+    args.out = args.out.resolve()
     # kopf reports its own reconnects and retries at INFO/WARNING; the demo shows results.
     logging.basicConfig(level=logging.WARNING, format="    [%(name)s] %(message)s")
     logging.getLogger("kopf").setLevel(logging.CRITICAL)
     logging.getLogger("bidirkv.operator").setLevel(logging.ERROR)
+    t0 = time.monotonic()
+    walls: list[tuple[str, float]] = []
+
+    def timed(title: str, fn: Callable[[], Any]) -> Any:
+        step(title)
+        t = time.monotonic()
+        try:
+            return fn()
+        finally:
+            walls.append((title.split(":")[0], time.monotonic() - t))
+
     try:
-        return asyncio.run(demo())
+        with interrupt_on_signals():
+            if not args.skip_control_plane:
+                timed(f"control plane: operator on an in-memory API server, "
+                      f"kubectl apply -f {args.spec.name}",
+                      lambda: asyncio.run(control_plane(args.spec)))
+            rc = data_plane(args, timed)
     except KeyboardInterrupt:
+        print("\ndemo: interrupted; every process it started is stopped", file=sys.stderr)
         return 130
+    except (StartError, PortInUse, StackRunning, RequestFailed, ValueError) as exc:
+        print(f"\ndemo: {exc}\ndemo: every process it started is stopped", file=sys.stderr)
+        return 1
+    step(f"done in {time.monotonic() - t0:.0f} s: " +
+         ", ".join(f"{name} {secs:.0f} s" for name, secs in walls))
+    return rc
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -29,6 +29,11 @@ class Proc:
     @property
     def pid(self) -> int | None:
         return self.popen.pid if self.popen else None
+
+    @property
+    def started_at(self) -> int | None:
+        """The kernel's start time of the process (for pid-reuse checks in state files)."""
+        return process_start_time(self.pid) if self.pid else None
 
     def start(self, cwd: str | None = None) -> Proc:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,6 +94,58 @@ class Proc:
             pass
 
 
+def wait_all_healthy(
+    procs: Sequence[Proc],
+    timeout: float,
+    on_ready: Callable[[Proc], None] | None = None,
+    interval: float = 0.5,
+    on_tick: Callable[[list[Proc]], None] | None = None,
+) -> None:
+    """Poll every process at once (they start in parallel); the first to exit or the
+    deadline raises StartError with that process's log tail."""
+    pending = list(procs)
+    deadline = time.monotonic() + timeout
+    while pending:
+        for proc in list(pending):
+            if not proc.alive():
+                code = proc.popen.returncode if proc.popen else None
+                raise StartError(f"{proc.name} exited with {code} while starting; last log "
+                                 f"lines ({proc.log_path}):\n{proc.log_tail()}")
+            if proc.health_url is None or http_ok(proc.health_url):
+                pending.remove(proc)
+                if on_ready is not None:
+                    on_ready(proc)
+        if not pending:
+            return
+        if on_tick is not None:
+            on_tick(pending)
+        if time.monotonic() > deadline:
+            proc = pending[0]
+            raise StartError(f"{proc.name} not healthy after {timeout:.0f} s; last log lines "
+                             f"({proc.log_path}):\n{proc.log_tail()}")
+        time.sleep(interval)
+
+
+def process_start_time(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat (clock ticks since boot); None if gone, a zombie, or
+    not Linux."""
+    fields = _stat_fields(pid)
+    if not fields or fields[0] == "Z":
+        return None
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def same_process(pid: int, started_at: int | None) -> bool:
+    """True when pid still names the process recorded with that start time (no reuse)."""
+    now = process_start_time(pid)
+    if now is None:
+        return False
+    return started_at is None or now == started_at
+
+
 def http_ok(url: str, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
@@ -102,17 +159,15 @@ def stop_all(procs: Sequence[Proc]) -> None:
         proc.stop()
 
 
-def kill_pid_group(pid: int) -> bool:
-    """Stop a process group recorded in a pid file (for `bidir-kv local down`)."""
+def kill_pid_group(pid: int, grace: float = 15.0) -> bool:
+    """Stop a process group recorded in a state file (for `bidir-kv local down`)."""
     try:
         os.killpg(pid, signal.SIGTERM)
     except (ProcessLookupError, PermissionError):
         return False
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        try:
-            os.killpg(pid, 0)
-        except ProcessLookupError:
+        if not group_alive(pid):
             return True
         time.sleep(0.2)
     try:
@@ -120,6 +175,34 @@ def kill_pid_group(pid: int) -> bool:
     except ProcessLookupError:
         pass
     return True
+
+
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """Fields 3.. of /proc/PID/stat (state first); None if gone or not Linux."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def group_alive(pgid: int) -> bool:
+    """Any process of the group still running (zombies, dead but not reaped, do not count)."""
+    proc = pathlib.Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        fields = _stat_fields(entry.name)
+        if fields and len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
 
 
 def merged_env(extra: Mapping[str, str], base: Mapping[str, str] | None = None) -> dict:

@@ -1,0 +1,113 @@
+"""`bidir-kv bench`: one benchmark run against a router, or a comparison of two runs.
+
+    bidir-kv bench --url http://ROUTER --label on          # any router, e.g. a cluster's
+    bidir-kv bench --state-dir out/local --label on        # a `bidir-kv local up` stack
+    bidir-kv bench --compare out/bench/on.json out/bench/off.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+DEFAULT_OUT = pathlib.Path("out/bench")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .runner import BenchConfig
+
+    d = BenchConfig(url="")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="router base URL (any OpenAI-compatible router)")
+    where.add_argument("--state-dir", type=pathlib.Path,
+                       help="a local stack's state directory: its router, and P's metrics")
+    where.add_argument("--compare", nargs=2, metavar=("ON_JSON", "OFF_JSON"),
+                       help="no run: table, JSON and plots of two saved runs")
+    p.add_argument("--label", default=d.label, help="name of this run (file name too)")
+    p.add_argument("--model", help="model name (default: the first of /v1/models)")
+    p.add_argument("--conversations", type=int, default=d.conversations)
+    p.add_argument("--turns", type=int, default=d.turns)
+    p.add_argument("--new-tokens", type=int, default=d.new_tokens,
+                   help="new user words per turn (one token each with the tiny model)")
+    p.add_argument("--output-tokens", type=int, default=d.output_tokens,
+                   help="output tokens per turn (min_tokens = max_tokens, ignore_eos)")
+    p.add_argument("--warmup-turns", type=int, default=d.warmup_turns,
+                   help="turns of an unmeasured warm-up conversation (0: none)")
+    p.add_argument("--settle", type=float, default=d.settle_s, metavar="SECONDS",
+                   help="pause before each measured request")
+    p.add_argument("--no-stream", action="store_true",
+                   help="non-streamed requests (TTFT then means the whole reply)")
+    p.add_argument("--conversation-id", choices=("body", "header", "none"), default=d.id_mode,
+                   help="how the conversation id reaches the router")
+    p.add_argument("--prefill-metrics", metavar="URL", help="P's /metrics (transfer split)")
+    p.add_argument("--decode-metrics", metavar="URL", help="D's /metrics")
+    p.add_argument("--lower-bound-url", metavar="URL",
+                   help="server whose prefix cache holds the history (see the method notes)")
+    p.add_argument("--lower-bound", action="store_true",
+                   help="with --state-dir: measure the lower bound on the stack's decode server "
+                        "(meaningful with kvTransfer.bidirectional false)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="output directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _config(args: argparse.Namespace):
+    from bidirkv.local.state import read_state
+
+    from .runner import BenchConfig
+
+    url, prefill, decode, lower = (args.url, args.prefill_metrics, args.decode_metrics,
+                                   args.lower_bound_url)
+    if args.state_dir is not None:
+        state = read_state(args.state_dir)
+        if state is None:
+            raise ValueError(f"no local stack recorded in {args.state_dir} (run `bidir-kv local "
+                             "up` first)")
+        url = state.router_url
+        p_urls, d_urls = state.urls("prefill"), state.urls("decode")
+        prefill = prefill or (p_urls[0] + "/metrics" if len(p_urls) == 1 else None)
+        decode = decode or (d_urls[0] + "/metrics" if len(d_urls) == 1 else None)
+        if args.lower_bound and not lower:
+            lower = d_urls[0]
+    return BenchConfig(
+        url=url, label=args.label, model=args.model, conversations=args.conversations,
+        turns=args.turns, new_tokens=args.new_tokens, output_tokens=args.output_tokens,
+        warmup_turns=args.warmup_turns, settle_s=args.settle, stream=not args.no_stream,
+        id_mode=args.conversation_id, prefill_metrics=prefill, decode_metrics=decode,
+        lower_bound_url=lower, seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import report, stats
+    from .client import RequestFailed
+    from .runner import Runner
+
+    prog = "bidir-kv bench"
+    try:
+        if args.compare:
+            on, off = (report.load_run(p) for p in args.compare)
+            doc = report.compare_document(on, off)
+            paths = report.write_comparison(args.out, doc, f"{on['config']['label']} vs "
+                                            f"{off['config']['label']}")
+            print(report.comparison_text(doc))
+            for name, path in paths.items():
+                print(f"{name}: {path}")
+            return 0
+        cfg = _config(args)
+        t0 = time.monotonic()
+        runner = Runner(cfg, progress=not args.no_progress)
+        records = runner.run()
+        doc = report.run_document(cfg, records, time.monotonic() - t0, runner.loadavg)
+    except (ValueError, RequestFailed) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    path = report.write_json(args.out / f"{cfg.label}.json", doc)
+    print(stats.table(doc["per_turn"], stats.RUN_COLUMNS))
+    print(f"json: {path}")
+    return 0

@@ -1,0 +1,90 @@
+"""The two figures of the published benchmark, from compare() rows.
+
+1. TTFT vs context length, ON / OFF / lower bound.
+2. Prefill duration per turn, ON and OFF side by side, stacked: P's compute, the KV read
+   from D, and the rest of the prefill leg (HTTP, queueing, scheduling).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display on a server
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _ms(v: float | None) -> float:
+    return (v or 0.0) * 1000
+
+
+def ttft_plot(rows: Sequence[Mapping[str, Any]], path: pathlib.Path, title: str) -> pathlib.Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    # A server that reports no usage leaves the turn number as the only x there is.
+    by_context = all(r.get("context_tokens") is not None for r in rows)
+    xs = [r["context_tokens"] if by_context else r["turn"] for r in rows]
+    for key, label, style in (("ttft_off_s", "bidirectional OFF (recompute)", "o-"),
+                              ("ttft_on_s", "bidirectional ON (read from D)", "s-"),
+                              ("lower_bound_s", "lower bound (warm local cache)", "^--")):
+        pts = [(x, r[key] * 1000) for x, r in zip(xs, rows, strict=True)
+               if r.get(key) is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
+    ax.set_xlabel("context length (prompt tokens)" if by_context else "turn")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def prefill_plot(rows: Sequence[Mapping[str, Any]], path: pathlib.Path, title: str
+                 ) -> pathlib.Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+    width = 0.38
+    xs = list(range(len(rows)))
+    parts = (("compute", "P compute", "#4c72b0"), ("transfer", "KV read D->P", "#dd8452"),
+             ("other", "rest of prefill leg", "#b0b0b0"))
+    for side, offset, hatch in (("on", -width / 2, ""), ("off", width / 2, "//")):
+        bottom = [0.0] * len(rows)
+        for key, label, color in parts:
+            vals = [_ms(r.get(f"{key}_{side}_s")) for r in rows]
+            if not any(vals):
+                continue  # e.g. no KV read with the flag off: no empty legend entry
+            ax.bar([x + offset for x in xs], vals, width, bottom=bottom, color=color,
+                   hatch=hatch, edgecolor="white", label=f"{label} ({side.upper()})")
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        if side == "on":
+            # The read is milliseconds against seconds of compute: say it in numbers.
+            for x, b, r in zip(xs, bottom, rows, strict=True):
+                if r.get("transfer_on_s"):
+                    ax.annotate(f"{r['transfer_on_s'] * 1000:.0f}", (x + offset, b),
+                                textcoords="offset points", xytext=(0, 2), ha="center",
+                                fontsize=7, color="#dd8452")
+    ax.set_xticks(xs)
+    ax.set_xticklabels([f"{r['turn']}\n{(r.get('context_tokens') or 0) / 1000:.1f}k"
+                        for r in rows])
+    ax.set_xlabel("turn / context tokens (left bar ON, right bar OFF; "
+                  "orange numbers: ms of KV read D->P)")
+    ax.set_ylabel("prefill duration (ms)")
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

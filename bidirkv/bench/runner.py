@@ -1,0 +1,187 @@
+"""Run the benchmark against a router: N conversations x T turns, one request at a time.
+
+One request at a time (turn t of every conversation, then turn t+1): the engines' and
+the router's counters are scraped around each request, so their deltas belong to it.
+A concurrent client would measure queueing on a 2-core machine, not KV reuse.
+
+Lower bound (optional, `lower_bound_url`): before a conversation's turn is sent through
+the router, the same prompt goes straight to a server whose local prefix cache already
+holds the conversation's history (on the local stack: the decode server of the OFF run,
+prefix caching on, which decoded the previous turns). It computes only the new tokens and
+does neither a second leg nor a KV transfer: the TTFT a prefill with a warm cache gets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from . import promtext
+from .client import Reply, chat, first_model
+from .conversation import Conversation, chat_body, user_text, with_conversation_id
+
+REUSE_OUTCOMES = ("hit", "miss", "expired", "verified-partial", "dropped", "off")
+
+ROUTER_METRICS: dict[str, tuple[str, dict[str, str]]] = {
+    "prefill_s": ("bidirkv_router_leg_duration_seconds_sum", {"leg": "prefill"}),
+    "reused_tokens": ("bidirkv_router_reuse_tokens_total", {}),
+    "offered_tokens": ("bidirkv_router_reuse_tokens_offered_total", {}),
+    **{f"reuse_{o}": ("bidirkv_router_reuse_total", {"outcome": o}) for o in REUSE_OUTCOMES},
+}
+# On P, NIXL reads are D -> P: the reuse transfer. (P -> D reads are counted on D.)
+PREFILL_METRICS: dict[str, tuple[str, dict[str, str]]] = {
+    "p_transfer_s": ("vllm:nixl_xfer_time_seconds_sum", {}),
+    "p_transfers": ("vllm:nixl_xfer_time_seconds_count", {}),
+    "p_transfer_bytes": ("vllm:nixl_bytes_transferred_sum", {}),
+    "p_failed_transfers": ("vllm:nixl_num_failed_transfers_total", {}),
+    "p_external_hit_tokens": ("vllm:external_prefix_cache_hits_total", {}),
+    "p_compute_s": ("vllm:request_prefill_time_seconds_sum", {}),
+    "p_computed_tokens": ("vllm:request_prefill_kv_computed_tokens_sum", {}),
+}
+DECODE_METRICS: dict[str, tuple[str, dict[str, str]]] = {
+    "d_transfer_s": ("vllm:nixl_xfer_time_seconds_sum", {}),
+    "d_transfer_bytes": ("vllm:nixl_bytes_transferred_sum", {}),
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    url: str
+    label: str = "run"
+    model: str | None = None
+    conversations: int = 2
+    turns: int = 10
+    new_tokens: int = 1000
+    output_tokens: int = 48
+    warmup_turns: int = 2
+    settle_s: float = 1.0
+    stream: bool = True
+    id_mode: str = "body"
+    prefill_metrics: str | None = None  # P's /metrics (local stack, port-forward, ...)
+    decode_metrics: str | None = None
+    lower_bound_url: str | None = None
+    seed: int = 0
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("conversations", "turns", "new_tokens", "output_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
+        if self.warmup_turns < 0 or self.settle_s < 0:
+            raise ValueError("warmup turns and settle time must be >= 0")
+
+
+@dataclass
+class TurnRecord:
+    label: str
+    conversation: int
+    turn: int  # 1-based
+    context_tokens: int | None
+    output_tokens: int | None
+    ttft_s: float
+    total_s: float
+    text_sha: str
+    text: str
+    lower_bound_s: float | None = None
+    reuse: str | None = None  # the router's reuse outcome for this request
+    metrics: dict[str, float | None] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def reuse_outcome(m: dict[str, float | None]) -> str | None:
+    for o in REUSE_OUTCOMES:
+        if (m.get(f"reuse_{o}") or 0) > 0:
+            return o
+    return None
+
+
+class Runner:
+    def __init__(self, cfg: BenchConfig, progress: bool = True,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.cfg = cfg
+        self.progress = progress
+        self.log = log or (lambda _msg: None)
+        self.model = cfg.model
+        # 1-minute load averages around the run: other work on the machine shows here.
+        self.loadavg: dict[str, float] = {}
+
+    def _scrape(self) -> tuple[Any, Any, Any]:
+        c = self.cfg
+        return (promtext.scrape(c.url.rstrip("/") + "/metrics"),
+                promtext.scrape(c.prefill_metrics), promtext.scrape(c.decode_metrics))
+
+    def _send(self, conv: Conversation, url: str, body: dict[str, Any], headers: dict[str, str]
+              ) -> Reply:
+        return chat(url, body, headers, timeout=self.cfg.timeout_s)
+
+    def _lower_bound(self, conv: Conversation) -> float:
+        # Straight to the server, no conversation id: a plain request with a local prefix hit.
+        body = chat_body(self.model or "", conv.messages, 1, self.cfg.stream)
+        assert self.cfg.lower_bound_url is not None
+        return self._send(conv, self.cfg.lower_bound_url, body, {}).ttft_s
+
+    def turn(self, conv: Conversation, turn: int, measure: bool) -> TurnRecord:
+        c = self.cfg
+        conv.ask(user_text(c.seed, conv.index, turn, c.new_tokens))
+        lb = self._lower_bound(conv) if (measure and c.lower_bound_url) else None
+        body, headers = with_conversation_id(
+            chat_body(self.model or "", conv.messages, c.output_tokens, c.stream), conv.cid,
+            c.id_mode)
+        if measure and c.settle_s:
+            time.sleep(c.settle_s)
+        before = self._scrape() if measure else (None, None, None)
+        reply = self._send(conv, c.url, body, headers)
+        after = self._scrape() if measure else (None, None, None)
+        conv.answer(reply.text)
+        m: dict[str, float | None] = {}
+        m.update(promtext.deltas(before[0], after[0], ROUTER_METRICS))
+        m.update(promtext.deltas(before[1], after[1], PREFILL_METRICS))
+        m.update(promtext.deltas(before[2], after[2], DECODE_METRICS))
+        return TurnRecord(
+            label=c.label, conversation=conv.index, turn=turn,
+            context_tokens=reply.prompt_tokens, output_tokens=reply.completion_tokens,
+            ttft_s=reply.ttft_s, total_s=reply.total_s,
+            text_sha=hashlib.sha256(reply.text.encode()).hexdigest()[:16], text=reply.text,
+            lower_bound_s=lb, reuse=reuse_outcome(m), metrics=m,
+        )
+
+    def run(self) -> list[TurnRecord]:
+        from tqdm import tqdm
+
+        c = self.cfg
+        self.loadavg["start"] = os.getloadavg()[0]
+        if self.model is None:
+            self.model = first_model(c.url)
+        run_id = f"{c.label}-{c.seed}-{int(time.time())}"
+        if c.warmup_turns:
+            # Its own conversation: first-request costs and the NIXL handshakes in both
+            # directions (P->D on turn 1, D->P on turn 2) happen here, not in turn 1.
+            warm = Conversation(-1, f"{run_id}-warmup")
+            bar = tqdm(range(1, c.warmup_turns + 1), desc=f"bench {c.label}: warm-up",
+                       unit="turn", disable=not self.progress, leave=False)
+            for t in bar:
+                self.turn(warm, t, measure=False)
+            if c.lower_bound_url:
+                self._lower_bound(warm)
+        convs = [Conversation(i, f"{run_id}-c{i}") for i in range(c.conversations)]
+        records: list[TurnRecord] = []
+        bar = tqdm(total=c.turns * c.conversations, desc=f"bench {c.label}", unit="turn",
+                   disable=not self.progress)
+        try:
+            for t in range(1, c.turns + 1):
+                for conv in convs:
+                    rec = self.turn(conv, t, measure=True)
+                    records.append(rec)
+                    bar.set_postfix_str(f"turn {t} ctx {rec.context_tokens} "
+                                        f"ttft {rec.ttft_s * 1000:.0f} ms")
+                    bar.update(1)
+        finally:
+            bar.close()
+            self.loadavg["end"] = os.getloadavg()[0]
+        return records

@@ -1,0 +1,222 @@
+"""Per-turn statistics, ON/OFF comparison, the printed table and the aims (pure).
+
+A turn's figure is the median over conversations (robust to one request that met a
+noisy neighbour on a shared 2-core machine).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Aims on the CPU stack (bf16, 2 cores, tiny model), from the issue.
+SPEEDUP_AIM = 3.0  # OFF/ON TTFT ...
+SPEEDUP_MIN_CONTEXT = 8000  # ... at this context and above
+LOWER_BOUND_AIM = 1.3  # ON/lower bound TTFT ...
+LOWER_BOUND_MIN_CONTEXT = 4000  # ... at this context and above
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _metric(rec: Mapping[str, Any], key: str) -> float | None:
+    value = (rec.get("metrics") or {}).get(key)
+    return float(value) if value is not None else None
+
+
+def per_turn(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per turn of one run: medians over its conversations."""
+    turns = sorted({int(r["turn"]) for r in records})
+    rows = []
+    for t in turns:
+        rs = [r for r in records if int(r["turn"]) == t]
+        prefill = _median(_metric(r, "prefill_s") for r in rs)
+        transfer = _median(_metric(r, "p_transfer_s") for r in rs)
+        compute = _median(_metric(r, "p_compute_s") for r in rs)
+        reused_router = _median(_metric(r, "reused_tokens") for r in rs)
+        reused_p = _median(_metric(r, "p_external_hit_tokens") for r in rs)
+        outcomes = sorted({r.get("reuse") for r in rs if r.get("reuse")})
+        rows.append({
+            "turn": t,
+            "n": len(rs),
+            "context_tokens": _median(r.get("context_tokens") for r in rs),
+            "ttft_s": _median(r["ttft_s"] for r in rs),
+            "lower_bound_s": _median(r.get("lower_bound_s") for r in rs),
+            "prefill_s": prefill,
+            "transfer_s": transfer,
+            "compute_s": compute,
+            "other_s": split_other(prefill, compute, transfer),
+            "transfer_bytes": _median(_metric(r, "p_transfer_bytes") for r in rs),
+            # P's own count (tokens loaded from D) when its metrics are reachable, else the
+            # router's (from P's bidirkv report).
+            "reused_tokens": reused_p if reused_p is not None else reused_router,
+            "reused_tokens_router": reused_router,
+            "reuse": "/".join(outcomes) or None,
+        })
+    return rows
+
+
+def split_other(prefill: float | None, compute: float | None, transfer: float | None
+                ) -> float | None:
+    """Prefill leg time that is neither P's compute nor its KV read: HTTP, queueing,
+    scheduling, waiting for the transfer to be polled. Never negative (clock skew)."""
+    if prefill is None:
+        return None
+    return max(0.0, prefill - (compute or 0.0) - (transfer or 0.0))
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b <= 0:
+        return None
+    return a / b
+
+
+def compare(on: Sequence[Mapping[str, Any]], off: Sequence[Mapping[str, Any]]
+            ) -> list[dict[str, Any]]:
+    """Rows of per_turn(ON) and per_turn(OFF) side by side, by turn. The lower bound is
+    taken from whichever run measured it."""
+    off_by_turn = {r["turn"]: r for r in off}
+    out = []
+    for r_on in on:
+        r_off = off_by_turn.get(r_on["turn"], {})
+        lb = r_on.get("lower_bound_s") or r_off.get("lower_bound_s")
+        out.append({
+            "turn": r_on["turn"],
+            "context_tokens": r_on.get("context_tokens") or r_off.get("context_tokens"),
+            "ttft_on_s": r_on.get("ttft_s"),
+            "ttft_off_s": r_off.get("ttft_s"),
+            "speedup": _ratio(r_off.get("ttft_s"), r_on.get("ttft_s")),
+            "lower_bound_s": lb,
+            "on_over_lower_bound": _ratio(r_on.get("ttft_s"), lb),
+            "prefill_on_s": r_on.get("prefill_s"),
+            "compute_on_s": r_on.get("compute_s"),
+            "transfer_on_s": r_on.get("transfer_s"),
+            "other_on_s": r_on.get("other_s"),
+            "prefill_off_s": r_off.get("prefill_s"),
+            "compute_off_s": r_off.get("compute_s"),
+            "transfer_off_s": r_off.get("transfer_s"),
+            "other_off_s": r_off.get("other_s"),
+            "transfer_on_bytes": r_on.get("transfer_bytes"),
+            "reused_tokens_on": r_on.get("reused_tokens"),
+            "reuse_on": r_on.get("reuse"),
+        })
+    return out
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f}"
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _int(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
+def _mb(v: float | None) -> str:
+    return "-" if v is None else f"{v / 1e6:.1f}"
+
+
+COMPARE_COLUMNS = [
+    ("turn", "turn", _int),
+    ("context_tokens", "context", _int),
+    ("ttft_on_s", "TTFT ON ms", _ms),
+    ("ttft_off_s", "TTFT OFF ms", _ms),
+    ("speedup", "OFF/ON", _x),
+    ("lower_bound_s", "lower bound ms", _ms),
+    ("on_over_lower_bound", "ON/bound", _x),
+    ("prefill_on_s", "prefill ON ms", _ms),
+    ("compute_on_s", "compute ON", _ms),
+    ("transfer_on_s", "KV read ON", _ms),
+    ("prefill_off_s", "prefill OFF ms", _ms),
+    ("compute_off_s", "compute OFF", _ms),
+    ("reused_tokens_on", "reused tok", _int),
+    ("transfer_on_bytes", "read MB", _mb),
+]
+
+RUN_COLUMNS = [
+    ("turn", "turn", _int),
+    ("context_tokens", "context", _int),
+    ("ttft_s", "TTFT ms", _ms),
+    ("lower_bound_s", "lower bound ms", _ms),
+    ("prefill_s", "prefill ms", _ms),
+    ("compute_s", "compute ms", _ms),
+    ("transfer_s", "KV read ms", _ms),
+    ("reused_tokens", "reused tok", _int),
+    ("transfer_bytes", "read MB", _mb),
+    ("reuse", "router reuse", lambda v: v or "-"),
+]
+
+
+def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str, Any]]) -> str:
+    """A Markdown table (also readable as plain text)."""
+    head = [title for _, title, _ in columns]
+    body = [[fmt(row.get(key)) for key, _, fmt in columns] for row in rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h)
+              for i, h in enumerate(head)]
+    lines = ["| " + " | ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    for b in body:
+        lines.append("| " + " | ".join(c.rjust(w) for c, w in zip(b, widths, strict=True))
+                     + " |")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Aim:
+    name: str
+    met: bool | None  # None: no turn qualified (context too short, no lower bound)
+    detail: str
+
+
+def check_aims(rows: Sequence[Mapping[str, Any]]) -> list[Aim]:
+    out = []
+    big = [r for r in rows if (r.get("context_tokens") or 0) >= SPEEDUP_MIN_CONTEXT
+           and r.get("speedup") is not None]
+    if big:
+        worst = min(big, key=lambda r: r["speedup"])
+        met = worst["speedup"] >= SPEEDUP_AIM
+        detail = (f"lowest OFF/ON at >= {SPEEDUP_MIN_CONTEXT} tokens: {worst['speedup']:.2f}x "
+                  f"(turn {worst['turn']}, context {worst['context_tokens']:.0f})")
+    else:
+        met, detail = None, f"no turn reached {SPEEDUP_MIN_CONTEXT} tokens of context"
+    out.append(Aim(f"OFF/ON >= {SPEEDUP_AIM:g}x at >= {SPEEDUP_MIN_CONTEXT} tokens", met, detail))
+    near = [r for r in rows if (r.get("context_tokens") or 0) >= LOWER_BOUND_MIN_CONTEXT
+            and r.get("on_over_lower_bound") is not None]
+    if near:
+        worst = max(near, key=lambda r: r["on_over_lower_bound"])
+        met = worst["on_over_lower_bound"] <= LOWER_BOUND_AIM
+        detail = (f"highest ON/bound at >= {LOWER_BOUND_MIN_CONTEXT} tokens: "
+                  f"{worst['on_over_lower_bound']:.2f}x (turn {worst['turn']}, context "
+                  f"{worst['context_tokens']:.0f})")
+    else:
+        met, detail = None, (f"no turn with a lower bound at >= {LOWER_BOUND_MIN_CONTEXT} "
+                             "tokens")
+    out.append(Aim(f"ON <= {LOWER_BOUND_AIM:g}x lower bound at >= {LOWER_BOUND_MIN_CONTEXT} "
+                   "tokens", met, detail))
+    return out
+
+
+def format_aims(aims: Sequence[Aim]) -> str:
+    mark = {True: "met", False: "NOT met", None: "not measured"}
+    return "\n".join(f"- {a.name}: {mark[a.met]} ({a.detail})" for a in aims)
+
+
+def outputs_identical(on: Sequence[Mapping[str, Any]], off: Sequence[Mapping[str, Any]]
+                      ) -> tuple[int, list[tuple[int, int]]]:
+    """(pairs compared, [(conversation, turn) that differ]) between two runs."""
+    off_by = {(r["conversation"], r["turn"]): r["text_sha"] for r in off}
+    compared, differ = 0, []
+    for r in on:
+        key = (r["conversation"], r["turn"])
+        if key in off_by:
+            compared += 1
+            if off_by[key] != r["text_sha"]:
+                differ.append(key)
+    return compared, differ

@@ -1,0 +1,120 @@
+"""`bidir-kv local up|down`: the rendered stack as processes on this machine.
+
+`up` returns once every server is healthy and leaves them running (each in its own
+process group); `down` stops them by the pids recorded in the state directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+
+from .state import DEFAULT_STATE_DIR
+
+PROG = "bidir-kv local"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="local_command", required=True, metavar="ACTION")
+    up = sub.add_parser("up", help="start prefill, decode(s) and the router; wait until healthy")
+    up.add_argument("-f", "--file", required=True, help="a DisaggregatedInference YAML")
+    up.add_argument("--state-dir", type=pathlib.Path, default=DEFAULT_STATE_DIR,
+                    help=f"state file, logs, router config (default {DEFAULT_STATE_DIR})")
+    up.add_argument("--port-base", type=int,
+                    help="use consecutive ports from here (default: free ports)")
+    up.add_argument("--tiny-model", action="store_true",
+                    help="build the tiny test model at spec.model.name if it is missing")
+    up.add_argument("--no-bidirectional", action="store_true",
+                    help="kvTransfer.bidirectional false on every server and the router")
+    up.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                    help="how long servers may take to become healthy")
+    up.add_argument("--no-progress", action="store_true", help="no progress bar")
+    down = sub.add_parser("down", help="stop the stack recorded in the state directory")
+    down.add_argument("--state-dir", type=pathlib.Path, default=DEFAULT_STATE_DIR)
+
+
+def prepare_stack(spec_file: str | os.PathLike[str], state_dir: pathlib.Path, *,
+                  patch: dict | None = None, port_base: int | None = None,
+                  tiny_model: bool = False, cwd: str | os.PathLike[str] | None = None,
+                  progress: bool = True):
+    """Spec file -> LocalStack (not started): the steps `local up`, the demo and the e2e
+    test share."""
+    from .plan import local_spec, merge_patch, plan_stack, ports_needed, read_spec_file
+    from .ports import free_ports, sequential_ports
+    from .stack import LocalStack
+
+    cwd = pathlib.Path(cwd or os.getcwd())
+    raw = merge_patch(read_spec_file(spec_file), patch or {})
+    if tiny_model:
+        name = raw.get("model", {}).get("name", "")
+        path = pathlib.Path(cwd, name)
+        dtype = raw.get("model", {}).get("dtype", "bfloat16")
+        build_tiny_model(path, "float32" if dtype == "float32" else "bfloat16", progress)
+    spec = local_spec(raw, cwd)
+    n = len(ports_needed(spec))
+    ports = sequential_ports(port_base, n) if port_base is not None else free_ports(n)
+    state_dir = pathlib.Path(state_dir).resolve()
+    return LocalStack(plan_stack(spec, ports, state_dir), state_dir, str(spec_file))
+
+
+def build_tiny_model(path: pathlib.Path, dtype: str, progress: bool = True) -> pathlib.Path:
+    """Build (or find, by its stamp) the tiny model, with a progress bar."""
+    from tqdm import tqdm
+
+    from .model import build_model
+
+    with tqdm(total=1, desc=f"tiny model ({dtype})", unit="model", disable=not progress,
+              file=sys.stderr) as bar:
+        out = build_model(path, dtype=dtype)
+        bar.update(1)
+    return out
+
+
+def _up(args: argparse.Namespace) -> int:
+    from .ports import PortInUse
+    from .stack import DEFAULT_START_TIMEOUT, StackRunning, StartError
+
+    patch = {"kvTransfer": {"bidirectional": False}} if args.no_bidirectional else None
+    try:
+        stack = prepare_stack(args.file, args.state_dir, patch=patch, port_base=args.port_base,
+                              tiny_model=args.tiny_model, progress=not args.no_progress)
+        stack.start(timeout=args.timeout or DEFAULT_START_TIMEOUT,
+                    progress=not args.no_progress)
+    except (ValueError, PortInUse, StackRunning) as exc:
+        print(f"{PROG} up: {exc}", file=sys.stderr)
+        return 1
+    except StartError as exc:
+        print(f"{PROG} up: {exc}", file=sys.stderr)
+        print(f"{PROG} up: stopped every server it had started", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG} up: interrupted; stopped every server it had started", file=sys.stderr)
+        return 130
+    for rec in stack.state.procs:
+        print(f"{rec.name:10s} {rec.url}  pid {rec.pid}  log {rec.log}", file=sys.stderr)
+    print(f"state: {stack.state_dir / 'stack.json'}; stop with `bidir-kv local down "
+          f"--state-dir {args.state_dir}`", file=sys.stderr)
+    print(stack.router_url)
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from .stack import stop_recorded
+
+    try:
+        done = stop_recorded(args.state_dir)
+    except ValueError as exc:
+        print(f"{PROG} down: {exc}", file=sys.stderr)
+        return 1
+    if not done:
+        print(f"{PROG} down: no stack recorded in {args.state_dir}", file=sys.stderr)
+        return 0
+    for line in done:
+        print(line)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return _up(args) if args.local_command == "up" else _down(args)

@@ -1,0 +1,75 @@
+"""Ports of a local stack: every server shares 127.0.0.1, so each needs its own."""
+
+from __future__ import annotations
+
+import pathlib
+import random
+import socket
+from collections.abc import Iterable, Mapping
+
+from .engines import LOOPBACK
+
+
+class PortInUse(RuntimeError):
+    """A port the stack needs is taken; the message names the port and its use."""
+
+
+def port_free(port: int, host: str = LOOPBACK) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # Without SO_REUSEADDR, a port in TIME_WAIT from the previous stack would look taken
+        # although a server (which sets it) can bind it.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for port-0 binds (Linux; the IANA range elsewhere)."""
+    try:
+        lo, hi = pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def free_ports(n: int, host: str = LOOPBACK, rng: random.Random | None = None) -> list[int]:
+    """n distinct ports free now, below the ephemeral range: vLLM binds port 0 for its
+    internal sockets, and a port of ours taken from that range could be handed to one of
+    them between this check and our server's bind."""
+    lo, _ = ephemeral_range()
+    first, last = 20000, max(20000 + 4 * n, lo - 1)
+    rng = rng or random.Random()
+    # A random start: two stacks started at once rarely probe the same ports.
+    start = rng.randrange(first, last - n)
+    out: list[int] = []
+    for port in [*range(start, last), *range(first, start)]:
+        if port_free(port, host):
+            out.append(port)
+            if len(out) == n:
+                return out
+    raise PortInUse(f"no {n} free ports between {first} and {last} on {host}")
+
+
+def sequential_ports(base: int, n: int) -> list[int]:
+    if not 1024 <= base <= 65535 - n:
+        raise ValueError(f"--port-base {base}: must be 1024-{65535 - n} ({n} ports follow it)")
+    return list(range(base, base + n))
+
+
+def check_ports(named: Mapping[str, int], host: str = LOOPBACK) -> None:
+    """Raise PortInUse for the first taken port, naming what it was meant for."""
+    for what, port in named.items():
+        if not port_free(port, host):
+            raise PortInUse(f"port {port} ({what}) is in use on {host}: stop what holds it "
+                            "or choose other ports (--port-base)")
+
+
+def duplicates(ports: Iterable[int]) -> set[int]:
+    seen: set[int] = set()
+    dup: set[int] = set()
+    for p in ports:
+        (dup if p in seen else seen).add(p)
+    return dup

@@ -1,0 +1,218 @@
+"""Start and stop a planned local stack: engines in parallel, then the router.
+
+Whatever goes wrong while starting (a server exits, a port is taken, Ctrl-C, SIGTERM),
+every process started so far is stopped by its process group before the error surfaces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+
+from .plan import ServerPlan, StackPlan, process_env
+from .ports import PortInUse, check_ports
+from .procs import Proc, StartError, kill_pid_group, same_process, stop_all, wait_all_healthy
+from .state import (
+    ProcRecord,
+    StackState,
+    read_state,
+    remove_state,
+    write_state,
+)
+
+# Cold start of a CPU vLLM server on 2 busy cores was seen at ~60 s; leave ample room.
+DEFAULT_START_TIMEOUT = 420.0
+
+
+class StackRunning(RuntimeError):
+    """A live stack is already recorded in the state directory."""
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM/SIGHUP, raised where Ctrl-C would be so the same cleanup runs."""
+
+
+@contextlib.contextmanager
+def interrupt_on_signals() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP into KeyboardInterrupt for the duration (main thread only)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_interrupt(signum: int, _frame: object) -> None:
+        raise _Terminated(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, raise_interrupt) for sig in (signal.SIGTERM,
+                                                                    signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def live_procs(state: StackState) -> list[ProcRecord]:
+    return [p for p in state.procs if same_process(p.pid, p.started_at)]
+
+
+class LocalStack:
+    """The processes of one StackPlan. A context manager: leaving it stops everything."""
+
+    def __init__(self, plan: StackPlan, state_dir: str | os.PathLike[str], spec_file: str = "",
+                 base_env: Mapping[str, str] | None = None) -> None:
+        self.plan = plan
+        self.state_dir = pathlib.Path(state_dir).resolve()
+        self.base_env = dict(os.environ if base_env is None else base_env)
+        self.procs: list[Proc] = []
+        self.state = StackState(spec_file=spec_file, router_url=plan.router.url,
+                                ports=dict(plan.ports))
+
+    @property
+    def router_url(self) -> str:
+        return self.plan.router.url
+
+    def url(self, name: str) -> str:
+        return next(s.url for s in self.plan.servers if s.name == name)
+
+    def urls(self, role: str) -> list[str]:
+        return [s.url for s in self.plan.servers if s.role == role]
+
+    def log_path(self, name: str) -> pathlib.Path:
+        return self.state_dir / "logs" / f"{name}.log"
+
+    # -- start -----------------------------------------------------------------------
+    def _proc(self, server: ServerPlan) -> Proc:
+        log = self.log_path(server.name)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.unlink(missing_ok=True)  # the tail shown on failure is this run's only
+        return Proc(server.name, server.argv, process_env(server.env, self.base_env), log,
+                    server.health_url)
+
+    def _launch(self, server: ServerPlan) -> Proc:
+        # cwd: the state directory, never the project root (see plan.py).
+        proc = self._proc(server).start(cwd=str(self.state_dir))
+        self.procs.append(proc)
+        assert proc.pid is not None
+        self.state.procs.append(ProcRecord(
+            server.name, server.role, proc.pid, proc.started_at, server.url,
+            str(proc.log_path), server.nixl_port,
+        ))
+        write_state(self.state_dir, self.state)
+        return proc
+
+    def start(self, timeout: float = DEFAULT_START_TIMEOUT, progress: bool = True,
+              echo: Callable[[str], None] | None = None) -> LocalStack:
+        """Return once every server answers its health check; on any failure (or
+        interrupt) stop what was started, then raise."""
+        existing = read_state(self.state_dir)
+        if existing is not None and live_procs(existing):
+            raise StackRunning(
+                f"a local stack is already running from {self.state_dir} (router "
+                f"{existing.router_url}): run `bidir-kv local down --state-dir "
+                f"{self.state_dir}` first")
+        check_ports(self.plan.ports)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.plan.router_config_path.write_text(
+            json.dumps(self.plan.router_config, indent=2, sort_keys=True) + "\n")
+        t0 = time.monotonic()
+        try:
+            with interrupt_on_signals(), _progress(len(self.plan.servers), progress) as bar:
+                engines = [self._launch(s) for s in self.plan.engines]
+
+                def ready(proc: Proc) -> None:
+                    bar.update(1)
+                    if echo:
+                        echo(f"{proc.name} healthy after {time.monotonic() - t0:.0f} s")
+
+                def tick(pending: list[Proc]) -> None:
+                    bar.set_postfix_str("waiting for " + ", ".join(p.name for p in pending))
+
+                wait_all_healthy(engines, timeout, ready, on_tick=tick)
+                router = self._launch(self.plan.router)
+                wait_all_healthy([router], max(30.0, timeout - (time.monotonic() - t0)),
+                                 ready, on_tick=tick)
+                bar.set_postfix_str("all healthy")
+        except BaseException:
+            self.stop()
+            raise
+        self.state.phase = "up"
+        write_state(self.state_dir, self.state)
+        return self
+
+    def exited(self) -> list[str]:
+        """One message (with the log tail) per server that is no longer running."""
+        return [f"{p.name} exited with {p.popen.returncode if p.popen else None}; last log "
+                f"lines ({p.log_path}):\n{p.log_tail()}" for p in self.procs if not p.alive()]
+
+    # -- stop ------------------------------------------------------------------------
+    def stop(self) -> None:
+        # A second Ctrl-C while stopping must not leave half the servers running.
+        with _signals_ignored():
+            stop_all(self.procs)
+            self.procs.clear()
+            remove_state(self.state_dir)
+
+    def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _progress(total: int, enabled: bool) -> Iterator[object]:
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc="starting servers", unit="server", disable=not enabled,
+               file=sys.stderr, bar_format="{desc}: {n}/{total} |{bar}| {elapsed}{postfix}")
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+def stop_recorded(state_dir: str | os.PathLike[str]) -> list[str]:
+    """Stop every process a state file records (process groups, by pid); what was done."""
+    state = read_state(state_dir)
+    if state is None:
+        return []
+    done = []
+    with _signals_ignored():
+        for rec in reversed(state.procs):
+            if not same_process(rec.pid, rec.started_at):
+                done.append(f"{rec.name}: pid {rec.pid} already gone")
+                continue
+            kill_pid_group(rec.pid)
+            done.append(f"{rec.name}: stopped pid {rec.pid}")
+        remove_state(state_dir)
+    return done
+
+
+__all__ = [
+    "DEFAULT_START_TIMEOUT", "LocalStack", "PortInUse", "StackRunning", "StartError",
+    "interrupt_on_signals", "live_procs", "stop_recorded",
+]

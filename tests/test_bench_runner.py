@@ -1,0 +1,134 @@
+"""The benchmark runner and `bidir-kv bench` against the real router with fake engines:
+turn order, history sent back, conversation ids, per-request metric deltas, output files."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp import web
+from fake_engine import Cluster
+
+from bidirkv.bench.client import RequestFailed, chat, first_model, sse_events
+from bidirkv.bench.runner import BenchConfig, Runner
+from bidirkv.cli import main as cli_main
+
+SMALL = {"conversations": 2, "turns": 3, "new_tokens": 20, "output_tokens": 5,
+         "warmup_turns": 1, "settle_s": 0.0}
+
+
+async def run_bench(cluster: Cluster, **kw) -> list:
+    cfg = BenchConfig(url=cluster.url, label="t", **{**SMALL, **kw})
+    # The runner's client blocks; the servers live on this event loop.
+    return await asyncio.to_thread(Runner(cfg, progress=False).run)
+
+
+async def test_turns_history_ids_and_reuse_deltas():
+    async with Cluster() as c:
+        records = await run_bench(c)
+        assert [(r.turn, r.conversation) for r in records] == [
+            (1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
+        assert all(r.text == "Hello from the fake." for r in records)
+        assert all(r.ttft_s <= r.total_s for r in records)
+        # Deltas of the router's counters belong to each request.
+        assert [r.reuse for r in records] == ["miss", "miss"] + ["hit"] * 4
+        assert all(r.metrics["reused_tokens"] > 0 for r in records if r.turn > 1)
+        assert all(r.metrics["prefill_s"] > 0 for r in records)
+        assert all(r.metrics["p_transfer_s"] is None for r in records)  # no P metrics URL
+        # The decode engine saw each conversation's real answers sent back.
+        bodies = [g.body for g in c.d[0].generations()]
+        last = bodies[-1]["messages"]
+        assert [m["role"] for m in last] == ["user", "assistant"] * 2 + ["user"]
+        assert all(m["content"] == "Hello from the fake." for m in last if
+                   m["role"] == "assistant")
+        assert all(len(m["content"].split()) == 20 for m in last if m["role"] == "user")
+        assert bodies[-1]["min_tokens"] == bodies[-1]["max_tokens"] == 5
+        # Warm-up (1 turn) first, then the measured conversations, each with its own id.
+        prefill_ids = [g.body for g in c.p[0].generations()]
+        assert len(prefill_ids) == 1 + 6
+        assert "conversation_id" not in bodies[-1]  # consumed by the router
+
+
+async def test_lower_bound_goes_straight_to_its_server():
+    async with Cluster() as c:
+        records = await run_bench(c, lower_bound_url=c.d[0].url, turns=2, conversations=1,
+                                  warmup_turns=0)
+        assert all(r.lower_bound_s is not None and r.lower_bound_s > 0 for r in records)
+        direct = [g.body for g in c.d[0].generations() if "kv_transfer_params" not in g.body]
+        assert len(direct) == 2
+        assert all(b["max_tokens"] == 1 and "conversation_id" not in b for b in direct)
+
+
+async def test_bench_cli_writes_a_run_and_compares_two(tmp_path, capsys):
+    async with Cluster() as c:
+        for label in ("on", "off"):
+            args = ["bench", "--url", c.url, "--label", label, "--turns", "2",
+                    "--conversations", "1", "--new-tokens", "10", "--output-tokens", "3",
+                    "--warmup-turns", "0", "--settle", "0", "--no-progress",
+                    "--out", str(tmp_path)]
+            assert await asyncio.to_thread(cli_main, args) == 0
+    run = json.loads((tmp_path / "on.json").read_text())
+    assert run["kind"] == "bidirkv-bench-run"
+    assert [r["turn"] for r in run["per_turn"]] == [1, 2]
+    assert "json: " in capsys.readouterr().out
+    out = tmp_path / "cmp"
+    assert cli_main(["bench", "--compare", str(tmp_path / "on.json"), str(tmp_path / "off.json"),
+                     "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| turn | context | TTFT ON ms |" in text and "Aims:" in text
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["outputs"]["compared"] == 2 and doc["outputs"]["differ"] == []
+    for png in ("ttft_vs_context.png", "prefill_split.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_cli_errors_are_one_line(tmp_path, capsys):
+    assert cli_main(["bench", "--url", "http://127.0.0.1:1", "--no-progress",
+                     "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("bidir-kv bench: GET http://127.0.0.1:1/v1/models failed")
+    assert cli_main(["bench", "--state-dir", str(tmp_path)]) == 1
+    assert "no local stack recorded" in capsys.readouterr().err
+    (tmp_path / "x.json").write_text("{}")
+    assert cli_main(["bench", "--compare", str(tmp_path / "x.json"),
+                     str(tmp_path / "x.json")]) == 1
+    assert "is not a benchmark run" in capsys.readouterr().err
+
+
+def test_sse_events_stop_at_done_and_refuse_garbage():
+    lines = [b"data: {\"a\": 1}\n", b"\n", b": comment\n", b"data: [DONE]\n", b"data: {}\n"]
+    assert list(sse_events(iter(lines))) == [{"a": 1}]
+    with pytest.raises(RequestFailed, match="not JSON"):
+        list(sse_events(iter([b"data: {oops\n"])))
+
+
+async def test_client_reports_http_errors_and_empty_streams():
+    async def error(_):
+        return web.json_response({"error": {"message": "bad"}}, status=400)
+
+    async def no_content(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"delta": {"role": "assistant"}}]}\n\n'
+                         b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/err/v1/chat/completions", error)
+    app.router.add_post("/empty/v1/chat/completions", no_content)
+    app.router.add_get("/err/v1/models", error)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    try:
+        with pytest.raises(RequestFailed, match="HTTP 400 from .*bad"):
+            await asyncio.to_thread(chat, base + "/err", {"stream": True})
+        with pytest.raises(RequestFailed, match="ended without any content"):
+            await asyncio.to_thread(chat, base + "/empty", {"stream": True})
+        with pytest.raises(RequestFailed, match="HTTP 400"):
+            await asyncio.to_thread(first_model, base + "/err")
+    finally:
+        await runner.cleanup()
