@@ -60,6 +60,33 @@ class ApiError(Exception):
         self.status, self.reason, self.message = status, reason, message
 
 
+def request(
+    api: kubernetes.client.ApiClient,
+    method: str,
+    path: str,
+    body: Any = None,
+    content_type: str | None = None,
+) -> Any:
+    """One request through the official client, authenticated as its generated methods
+    are (bearer token, refreshed in-cluster tokens, client certificates); raises ApiError.
+
+    `ApiClient.call_api` alone sends no credentials: they are added when a request is
+    serialized (`param_serialize`)."""
+    headers = {"Accept": "application/json"}
+    if body is not None:
+        headers["Content-Type"] = content_type or "application/json"
+    params = api.param_serialize(
+        method=method, resource_path=path, header_params=headers, body=body,
+        auth_settings=["BearerToken"],
+    )
+    resp = api.call_api(*params, _request_timeout=(5, 30))
+    data = resp.read() if hasattr(resp, "read") else resp.data
+    payload = json.loads(data) if data else {}
+    if resp.status >= 400:
+        raise ApiError(resp.status, payload.get("reason", ""), payload.get("message", str(payload)))
+    return payload
+
+
 class KubeClient:
     def __init__(self, configuration: kubernetes.client.Configuration):
         self.configuration = configuration
@@ -70,23 +97,7 @@ class KubeClient:
         self._client.close()
 
     def _call(self, method: str, path: str, body: Any = None, content_type: str | None = None):
-        headers = {"Accept": "application/json"}
-        if body is not None:
-            headers["Content-Type"] = content_type or "application/json"
-        resp = self._client.call_api(
-            method,
-            self.configuration.host + path,
-            header_params=headers,
-            body=body,
-            _request_timeout=(5, 30),
-        )
-        data = resp.read() if hasattr(resp, "read") else resp.data
-        payload = json.loads(data) if data else {}
-        if resp.status >= 400:
-            raise ApiError(
-                resp.status, payload.get("reason", ""), payload.get("message", str(payload))
-            )
-        return payload
+        return request(self._client, method, path, body, content_type)
 
     async def call(self, method: str, path: str, body: Any = None, content_type: str | None = None):
         if method != "GET":

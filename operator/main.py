@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import logging
+import os
+import socket
 from typing import Any
 
 import kopf
@@ -12,7 +15,7 @@ import kubernetes
 
 from . import spec as api
 from .controller import Controller
-from .kube import KubeClient
+from .kube import ApiError, KubeClient, request
 from .render import MANAGED_BY
 
 # What the operator watches besides its own resource: the kinds it writes.
@@ -24,6 +27,11 @@ CHILD_RESOURCES = [
     ("policy", "v1", "poddisruptionbudgets"),
 ]
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
+# kopf's peering resources (kopf.dev, the group kopf looks for first).
+PEERING_GROUP_VERSION = "kopf.dev/v1"
+PEERING_WAIT_SECONDS = 60.0
+
+log = logging.getLogger("bidirkv.operator")
 
 
 def build_registry(
@@ -114,6 +122,8 @@ async def run_operator(
     priority: int = 0,
     controller: Controller | None = None,
 ) -> None:
+    if peering_name is not None:
+        await ensure_peering(configuration, peering_name, namespaces)
     if controller is None:
         controller = Controller(KubeClient(configuration))
     registry = build_registry(controller, configuration)
@@ -134,6 +144,95 @@ async def run_operator(
         controller.client.close()
 
 
+async def ensure_peering(
+    configuration: kubernetes.client.Configuration,
+    name: str,
+    namespaces: tuple[str, ...] = (),
+    *,
+    wait: float = PEERING_WAIT_SECONDS,
+) -> None:
+    """Create kopf's peering object(s) if missing: a ClusterKopfPeering when cluster-wide,
+    a KopfPeering in each watched namespace otherwise.
+
+    With `--peering`, kopf pauses until it sees its peering object, and it never creates
+    one. A Helm chart cannot create it either on a first install when it also creates the
+    peering CRD (Helm maps every manifest to a known kind before it creates anything), so
+    the operator does it. The CRD may still be becoming established: retried for `wait` s.
+    """
+    base = f"/apis/{PEERING_GROUP_VERSION}"
+    targets = (
+        [(f"{base}/namespaces/{ns}/kopfpeerings", "KopfPeering", ns) for ns in namespaces]
+        or [(f"{base}/clusterkopfpeerings", "ClusterKopfPeering", None)]
+    )
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    with kubernetes.client.ApiClient(configuration) as api:
+
+        async def call(method: str, path: str, body: Any = None) -> Any:
+            return await asyncio.to_thread(request, api, method, path, body)
+
+        for path, kind, namespace in targets:
+            where = f"in namespace {namespace}" if namespace else "cluster-wide"
+            while True:
+                try:
+                    await call("GET", f"{path}/{name}")
+                    break
+                except ApiError as exc:
+                    if exc.status != 404:
+                        raise
+                body = {"apiVersion": PEERING_GROUP_VERSION, "kind": kind,
+                        "metadata": {"name": name}}
+                try:
+                    await call("POST", path, body)
+                    log.info("created %s %s %s", kind, name, where)
+                    break
+                except ApiError as exc:
+                    if exc.status == 409:
+                        break
+                    if exc.status != 404 or loop.time() > deadline:
+                        raise RuntimeError(
+                            f"cannot create the kopf peering object {kind} {name!r} {where}: "
+                            f"{exc}; are kopf's peering CRDs installed (kopf.dev/v1)?"
+                        ) from exc
+                log.info("waiting for the %s resource (kopf's peering CRD)", kind)
+                await asyncio.sleep(1.0)
+
+
+def resolve_priority(value: int | str, pod_name: str | None = None) -> int:
+    """`--priority auto`: a priority derived from this pod's name (`POD_ID`, as kopf uses
+    for its peer identity, else the host name, which is the pod name in Kubernetes).
+
+    Replicas of one Deployment share one pod template, so they cannot be given distinct
+    numbers; kopf freezes every replica when two share a priority. Names are unique, and a
+    31-bit hash of two of them collides with a probability of about 5e-10. Stable across
+    container restarts of one pod."""
+    if value != "auto":
+        return int(value)
+    name = pod_name or os.environ.get("POD_ID") or socket.gethostname()
+    digest = hashlib.sha256(name.encode()).digest()
+    return int.from_bytes(digest[:4], "big") % (2**31 - 1) + 1
+
+
+def _priority(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is neither an integer nor 'auto'") from None
+
+
+def operator_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`bidir-kv operator` arguments as keyword arguments of `run_operator`."""
+    return {
+        "namespaces": tuple(args.namespace),
+        "liveness_endpoint": args.liveness,
+        "peering_name": args.peering,
+        "priority": resolve_priority(args.priority),
+    }
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", "-n", action="append", default=[],
                         help="watch only this namespace (repeatable); default: all")
@@ -142,9 +241,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--liveness", default=None,
                         help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--peering", default=None,
-                        help="kopf peering object name for running several replicas (HA)")
-    parser.add_argument("--priority", type=int, default=0,
-                        help="peering priority; replicas need different values")
+                        help="kopf peering object name for running several replicas (HA); "
+                        "created if missing")
+    parser.add_argument("--priority", type=_priority, default=0,
+                        help="peering priority; replicas need different values: an integer, "
+                        "or 'auto' for one derived from the pod name (POD_ID, else hostname)")
     parser.add_argument("--verbose", "-v", action="store_true")
 
 
@@ -154,13 +255,8 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     configuration = load_configuration(args.kubeconfig)
-    asyncio.run(
-        run_operator(
-            configuration,
-            namespaces=tuple(args.namespace),
-            liveness_endpoint=args.liveness,
-            peering_name=args.peering,
-            priority=args.priority,
-        )
-    )
+    options = operator_options(args)
+    if args.peering is not None:
+        log.info("peering %r with priority %d", args.peering, options["priority"])
+    asyncio.run(run_operator(configuration, **options))
     return 0
