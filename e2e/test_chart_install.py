@@ -40,7 +40,7 @@ from bidirkv.operator.controller import Controller
 from bidirkv.operator.crd import build_crd
 from bidirkv.operator.kube import KubeClient
 from bidirkv.operator.main import load_configuration, operator_options, run_operator
-from bidirkv.testing.kubeapi import KubeAPIServer, Request
+from bidirkv.testing.kubeapi import KubeAPIServer, Request, running_kubeapi
 from bidirkv.testing.kubepatch import MERGE_PATCH
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -121,22 +121,9 @@ class HelmKubeAPIServer(KubeAPIServer):
                 "paths": paths}
 
 
-@contextlib.contextmanager
-def running_server() -> Iterator[HelmKubeAPIServer]:
+def running_server() -> contextlib.AbstractContextManager[HelmKubeAPIServer]:
     """`running_kubeapi` with the subclass: its own loop in a background thread."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="kubeapi", daemon=True)
-    thread.start()
-    server = HelmKubeAPIServer(gc=True)
-    try:
-        asyncio.run_coroutine_threadsafe(server.start(), loop).result(timeout=30)
-        yield server
-    finally:
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(server.stop(), loop).result(timeout=30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.close()
+    return running_kubeapi(HelmKubeAPIServer, gc=True)
 
 
 def _rt(server: KubeAPIServer, api_version: str, plural: str):

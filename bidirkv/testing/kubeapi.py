@@ -455,13 +455,16 @@ class KubeAPIServer:
 
 
 @contextlib.contextmanager
-def running_kubeapi(**kwargs: Any) -> Iterator[KubeAPIServer]:
-    """Run a :class:`KubeAPIServer` in a background thread with its own event loop, for
-    synchronous tests and tools. Direct store access (``server.get``/``list``) is thread-safe."""
+def running_kubeapi(
+    server_cls: type[KubeAPIServer] | None = None, **kwargs: Any
+) -> Iterator[KubeAPIServer]:
+    """Run a :class:`KubeAPIServer` (or a subclass) in a background thread with its own
+    event loop, for synchronous tests and tools. Direct store access (``server.get``/
+    ``list``) is thread-safe."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="kubeapi", daemon=True)
     thread.start()
-    server = KubeAPIServer(**kwargs)
+    server = (server_cls or KubeAPIServer)(**kwargs)
     try:
         asyncio.run_coroutine_threadsafe(server.start(), loop).result(timeout=30)
         yield server
