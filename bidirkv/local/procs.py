@@ -61,17 +61,7 @@ class Proc:
 
     def wait_healthy(self, timeout: float, interval: float = 0.5) -> None:
         """Poll health_url until 200; raise StartError with the log tail otherwise."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.alive():
-                code = self.popen.returncode if self.popen else None
-                raise StartError(f"{self.name} exited with {code}; last log lines "
-                                 f"({self.log_path}):\n{self.log_tail()}")
-            if self.health_url is None or http_ok(self.health_url):
-                return
-            time.sleep(interval)
-        raise StartError(f"{self.name} not healthy after {timeout:.0f} s; last log lines "
-                         f"({self.log_path}):\n{self.log_tail()}")
+        wait_all_healthy([self], timeout, interval=interval)
 
     def stop(self, grace: float = 15.0) -> None:
         if self.popen is None or self.popen.poll() is not None:
