@@ -14,7 +14,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from . import patch_cpu, patch_idle, patch_reuse, patch_stream
+from . import patch_cpu, patch_idle, patch_residency, patch_reuse, patch_stream
 from .patching import Skip, vllm_supported, when_imported
 from .settings import Resolved, Settings
 
@@ -62,7 +62,8 @@ def register() -> None:
         log.warning("bidir-kv: vLLM %s is not a release the plugin was written for; "
                     "no patches applied (no streamed handles, no verified reuse)", version)
         return
-    key = Settings.from_env(os.environ).handle_key
+    settings = Settings.from_env(os.environ)
+    key = settings.handle_key
     when_imported(patch_reuse.MODULE,
                   _guarded("verified reuse", lambda: patch_reuse.install(key)))
     for module in patch_stream.TARGETS:
@@ -74,4 +75,13 @@ def register() -> None:
                   _guarded("idle loop", lambda: patch_idle.install(_resolved().idle_poll_ms)))
     when_imported(patch_idle.WORKER_MODULE, _guarded(
         "idle worker", lambda: patch_idle.install_worker(_resolved().idle_poll_ms)))
+    when_imported(patch_residency.CONNECTOR, _guarded(
+        "residency", lambda: patch_residency.install_connector(
+            settings.owner_lease_s, settings.retention_watermark)))
+    when_imported(patch_residency.SCHEDULER, _guarded(
+        "residency scheduler", patch_residency.install_scheduler))
+    when_imported(patch_residency.ENGINE, _guarded(
+        "residency utility", patch_residency.install_engine))
+    when_imported(patch_residency.PULL_WORKER, _guarded(
+        "read grants", patch_residency.install_worker))
     log.info("bidir-kv plugin registered in pid %d (vLLM %s)", os.getpid(), version)

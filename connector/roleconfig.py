@@ -33,7 +33,7 @@ MANAGED_ARGS = (
     "--no-enable-prefix-caching",
     "--kv-transfer-config",
 )
-MANAGED_ENV_PREFIXES = ("VLLM_NIXL_SIDE_CHANNEL_", "FI_")
+MANAGED_ENV_PREFIXES = ("VLLM_NIXL_SIDE_CHANNEL_", "FI_", "VLLM_PLUGINS")
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,9 @@ def build_role_config(spec: DisaggregatedInferenceSpec, role: str) -> RoleConfig
         _env("VLLM_NIXL_SIDE_CHANNEL_HOST", POD_IP),
         _env("VLLM_NIXL_SIDE_CHANNEL_PORT", str(spec.kv_transfer.side_channel_port)),
         _env("BIDIRKV_ROLE", role),
+        # Endpoint plugins load only when named here; the general plugin is named too, as
+        # the list is an allowlist for every plugin group.
+        _env("VLLM_PLUGINS", "bidirkv"),
     ]
     if spec.efa.enabled:
         env += [

@@ -12,6 +12,8 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .residency import DEFAULT_OWNER_LEASE_S
+
 log = logging.getLogger("vllm.bidirkv")
 
 TRUE = {"1", "true", "yes", "on"}
@@ -36,6 +38,21 @@ def _tristate(env: Mapping[str, str], name: str) -> bool | None:
     return None
 
 
+def _number(env: Mapping[str, str], name: str, lo: float, hi: float, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if lo <= value <= hi:
+        return value
+    log.warning("bidir-kv: %s=%r is not a number in %g-%g; using %g", name, raw, lo, hi,
+                default)
+    return default
+
+
 def _ms(env: Mapping[str, str], name: str) -> int | None:
     raw = env.get(name, "").strip().lower()
     if raw in AUTO:
@@ -56,6 +73,10 @@ class Settings:
     idle_poll_ms: int | None = None
     stream_params: bool = True
     handle_key: bytes | None = None
+    # Decode residency (residency.py): how long a router's handles outlive its last
+    # heartbeat, and the share of decode's KV that retained blocks may pin.
+    owner_lease_s: float = DEFAULT_OWNER_LEASE_S
+    retention_watermark: float = 1.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
@@ -66,6 +87,9 @@ class Settings:
             idle_poll_ms=_ms(env, "BIDIRKV_IDLE_POLL_MS"),
             stream_params=_tristate(env, "BIDIRKV_STREAM_PARAMS") is not False,
             handle_key=key.encode() if key else None,
+            owner_lease_s=_number(env, "BIDIRKV_OWNER_LEASE_SECONDS", 1, 86400,
+                                  DEFAULT_OWNER_LEASE_S),
+            retention_watermark=_number(env, "BIDIRKV_RETENTION_WATERMARK", 0.0, 1.0, 1.0),
         )
 
     def resolve(self, is_cpu: bool) -> Resolved:

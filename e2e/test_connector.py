@@ -1,11 +1,5 @@
-"""The vLLM plugin in real servers: vLLM's CPU build, NIXL over UCX, one P and one D.
-
-Both servers run the operator's rendering of the spec below (`engine_process`), so the
-plugin is loaded the way a pod loads it: through the package's entry point, in every
-vLLM process. The tests drive the two legs over HTTP as protocol.md section 3 describes
-(and once through the real router), with a float32 tiny model, whose greedy output is
-reproducible, so "reuse on" and "reuse off" outputs can be compared token for token.
-"""
+"""The vLLM plugin in real servers: vLLM's CPU build, NIXL over UCX, one P and one D
+(e2e/vllm_stack.py), driven leg by leg and once through the real router."""
 
 from __future__ import annotations
 
@@ -15,13 +9,10 @@ import json
 import os
 import pathlib
 import re
-import socket
 import sys
 import time
 import urllib.error
 import urllib.request
-import uuid
-from dataclasses import dataclass
 
 import pytest
 
@@ -30,172 +21,36 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
                 allow_module_level=True)
 
 from bidirkv.connector.handles import MAC_KEY, sign  # noqa: E402
-from bidirkv.local.engines import LocalPorts, engine_process, local_router_config  # noqa: E402
-from bidirkv.local.model import build_model, random_text  # noqa: E402
-from bidirkv.local.procs import Proc, merged_env, stop_all  # noqa: E402
-from bidirkv.operator.spec import parse_spec  # noqa: E402
+from bidirkv.local.engines import local_router_config  # noqa: E402
+from bidirkv.local.model import random_text  # noqa: E402
+from bidirkv.local.procs import Proc, merged_env  # noqa: E402
+
+from .vllm_stack import (  # noqa: E402
+    BLOCK,
+    GEN,
+    KEY,
+    MISS,
+    MODEL,
+    Stack,
+    chat,
+    decode_leg,
+    free_ports,
+    metric,
+    post,
+    prefill_leg,
+    running_stack,
+    stream,
+    stream_text,
+    turn,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
-
-KEY = "e2e-handle-key"
-BLOCK = 128
-MODEL = "tiny"
-START_TIMEOUT = 300
-REQUEST_TIMEOUT = 90
-MISS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None}
-# Generation settings under which a reply sent back as history re-tokenizes to exactly
-# the generated ids (the word-level tokenizer round-trips, special tokens included).
-GEN = {"temperature": 0, "max_tokens": 24, "ignore_eos": True, "skip_special_tokens": False}
-
-
-def spec_for(model: pathlib.Path) -> dict:
-    env = [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
-           {"name": "UCX_TLS", "value": "tcp,self,sm"},
-           {"name": "HF_HUB_OFFLINE", "value": "1"},
-           {"name": "BIDIRKV_HANDLE_KEY", "value": KEY}]
-    return {
-        "model": {"name": str(model), "servedName": MODEL, "maxModelLen": 4096,
-                  "dtype": "float32"},
-        "engine": {"extraArgs": ["--enforce-eager", "--block-size", str(BLOCK),
-                                 "--max-num-seqs", "8", "--max-num-batched-tokens", "4096"],
-                   "extraEnv": env},
-        # P without a prefix cache: every reused token comes from D, and "reuse off"
-        # really recomputes.
-        "prefill": {"enablePrefixCaching": False,
-                    "extraEnv": [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "0"}]},
-        "decode": {"extraEnv": [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "1"}]},
-        "kvTransfer": {"decoderKvBlocksTtlSeconds": 120, "kvRecomputeThreshold": 64,
-                       "kvBufferDevice": "cpu"},
-        "router": {"conversationTtlSeconds": 100},
-    }
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-@dataclass
-class Stack:
-    p: Proc
-    d: Proc
-    p_url: str
-    d_url: str
-    spec: object
-    ports: dict
-    root: pathlib.Path
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    root = tmp_path_factory.mktemp("connector-e2e")
-    model = build_model(root / "model", dtype="float32")
-    spec = parse_spec(spec_for(model))
-    http_p, http_d, nixl_p, nixl_d = free_ports(4)
-    ports = {"prefill": LocalPorts(http_p, nixl_p), "decode": LocalPorts(http_d, nixl_d)}
-    procs: list[Proc] = []
-    try:
-        for role, lp in ports.items():
-            argv, env = engine_process(spec, role, lp)
-            # Started from the test's own directory, the repository's operator/ folder
-            # would shadow the standard library for `python -m vllm...`.
-            procs.append(Proc(role, argv, merged_env(env), root / f"{role}.log",
-                              f"http://127.0.0.1:{lp.http}/health").start(cwd=str(root)))
-        for proc in procs:
-            proc.wait_healthy(START_TIMEOUT)
-        yield Stack(procs[0], procs[1], f"http://127.0.0.1:{http_p}",
-                    f"http://127.0.0.1:{http_d}", spec, ports, root)
-    finally:
-        stop_all(procs)
-
-
-# -- HTTP ---------------------------------------------------------------------------------
-
-def post(url: str, body: dict, timeout: float = REQUEST_TIMEOUT) -> tuple[int, dict]:
-    req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json",
-                                  "X-Request-Id": str(uuid.uuid4())})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
-def stream(url: str, body: dict, timeout: float = REQUEST_TIMEOUT) -> list[dict | str]:
-    """The data of each SSE event ([DONE] as the string)."""
-    req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    events: list[dict | str] = []
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        assert r.status == 200
-        for line in r:
-            line = line.strip()
-            if line.startswith(b"data:"):
-                data = line[5:].strip()
-                events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
-    return events
-
-
-def stream_text(events: list) -> str:
-    parts = []
-    for ev in events:
-        for ch in ev.get("choices", []) if isinstance(ev, dict) else ():
-            parts.append((ch.get("delta") or {}).get("content") or ch.get("text") or "")
-    return "".join(parts)
-
-
-def metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(m.group(1)) for m in
-               re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
-
-
-def chat(messages: list[dict], **over) -> dict:
-    return {"model": MODEL, "messages": messages, **GEN, **over}
-
-
-def prefill_leg(s: Stack, body: dict, handle: dict | None = None) -> dict:
-    pbody = dict(body, stream=False, max_tokens=1)
-    pbody.pop("stream_options", None)
-    pbody["kv_transfer_params"] = (dict(handle, do_remote_decode=True,
-                                        do_remote_prefill=False) if handle else dict(MISS))
-    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    status, out = post(s.p_url + path, pbody)
-    assert status == 200, out
-    return out
-
-
-def decode_leg(s: Stack, body: dict, p_out: dict, streamed: bool = True
-               ) -> tuple[str, dict | None, list]:
-    dbody = dict(body, stream=streamed,
-                 kv_transfer_params=dict(p_out["kv_transfer_params"], remote_host="127.0.0.1"))
-    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    if not streamed:
-        status, out = post(s.d_url + path, dbody)
-        assert status == 200, out
-        ch = out["choices"][0]
-        return (ch.get("message") or {}).get("content") or ch.get("text"), out.get(
-            "kv_transfer_params"), []
-    events = stream(s.d_url + path, dbody)
-    params = [e["kv_transfer_params"] for e in events
-              if isinstance(e, dict) and "kv_transfer_params" in e]
-    return stream_text(events), (params[-1] if params else None), events
-
-
-def turn(s: Stack, body: dict, handle: dict | None = None, streamed: bool = True):
-    """One protocol turn: P (with D's handle or as a miss), then D. (text, D params, P)."""
-    p_out = prefill_leg(s, body, handle)
-    text, d_params, _ = decode_leg(s, body, p_out, streamed)
-    return text, d_params, p_out
+    with running_stack(tmp_path_factory.mktemp("connector-e2e")) as s:
+        yield s
 
 
 def report(p_out: dict) -> dict:

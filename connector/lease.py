@@ -1,0 +1,82 @@
+"""The read grant on NIXL's side channel: prefill asks decode right before it reads.
+
+Decode's side channel (a ZMQ ROUTER in its engine-core process, next to the scheduler
+that owns the blocks) answers vLLM's handshake (`get_meta_msg`). It also answers one
+message of ours:
+
+    request  msgpack [LEASE_MSG, decode request id]   (one frame)
+    reply    msgpack ["granted" | "refused", reason]  (one frame)
+
+Prefill reads only after "granted"; anything else (refused, no answer in time, a reply
+it cannot parse) makes it recompute, the outcome that can never be wrong. All peers of
+a pool run the plugin (one image): an unpatched listener would not understand LEASE_MSG.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+LEASE_MSG = b"bidirkv_lease"
+GRANTED = "granted"
+CONFIRM_TIMEOUT_MS = 2000
+_decode = msgspec.msgpack.Decoder()
+_encode = msgspec.msgpack.Encoder()
+
+
+def lease_request(req_id: str) -> bytes:
+    return _encode.encode([LEASE_MSG, req_id])
+
+
+def answer(msg: bytes, meta: dict[tuple[int, int], bytes],
+           grant: Callable[[str], tuple[bool, str]] | None) -> tuple[bytes, ...]:
+    """The reply frames for one side-channel message (never raises)."""
+    try:
+        parts = _decode.decode(msg)
+    except Exception:  # noqa: BLE001 - garbage from the network
+        parts = None
+    if isinstance(parts, list) and parts:
+        kind = parts[0]
+        if kind == LEASE_MSG and len(parts) == 2 and isinstance(parts[1], str):
+            ok, reason = grant(parts[1]) if grant is not None else (False, "no_residency")
+            return (_encode.encode([GRANTED if ok else "refused", reason]),)
+        if len(parts) == 3:
+            payload = meta.get((parts[1], parts[2]))
+            if payload is not None:
+                # What vLLM's own listener replies: the agent metadata and decode's clock.
+                return payload, _encode.encode(time.perf_counter())
+    return (_encode.encode(["error", "unexpected side-channel message"]),)
+
+
+def parse_reply(frames: list[bytes]) -> tuple[bool, str]:
+    try:
+        status, reason = _decode.decode(frames[0]) if len(frames) == 1 else (None, None)
+    except Exception:  # noqa: BLE001
+        return False, "unparsable reply"
+    return status == GRANTED, str(reason)
+
+
+def confirm(host: str, port: int, req_id: str, timeout_ms: int = CONFIRM_TIMEOUT_MS,
+            zmq_module: Any = None) -> tuple[bool, str]:
+    """Ask decode at host:port for the grant to read `req_id`; (granted, reason)."""
+    import zmq
+
+    zmq = zmq_module or zmq
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+        sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+        sock.connect(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")
+        sock.send(lease_request(req_id))
+        return parse_reply(sock.recv_multipart())
+    except zmq.Again:
+        return False, f"no answer in {timeout_ms} ms"
+    except zmq.ZMQError as exc:
+        return False, f"side channel error: {exc}"
+    finally:
+        sock.close(0)

@@ -1,0 +1,299 @@
+"""vLLM patches that make decode's retained KV yield (residency.py holds the decisions).
+
+Decode, engine-core process:
+- `NixlBaseConnector.request_finished[_all_groups]`: a retained request (D, delayed free)
+  becomes a `Held` entry, with the router that owns its handle (`bidirkv_owner` in the
+  request's kv_transfer_params, set by the router on the decode leg).
+- `NixlBaseConnector.update_state_after_alloc`: vLLM only tracks a D request for its
+  deadline when it pulled from P; a request that arrived without a P handle (both flags
+  false, or a handle the plugin dropped) would be retained and never freed. It is tracked
+  like any other.
+- `Scheduler.schedule`: before each step, release what must go: owners whose lease lapsed,
+  retained blocks above the watermark, and, when a waiting request does not fit in the
+  free blocks, the oldest retained requests nobody was granted.
+- `NixlBaseConnector.build_connector_meta`: decided releases become a deadline of 0 for
+  vLLM's own expiry path (the worker frees them on this step, and the scheduler frees
+  them when the worker reports them, exactly as for an expired TTL).
+- `NixlBaseConnector.update_connector_output`: freed requests leave the residency.
+- `NixlBaseConnectorScheduler._nixl_handshake_listener`: the side channel also answers
+  read grants (lease.py).
+- `EngineCore.bidirkv_residency`: the utility the `/bidirkv/residency` route calls
+  (renew an owner's lease, release handles the router dropped, report capacity).
+
+Prefill, worker process:
+- `NixlPullConnectorWorker._read_blocks_for_req`: a read of decode's retained blocks
+  (a turn-2 read: it carries D's deadline) asks for the grant first; refused, it takes
+  vLLM's expired-read path and the request is recomputed.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import threading
+from typing import Any
+
+from . import lease
+from .patching import MARK, Skip, resolve, wrap
+from .residency import Residency, blocks_wanted, current, install
+
+log = logging.getLogger("vllm.bidirkv")
+
+CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector"
+BASE_SCHEDULER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler"
+PULL_WORKER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
+SCHEDULER = "vllm.v1.core.sched.scheduler"
+ENGINE = "vllm.v1.engine.core"
+OWNER_KEY = "bidirkv_owner"
+# Owner leases are checked this often (seconds): cheap, but not every step.
+OWNER_CHECK_S = 0.5
+# How far down the waiting queues to look for the request that does not fit.
+PEEK = 4
+
+
+def _bidirectional(conn: Any) -> bool:
+    cs = getattr(conn, "connector_scheduler", None)
+    return bool(cs is not None and cs.is_bidirectional_kv_xfer_enabled
+                and getattr(cs, "_TRANSFER_MODE", "pull") == "pull")
+
+
+# -- decode: retention, release, free ----------------------------------------------------
+def _request_finished(orig):
+    @functools.wraps(orig)
+    def request_finished(self, request, block_ids):
+        delay, out = orig(self, request, block_ids)
+        if delay and isinstance(out, dict) and out.get("do_remote_decode") and _bidirectional(
+            self
+        ):
+            params = request.kv_transfer_params or {}
+            owner = params.get(OWNER_KEY)
+            deadline = self.connector_scheduler._reqs_need_send.get(request.request_id)
+            if deadline is not None:
+                blocks = sum(len(g) for g in out.get("remote_block_ids") or ())
+                res = current()
+                assert res is not None  # installed with the connector patches
+                res.retain(request.request_id, blocks,
+                                owner if isinstance(owner, str) else None, deadline)
+        return delay, out
+
+    return request_finished
+
+
+def _update_state_after_alloc(orig):
+    @functools.wraps(orig)
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        out = orig(self, request, blocks, num_external_tokens)
+        params = request.kv_transfer_params
+        if params and not params.get("do_remote_decode") and _bidirectional(self):
+            # Tracked, so vLLM's deadline (and ours) can free it: see the module doc.
+            self.connector_scheduler._reqs_in_batch.add(request.request_id)
+        return out
+
+    return update_state_after_alloc
+
+
+def _build_connector_meta(orig):
+    @functools.wraps(orig)
+    def build_connector_meta(self, scheduler_output):
+        res = current()
+        if res is not None and _bidirectional(self):
+            need_send = self.connector_scheduler._reqs_need_send
+            for rid in res.take_pending():
+                need_send[rid] = 0.0
+        return orig(self, scheduler_output)
+
+    return build_connector_meta
+
+
+def _update_connector_output(orig):
+    @functools.wraps(orig)
+    def update_connector_output(self, connector_output):
+        res = current()
+        sent = getattr(connector_output, "finished_sending", None)
+        if res is not None and sent:
+            res.on_freed(sent)
+        return orig(self, connector_output)
+
+    return update_connector_output
+
+
+def _first_waiting(sched: Any) -> Any:
+    from vllm.v1.request import RequestStatus
+
+    queues = [q for q in (getattr(sched, "kv_holding_waiting", None), sched.waiting) if q]
+    for req in itertools.islice(itertools.chain(*queues), PEEK):
+        if req.status == RequestStatus.WAITING:
+            return req
+    return None
+
+
+def blocks_short(sched: Any, res: Residency) -> int:
+    """Blocks the first waiting request lacks, counting those already being released."""
+    req = _first_waiting(sched)
+    if req is None:
+        return 0
+    pool = sched.kv_cache_manager.block_pool
+    want = blocks_wanted(req.num_tokens, sched.block_size, len(sched.running))
+    return max(0, want - pool.get_num_free_blocks() - res.releasing_blocks())
+
+
+def _schedule(orig):
+    @functools.wraps(orig)
+    def schedule(self, *args, **kwargs):
+        res = current()
+        if res is not None and res.held:
+            try:
+                _yield(self, res)
+            except Exception:  # noqa: BLE001 - must never take the engine loop down
+                log.exception("bidir-kv: residency check failed")
+        return orig(self, *args, **kwargs)
+
+    return schedule
+
+
+def _yield(sched: Any, res: Residency) -> None:
+    import time
+
+    now = time.monotonic()
+    if now >= sched.__dict__.get("_bidirkv_owner_check", 0.0):
+        sched.__dict__["_bidirkv_owner_check"] = now + OWNER_CHECK_S
+        if n := res.expire_owners():
+            log.info("bidir-kv: released %d retained blocks of routers that went away", n)
+    total = sched.kv_cache_manager.block_pool.num_gpu_blocks
+    if over := res.over_watermark(total):
+        res.reclaim(over, "watermark")
+    if short := blocks_short(sched, res):
+        got = res.reclaim(short, "pressure")
+        if got:
+            log.info("bidir-kv: a waiting request lacks %d blocks; released %d retained "
+                     "blocks", short, got)
+
+
+# -- side channel and the HTTP utility ------------------------------------------------------
+def _listener(encoded_data, ready_event, stop_event, host, port):
+    """vLLM's side-channel thread, answering read grants too (lease.answer)."""
+    import zmq
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import zmq_ctx
+    from vllm.utils.network_utils import make_zmq_path
+
+    with zmq_ctx(zmq.ROUTER, make_zmq_path("tcp", host, port)) as sock:
+        sock.setsockopt(zmq.RCVTIMEO, 1000)
+        ready_event.set()
+        while True:
+            try:
+                frames = sock.recv_multipart()
+            except zmq.Again:
+                if stop_event.is_set():
+                    break
+                continue
+            if len(frames) != 3:
+                continue  # not a REQ peer: nothing to answer
+            identity, _, msg = frames
+            res = current()
+            sock.send_multipart((identity, b"",
+                                 *lease.answer(msg, encoded_data,
+                                               res.grant if res is not None else None)))
+
+
+def _install_listener() -> None:
+    owner, attr, orig = resolve(BASE_SCHEDULER, "NixlBaseConnectorScheduler."
+                                "_nixl_handshake_listener")
+    if getattr(orig, MARK, False):
+        return
+    if not isinstance(owner.__dict__.get(attr), staticmethod):
+        raise Skip(f"{BASE_SCHEDULER}.{attr} is no longer a staticmethod")
+    fn = functools.wraps(orig)(_listener)
+    setattr(fn, MARK, True)
+    setattr(owner, attr, staticmethod(fn))
+
+
+def residency_utility(engine: Any, body: dict) -> dict:
+    """EngineCore utility: renew an owner, release handles, report; runs between steps."""
+    res = current()
+    sched = engine.scheduler
+    pool = sched.kv_cache_manager.block_pool
+    out: dict[str, Any] = {"enabled": res is not None, "numBlocks": pool.num_gpu_blocks,
+                           "freeBlocks": pool.get_num_free_blocks()}
+    if res is None:
+        return out
+    owner, lease_s = body.get("owner"), body.get("leaseSeconds")
+    if isinstance(owner, str) and isinstance(lease_s, int | float):
+        res.renew(owner, float(lease_s))
+    out["releasedBlocks"] = res.release(body.get("release") or (), "router")
+    out.update(res.stats())
+    return out
+
+
+# -- prefill: grant before read --------------------------------------------------------------
+def _read_blocks_for_req(orig):
+    @functools.wraps(orig)
+    def _read(self, req_id, meta):
+        remote = meta.remote
+        if (
+            getattr(self, "_bidirectional_kv_xfer_enabled", False)
+            and remote is not None
+            and remote.blocks_expiry_time is not None  # D's retained blocks, not P's
+            and remote.engine_id in self._remote_agents
+            and remote.engine_id not in self._invalid_remote_engines
+            and any(len(g) for g in meta.local_physical_block_ids)
+        ):
+            ok, why = lease.confirm(remote.host, remote.port, remote.request_id)
+            if not ok:
+                log.warning("bidir-kv: decode refused the read of %s for %s (%s); "
+                            "recomputing", remote.request_id, req_id, why)
+                self.xfer_stats.record_kv_expired_req()
+                self._handle_failed_transfer(req_id, None, self._recv_failures,
+                                             record_failed_transfer=False)
+                return None
+        return orig(self, req_id, meta)
+
+    return _read
+
+
+SCHEDULER_SIDE = (
+    (CONNECTOR, "NixlBaseConnector.request_finished"),
+    (CONNECTOR, "NixlBaseConnector.request_finished_all_groups"),
+    (CONNECTOR, "NixlBaseConnector.update_state_after_alloc"),
+    (CONNECTOR, "NixlBaseConnector.build_connector_meta"),
+    (CONNECTOR, "NixlBaseConnector.update_connector_output"),
+    (BASE_SCHEDULER, "NixlBaseConnectorScheduler._nixl_handshake_listener"),
+    (SCHEDULER, "Scheduler.schedule"),
+    (ENGINE, "EngineCore"),
+)
+WORKER_SIDE = ((PULL_WORKER, "NixlPullConnectorWorker._read_blocks_for_req"),)
+_lock = threading.Lock()
+
+
+def install_connector(owner_lease_s: float, watermark: float) -> list[str]:
+    """Decode-side patches of the connector module (engine-core process)."""
+    for module, qualname in SCHEDULER_SIDE[:6]:
+        resolve(module, qualname)
+
+    with _lock:
+        if current() is None:
+            install(Residency(owner_lease_s=owner_lease_s, watermark=watermark))
+        wrap(CONNECTOR, "NixlBaseConnector.request_finished", _request_finished)
+        wrap(CONNECTOR, "NixlBaseConnector.request_finished_all_groups", _request_finished)
+        wrap(CONNECTOR, "NixlBaseConnector.update_state_after_alloc", _update_state_after_alloc)
+        wrap(CONNECTOR, "NixlBaseConnector.build_connector_meta", _build_connector_meta)
+        wrap(CONNECTOR, "NixlBaseConnector.update_connector_output", _update_connector_output)
+        _install_listener()
+    return ["residency", "read-grants"]
+
+
+def install_scheduler() -> list[str]:
+    wrap(SCHEDULER, "Scheduler.schedule", _schedule)
+    return ["yield-retained-kv"]
+
+
+def install_engine() -> list[str]:
+    cls = resolve(ENGINE, "EngineCore")[2]
+    if not hasattr(cls, "bidirkv_residency"):
+        cls.bidirkv_residency = lambda self, body: residency_utility(self, body)
+    return ["residency-utility"]
+
+
+def install_worker() -> list[str]:
+    wrap(PULL_WORKER, "NixlPullConnectorWorker._read_blocks_for_req", _read_blocks_for_req)
+    return ["grant-before-read"]

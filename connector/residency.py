@@ -1,0 +1,211 @@
+"""Decode's retained KV: a cache with an owner, a lease, and a yield to new work.
+
+With bidirectional transfer, decode keeps every finished request's blocks so prefill can
+read them back on the next turn. vLLM keeps them for a fixed TTL and never gives them up
+early, so a loaded decode stalls new requests behind blocks nobody may ever read. Here
+each retained request is one `Held` entry, and it leaves by one of these causes:
+
+    read        prefill read it and notified decode (vLLM's own path)
+    expired     vLLM's TTL ran out
+    router      the router that holds the only handle dropped it (LRU, superseded,
+                its own TTL, an explicit end of the conversation)
+    owner_gone  the router that owns it stopped renewing its lease (gone, restarted)
+    pressure    a request is waiting for blocks and these are only kept for reuse
+    watermark   retained blocks above the configured share of decode's KV
+
+Safety does not rest on timing. A read is one-sided (decode never sees it), so prefill
+asks decode for a *grant* over the side channel right before it reads. A grant and a
+release are decided under one lock: once granted, nothing but the read's notification
+(or vLLM's TTL, which prefill already stays clear of) frees the blocks; once a release
+was decided, a grant is refused and prefill recomputes. Both transitions happen here;
+the vLLM patches only move ids in and out (patch_residency.py).
+
+The engine thread (scheduler, utility calls) and the side-channel thread (grants) share
+one instance per engine-core process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+HELD = "held"
+GRANTED = "granted"
+RELEASING = "releasing"
+
+CAUSES = ("router", "owner_gone", "pressure", "watermark")
+# A grant is refused this close to vLLM's own deadline: prefill would decline the read
+# anyway (it keeps a 5 s margin), and the blocks must outlive the read.
+GRANT_MARGIN_S = 10.0
+# A request retained before its owner's first heartbeat gets this long to be renewed.
+DEFAULT_OWNER_LEASE_S = 30.0
+
+
+@dataclass
+class Held:
+    req_id: str
+    blocks: int
+    owner: str | None
+    deadline: float  # vLLM's TTL, on this process's perf_counter
+    state: str = HELD
+    cause: str | None = None
+
+
+@dataclass
+class Residency:
+    owner_lease_s: float = DEFAULT_OWNER_LEASE_S
+    watermark: float = 1.0  # share of decode's blocks that retained KV may pin
+    clock: Callable[[], float] = time.perf_counter
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    # Retention order: the first entry is the oldest, the first to yield.
+    held: OrderedDict[str, Held] = field(default_factory=OrderedDict)
+    owners: dict[str, float] = field(default_factory=dict)  # owner -> lease deadline
+    released: Counter = field(default_factory=Counter)  # cause -> requests
+    freed: Counter = field(default_factory=Counter)  # read | expired | released
+    grants: int = 0
+    refusals: Counter = field(default_factory=Counter)  # reason -> grants refused
+    _pending: list[str] = field(default_factory=list)
+
+    # -- engine thread: lifecycle ---------------------------------------------------------
+    def retain(self, req_id: str, blocks: int, owner: str | None, deadline: float) -> None:
+        now = self.clock()
+        with self.lock:
+            self.held[req_id] = Held(req_id, blocks, owner, deadline)
+            if owner is not None and owner not in self.owners:
+                self.owners[owner] = now + self.owner_lease_s
+
+    def on_freed(self, req_ids: Iterable[str]) -> None:
+        """vLLM freed these requests' blocks (read, TTL, or a release we asked for)."""
+        with self.lock:
+            for rid in req_ids:
+                h = self.held.pop(rid, None)
+                if h is None:
+                    continue
+                if h.state == RELEASING:
+                    self.freed["released"] += 1
+                elif h.state == GRANTED:
+                    self.freed["read"] += 1
+                else:
+                    self.freed["expired"] += 1
+
+    def take_pending(self) -> list[str]:
+        """Releases decided since the last call, for vLLM to free now."""
+        with self.lock:
+            out, self._pending = self._pending, []
+        return out
+
+    # -- decisions -----------------------------------------------------------------------
+    def _release(self, h: Held, cause: str) -> int:
+        """Caller holds the lock. Only an entry nobody was granted can go."""
+        if h.state != HELD:
+            return 0
+        h.state, h.cause = RELEASING, cause
+        self.released[cause] += 1
+        self._pending.append(h.req_id)
+        return h.blocks
+
+    def release(self, req_ids: Iterable[str], cause: str = "router") -> int:
+        """Free these now (the router dropped their handles); blocks released."""
+        with self.lock:
+            return sum(self._release(h, cause) for rid in req_ids
+                       if (h := self.held.get(rid)) is not None)
+
+    def renew(self, owner: str, lease_s: float) -> None:
+        with self.lock:
+            self.owners[owner] = self.clock() + lease_s
+
+    def expire_owners(self) -> int:
+        """Release what belongs to owners whose lease lapsed; blocks released."""
+        now = self.clock()
+        with self.lock:
+            gone = {o for o, t in self.owners.items() if t <= now}
+            if not gone:
+                return 0
+            for o in gone:
+                del self.owners[o]
+            return sum(self._release(h, "owner_gone") for h in list(self.held.values())
+                       if h.owner in gone)
+
+    def reclaim(self, blocks: int, cause: str = "pressure") -> int:
+        """Release the oldest releasable entries until `blocks` are on their way."""
+        got = 0
+        with self.lock:
+            for h in list(self.held.values()):
+                if got >= blocks:
+                    break
+                got += self._release(h, cause)
+        return got
+
+    def over_watermark(self, total_blocks: int) -> int:
+        """Retained blocks (not yet released) above the watermark share of decode's KV."""
+        limit = int(self.watermark * total_blocks)
+        return max(0, self.kept_blocks() - limit)
+
+    # -- side-channel thread --------------------------------------------------------------
+    def grant(self, req_id: str) -> tuple[bool, str]:
+        """May prefill read this request's blocks now? Decided once, under the lock."""
+        now = self.clock()
+        with self.lock:
+            h = self.held.get(req_id)
+            if h is None:
+                reason = "unknown"
+            elif h.state == GRANTED:
+                reason = "already_granted"  # a handle is read once
+            elif h.state == RELEASING:
+                reason = f"released:{h.cause}"
+            elif h.deadline - now < GRANT_MARGIN_S:
+                reason = "near_expiry"
+            else:
+                h.state = GRANTED
+                self.grants += 1
+                return True, "granted"
+            self.refusals[reason.split(":")[0]] += 1
+            return False, reason
+
+    # -- views -----------------------------------------------------------------------------
+    def kept_blocks(self) -> int:
+        """Blocks held or granted: what retention pins until something frees it."""
+        return sum(h.blocks for h in self.held.values() if h.state != RELEASING)
+
+    def releasing_blocks(self) -> int:
+        return sum(h.blocks for h in self.held.values() if h.state == RELEASING)
+
+    def stats(self) -> dict:
+        with self.lock:
+            by_state = Counter()
+            for h in self.held.values():
+                by_state[h.state] += h.blocks
+            return {
+                "retainedRequests": len(self.held),
+                "retainedBlocks": sum(by_state.values()),
+                "grantedBlocks": by_state[GRANTED],
+                "releasingBlocks": by_state[RELEASING],
+                "owners": len(self.owners),
+                "released": dict(self.released),
+                "freed": dict(self.freed),
+                "grants": self.grants,
+                "refusals": dict(self.refusals),
+            }
+
+
+def blocks_wanted(num_tokens: int, block_size: int, running: int) -> int:
+    """Blocks a waiting request needs to start (all its tokens plus the next one), plus
+    one per running request, which may cross into a new block on this step."""
+    return -(-(num_tokens + 1) // block_size) + running
+
+
+_current: Residency | None = None
+
+
+def current() -> Residency | None:
+    """This engine-core process's residency (None before its scheduler exists)."""
+    return _current
+
+
+def install(res: Residency) -> Residency:
+    global _current
+    _current = res
+    return res

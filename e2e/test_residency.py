@@ -1,0 +1,177 @@
+"""Decode's retained KV yields, and reuse stays safe: real vLLM CPU servers.
+
+Decode has only DECODE_BLOCKS blocks of 128 tokens, so a few finished conversations fill
+it. Every test checks both invariants of connector/residency.py: prefill never reads
+blocks decode released (it recomputes, and the output is the reuse-off output), and no
+request waits on blocks that are only kept for reuse.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None:
+    pytest.skip("the vLLM CPU engine stack is not installed (make engine)",
+                allow_module_level=True)
+
+from bidirkv.connector import lease  # noqa: E402
+from bidirkv.local.model import build_model, random_text  # noqa: E402
+
+from .vllm_stack import (  # noqa: E402
+    BLOCK,
+    chat,
+    decode_leg,
+    metric,
+    post,
+    prefill_leg,
+    running_stack,
+    spec_for,
+    turn,
+)
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
+
+DECODE_BLOCKS = 24
+MAX_LEN = 2048
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("residency-e2e")
+    doc = spec_for(build_model(root / "model", dtype="float32"), max_model_len=MAX_LEN)
+    with running_stack(root, doc, {"decode": ["--num-gpu-blocks-override",
+                                              str(DECODE_BLOCKS)]}) as s:
+        yield s
+
+
+def residency(s, **body) -> dict:
+    status, out = post(s.d_url + "/bidirkv/residency", body)
+    assert status == 200, out
+    return out
+
+
+def settled(s, what, timeout: float = 10.0) -> dict:
+    """Poll decode's residency until `what(stats)` holds (a step or two after a release)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = residency(s)
+        if what(out) or time.monotonic() > deadline:
+            return out
+        time.sleep(0.1)
+
+
+def first_turn(s, seed: int, words: int = 500, owner: str | None = None):
+    user = {"role": "user", "content": random_text(words, seed=seed)}
+    body = chat([user])
+    p_out = prefill_leg(s, body)
+    if owner is not None:
+        p_out = dict(p_out, kv_transfer_params=dict(p_out["kv_transfer_params"],
+                                                    bidirkv_owner=owner))
+    text, handle, _ = decode_leg(s, body, p_out, streamed=False)
+    return user, text, handle
+
+
+def next_body(user: dict, text: str, seed: int) -> dict:
+    return chat([user, {"role": "assistant", "content": text},
+                 {"role": "user", "content": random_text(60, seed=seed)}])
+
+
+def reference(s, body: dict) -> str:
+    return turn(s, body, None, streamed=False)[0]
+
+
+def test_residency_route_reports_capacity(stack):
+    out = residency(stack)
+    assert out["enabled"] and out["numBlocks"] == DECODE_BLOCKS
+    status, err = post(stack.d_url + "/bidirkv/residency", {"release": "all"})
+    assert status == 400 and "release must be a list" in err["error"]["message"]
+
+
+def test_release_on_the_routers_word_then_prefill_recomputes(stack):
+    user, text, handle = first_turn(stack, seed=1)
+    rid = handle["remote_request_id"]
+    held = -(-handle["remote_num_tokens"] // BLOCK)
+    before = residency(stack)
+    assert before["retainedBlocks"] >= held
+    out = residency(stack, release=[rid])
+    assert out["releasedBlocks"] == held
+    after = settled(stack, lambda o: o["retainedBlocks"] <= before["retainedBlocks"] - held)
+    assert after["retainedBlocks"] <= before["retainedBlocks"] - held, after
+    # The router would not send this handle again; a replay of it must not read.
+    body = next_body(user, text, seed=2)
+    pulled = metric(stack.p_url, "vllm:nixl_bytes_transferred_sum")
+    p_out = prefill_leg(stack, body, handle)
+    assert metric(stack.p_url, "vllm:nixl_bytes_transferred_sum") == pulled
+    rep = p_out["kv_transfer_params"]["bidirkv"]
+    assert rep["reused_tokens"] == 0 and rep["reason"] == "load_failed", rep
+    text2, _, _ = decode_leg(stack, body, p_out, streamed=False)
+    assert text2 == reference(stack, body)
+
+
+def test_a_granted_read_cannot_be_released(stack):
+    """The race of a read and a release, decided under decode's lock in both orders."""
+    user, text, handle = first_turn(stack, seed=3)
+    rid = handle["remote_request_id"]
+    ok, why = lease.confirm("127.0.0.1", handle["remote_port"], rid)
+    assert ok, why
+    out = residency(stack, release=[rid])
+    assert out["releasedBlocks"] == 0 and out["grantedBlocks"] > 0
+    ok, why = lease.confirm("127.0.0.1", handle["remote_port"], rid)
+    assert not ok and why == "already_granted"
+    # Released first: the grant is refused.
+    _, _, handle2 = first_turn(stack, seed=4)
+    assert residency(stack, release=[handle2["remote_request_id"]])["releasedBlocks"] > 0
+    ok, why = lease.confirm("127.0.0.1", handle2["remote_port"], handle2["remote_request_id"])
+    assert not ok and why.startswith(("released", "unknown")), why
+
+
+def test_a_waiting_request_takes_retained_blocks(stack):
+    # Retain until decode is nearly full (owner-less: only pressure can free them early).
+    for seed in range(10, 20):
+        first_turn(stack, seed=seed, words=600)
+        if residency(stack)["freeBlocks"] < 8:
+            break
+    full = residency(stack)
+    assert full["freeBlocks"] < 8, full
+    # A request needing more than is free: served now, not after the 120 s TTL.
+    body = chat([{"role": "user", "content": random_text(1400, seed=30)}], max_tokens=4)
+    t = time.monotonic()
+    status, out = post(stack.d_url + "/v1/chat/completions", body, timeout=60)
+    took = time.monotonic() - t
+    assert status == 200, out
+    assert took < 20, took
+    after = residency(stack)
+    assert after["released"].get("pressure", 0) > full["released"].get("pressure", 0), after
+
+
+def test_untracked_request_is_freed_on_release(stack):
+    """Both flags false (no P handle): vLLM retained such requests and never freed them."""
+    body = chat([{"role": "user", "content": random_text(300, seed=40)}], max_tokens=4)
+    body["kv_transfer_params"] = {"do_remote_prefill": False, "do_remote_decode": False}
+    status, out = post(stack.d_url + "/v1/chat/completions", body)
+    assert status == 200, out
+    handle = out["kv_transfer_params"]
+    before = residency(stack)
+    assert residency(stack, release=[handle["remote_request_id"]])["releasedBlocks"] > 0
+    after = settled(stack, lambda o: o["retainedRequests"] < before["retainedRequests"])
+    assert after["retainedRequests"] < before["retainedRequests"], after
+
+
+def test_an_owner_that_stops_renewing_loses_its_blocks(stack):
+    residency(stack, owner="router-a", leaseSeconds=1)
+    _, _, handle = first_turn(stack, seed=50, owner="router-a")
+    assert handle is not None
+    before = residency(stack)["released"].get("owner_gone", 0)
+    time.sleep(1.5)
+    out = settled(stack, lambda o: o["released"].get("owner_gone", 0) > before)
+    assert out["released"].get("owner_gone", 0) > before, out
+
+
+def test_engines_log_the_residency_patches(stack):
+    log = stack.d.log_path.read_text(errors="replace")
+    for name in ("residency, read-grants", "yield-retained-kv", "residency-utility"):
+        assert name in log, name
+    assert "grant-before-read" in stack.p.log_path.read_text(errors="replace")
