@@ -129,6 +129,13 @@ def build_role_config(spec: DisaggregatedInferenceSpec, role: str) -> RoleConfig
         # the list is an allowlist for every plugin group.
         _env("VLLM_PLUGINS", "bidirkv"),
     ]
+    if spec.kv_transfer.bidirectional:
+        # Decode's own bounds on retained KV (connector/residency.py); the router gets the
+        # same values in its config.
+        env += [
+            _env("BIDIRKV_RETENTION_WATERMARK", str(spec.kv_transfer.retention_watermark)),
+            _env("BIDIRKV_OWNER_LEASE_SECONDS", str(spec.kv_transfer.owner_lease_seconds)),
+        ]
     if spec.efa.enabled:
         env += [
             _env("FI_PROVIDER", "efa"),

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import json
 import os
 import pathlib
 import re
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,9 +19,7 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
                 allow_module_level=True)
 
 from bidirkv.connector.handles import MAC_KEY, sign  # noqa: E402
-from bidirkv.local.engines import local_router_config  # noqa: E402
 from bidirkv.local.model import random_text  # noqa: E402
-from bidirkv.local.procs import Proc, merged_env  # noqa: E402
 
 from .vllm_stack import (  # noqa: E402
     BLOCK,
@@ -34,10 +30,10 @@ from .vllm_stack import (  # noqa: E402
     Stack,
     chat,
     decode_leg,
-    free_ports,
     metric,
     post,
     prefill_leg,
+    running_router,
     running_stack,
     stream,
     stream_text,
@@ -255,17 +251,7 @@ def test_servers_holding_blocks_do_not_spin(stack):
 
 
 def test_router_counts_verified_reuse(stack):
-    port, = free_ports(1)
-    cfg = local_router_config(stack.spec, [stack.ports["prefill"]], [stack.ports["decode"]])
-    cfg_path = stack.root / "router.json"
-    cfg_path.write_text(json.dumps(cfg))
-    argv = [str(pathlib.Path(sys.executable).parent / "bidir-kv"), "router", "--config",
-            str(cfg_path), "--port", str(port), "--host", "127.0.0.1"]
-    router = Proc("router", argv, merged_env({}), stack.root / "router.log",
-                  f"http://127.0.0.1:{port}/health").start(cwd=str(stack.root))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        router.wait_healthy(60)
+    with running_router(stack) as (url, _):
         user1 = {"role": "user", "content": random_text(300, seed=61)}
         conv = {"conversation_id": "conv-61"}
         events = stream(url + "/v1/chat/completions", {**chat([user1]), **conv, "stream": True})
@@ -283,8 +269,6 @@ def test_router_counts_verified_reuse(stack):
         stream(url + "/v1/chat/completions",
                {**chat([*msgs, {"role": "user", "content": "ab"}]), **conv, "stream": True})
         assert metric(url, 'bidirkv_router_reuse_total{outcome="verified-partial"}') == 1
-    finally:
-        router.stop()
 
 
 def test_reuse_cuts_prefill_time(stack):

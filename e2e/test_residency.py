@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -27,8 +29,11 @@ from .vllm_stack import (  # noqa: E402
     metric,
     post,
     prefill_leg,
+    running_router,
     running_stack,
     spec_for,
+    stream,
+    stream_text,
     turn,
 )
 
@@ -42,6 +47,8 @@ MAX_LEN = 2048
 def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("residency-e2e")
     doc = spec_for(build_model(root / "model", dtype="float32"), max_model_len=MAX_LEN)
+    # No watermark on decode: these tests fill it to show the waiting-request path.
+    doc["kvTransfer"]["retentionWatermark"] = 1.0
     with running_stack(root, doc, {"decode": ["--num-gpu-blocks-override",
                                               str(DECODE_BLOCKS)]}) as s:
         yield s
@@ -168,6 +175,40 @@ def test_an_owner_that_stops_renewing_loses_its_blocks(stack):
     time.sleep(1.5)
     out = settled(stack, lambda o: o["released"].get("owner_gone", 0) > before)
     assert out["released"].get("owner_gone", 0) > before, out
+
+
+def delete(url: str) -> int:
+    req = urllib.request.Request(url, method="DELETE")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_router_end_of_conversation_and_router_restart(stack):
+    fast = {"healthCheckIntervalSeconds": 0.5, "ownerLeaseSeconds": 2}
+    user = {"role": "user", "content": random_text(400, seed=60)}
+    base = residency(stack)["retainedRequests"]
+    with running_router(stack, "router-a", **fast) as (url, _):
+        for cid in ("c1", "c2"):
+            events = stream(url + "/v1/chat/completions",
+                            {**chat([user]), "conversation_id": cid, "stream": True})
+            assert stream_text(events)
+        assert residency(stack)["retainedRequests"] == base + 2
+        assert delete(url + "/v1/conversations/c1") == 204
+        out = settled(stack, lambda o: o["retainedRequests"] == base + 1)
+        assert out["retainedRequests"] == base + 1, out
+        assert delete(url + "/v1/conversations/c1") == 404
+        gone_before = out["released"].get("owner_gone", 0)
+    # Router A is gone with c2's handle: decode frees c2 once A's lease lapses.
+    with running_router(stack, "router-b", **fast) as (url, _):
+        out = settled(stack, lambda o: o["released"].get("owner_gone", 0) > gone_before, 15)
+        assert out["released"].get("owner_gone", 0) == gone_before + 1, out
+        assert out["retainedRequests"] == base, out
+        events = stream(url + "/v1/chat/completions",
+                        {**chat([user]), "conversation_id": "c2", "stream": True})
+        assert stream_text(events)
 
 
 def test_engines_log_the_residency_patches(stack):

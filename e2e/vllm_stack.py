@@ -13,6 +13,7 @@ import json
 import pathlib
 import re
 import socket
+import sys
 import urllib.error
 import urllib.request
 import uuid
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from bidirkv.local.engines import LocalPorts, engine_process
+from bidirkv.local.engines import LocalPorts, engine_process, local_router_config
 from bidirkv.local.model import build_model
 from bidirkv.local.procs import Proc, merged_env, stop_all
 from bidirkv.operator.spec import parse_spec
@@ -107,6 +108,25 @@ def running_stack(root: pathlib.Path, spec_doc: dict | None = None,
                     f"http://127.0.0.1:{http_d}", spec, ports, root)
     finally:
         stop_all(procs)
+
+
+@contextmanager
+def running_router(s: Stack, name: str = "router", **overrides) -> Iterator[tuple[str, Proc]]:
+    """The real router process over the stack (its rendered config, plus `overrides`)."""
+    port, = free_ports(1)
+    cfg = local_router_config(s.spec, [s.ports["prefill"]], [s.ports["decode"]])
+    cfg.update(overrides)
+    cfg_path = s.root / f"{name}.json"
+    cfg_path.write_text(json.dumps(cfg))
+    argv = [str(pathlib.Path(sys.executable).parent / "bidir-kv"), "router", "--config",
+            str(cfg_path), "--port", str(port), "--host", "127.0.0.1"]
+    router = Proc(name, argv, merged_env({}), s.root / f"{name}.log",
+                  f"http://127.0.0.1:{port}/health").start(cwd=str(s.root))
+    try:
+        router.wait_healthy(60)
+        yield f"http://127.0.0.1:{port}", router
+    finally:
+        router.stop()
 
 
 # -- HTTP ---------------------------------------------------------------------------------

@@ -256,6 +256,8 @@ def router_config(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dict[st
         "safetyMarginSeconds": api.TTL_SAFETY_MARGIN_SECONDS,
         "maxConversations": spec.router.max_conversations,
         "kvRecomputeThreshold": spec.kv_transfer.kv_recompute_threshold,
+        "retentionWatermark": spec.kv_transfer.retention_watermark,
+        "ownerLeaseSeconds": spec.kv_transfer.owner_lease_seconds,
         "kvFingerprint": kv_fingerprint(spec),
     }
 

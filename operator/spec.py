@@ -250,6 +250,23 @@ class KvTransferSpec(_Model):
         "`kv_load_failure_policy`). vLLM's own default is `fail`; `recompute` serves the "
         "request from scratch instead of erroring.",
     )
+    retention_watermark: float = Field(
+        default=0.5,
+        ge=0.05,
+        le=1,
+        description="Share of each decode replica's KV blocks that retained conversations may "
+        "pin. Above it the router releases the least recently stored ones, and decode "
+        "enforces the same bound itself. Whatever the value, a request waiting for blocks "
+        "takes retained ones first: retention never makes new work wait.",
+    )
+    owner_lease_seconds: int = Field(
+        default=30,
+        ge=10,
+        le=3600,
+        description="Decode frees the retained blocks of a router that has not renewed its "
+        "lease for this long (the router renews every 5 s; a router that is gone or "
+        "restarted stops). Must not exceed `decoderKvBlocksTtlSeconds`.",
+    )
     side_channel_port: int = Field(
         default=5600,
         ge=1024,
@@ -312,6 +329,11 @@ CEL_RULES: list[tuple[str, str, str]] = [
         ".router.conversationTtlSeconds",
     ),
     (
+        "self.kvTransfer.ownerLeaseSeconds <= self.kvTransfer.decoderKvBlocksTtlSeconds",
+        "kvTransfer.ownerLeaseSeconds must not exceed kvTransfer.decoderKvBlocksTtlSeconds",
+        ".kvTransfer.ownerLeaseSeconds",
+    ),
+    (
         "!self.efa.enabled || self.kvTransfer.backend == 'LIBFABRIC'",
         "kvTransfer.backend must be LIBFABRIC when efa.enabled is true "
         "(UCX over EFA falls back to TCP)",
@@ -365,6 +387,12 @@ def cross_field_errors(spec: DisaggregatedInferenceSpec) -> list[str]:
             f"spec.router.conversationTtlSeconds: {router_ttl} must be at most "
             f"{ttl - TTL_SAFETY_MARGIN_SECONDS} (kvTransfer.decoderKvBlocksTtlSeconds {ttl} "
             f"minus a {TTL_SAFETY_MARGIN_SECONDS} s margin)"
+        )
+    lease = spec.kv_transfer.owner_lease_seconds
+    if lease > ttl:
+        errors.append(
+            f"spec.kvTransfer.ownerLeaseSeconds: {lease} must be at most "
+            f"kvTransfer.decoderKvBlocksTtlSeconds ({ttl})"
         )
     if spec.efa.enabled and spec.kv_transfer.backend != Backend.LIBFABRIC.value:
         errors.append(

@@ -17,9 +17,10 @@ from aiohttp import web
 
 from .codec import dumps, loads
 from .config import ConfigError, RouterConfig, load_config
+from .identity import tenant_of
 from .proxy import Router, json_error, json_response
 from .reload import ConfigWatcher
-from .validation import CHAT, COMPLETIONS
+from .validation import CHAT, COMPLETIONS, MAX_CONVERSATION_ID
 
 log = logging.getLogger("bidirkv.router")
 
@@ -65,6 +66,21 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 
 async def _models(request: web.Request) -> web.StreamResponse:
     return await request.app[ROUTER].handle_models(request)
+
+
+async def _end_conversation(request: web.Request) -> web.Response:
+    """DELETE /v1/conversations/{id}: 204 when this tenant had a handle for it, else 404."""
+    router = request.app[ROUTER]
+    cid = request.match_info["conversation_id"]
+    if len(cid) > MAX_CONVERSATION_ID:
+        return json_error(400, f"conversation id: {len(cid)} characters is too long; at most "
+                          f"{MAX_CONVERSATION_ID} allowed", param="conversation_id")
+    tenant = tenant_of(request.headers.get(router.cfg.tenant_header))
+    if router.end_conversation(tenant, cid):
+        return web.Response(status=204)
+    return json_error(404, "no stored conversation with this id for this tenant (never "
+                      "stored, already ended, expired or released)", "not_found",
+                      param="conversation_id")
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -135,6 +151,7 @@ def build_app(
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)
+    app.router.add_delete("/v1/conversations/{conversation_id}", _end_conversation)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)

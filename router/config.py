@@ -99,6 +99,12 @@ class RouterConfig(_Model):
     max_body_bytes: int = Field(default=8 * MIB, ge=1024, le=1024 * MIB)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     health_check_interval_seconds: float = Field(default=5.0, gt=0, le=3600)
+    # Share of each decode replica's KV blocks that this router's handles may pin; above
+    # it the least recently stored conversations are released (kvTransfer.retentionWatermark).
+    retention_watermark: float = Field(default=0.5, gt=0, le=1)
+    # Decode frees this router's retained blocks when it has not renewed its lease for
+    # this long (router gone or restarted); renewed every health check round.
+    owner_lease_seconds: float = Field(default=30.0, ge=1, le=86400)
     # Hash of what P and D must share, as stamped on the engine pods by the operator;
     # carried so a router can refuse engines of another fingerprint.
     kv_fingerprint: str | None = Field(default=None, max_length=64)
@@ -120,6 +126,17 @@ class RouterConfig(_Model):
                 f"decoderKvBlocksTtlSeconds ({self.decoder_kv_blocks_ttl_seconds}) minus "
                 f"safetyMarginSeconds ({self.safety_margin_seconds}) must be positive: it "
                 "bounds how long a decode handle is kept"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lease_outlives_renewals(self) -> RouterConfig:
+        if self.owner_lease_seconds < 2 * self.health_check_interval_seconds:
+            raise ValueError(
+                f"ownerLeaseSeconds ({self.owner_lease_seconds}) must be at least twice "
+                f"healthCheckIntervalSeconds ({self.health_check_interval_seconds}): the "
+                "lease is renewed once per health check round, and one late round must not "
+                "release every conversation"
             )
         return self
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -58,6 +60,28 @@ class Metrics:
             p + "handle_evictions", "Handles removed before use, by reason.", ["reason"],
             registry=r,
         )
+        self.residency_calls = Counter(
+            p + "residency_calls", "Calls to decode's /bidirkv/residency (lease renewal and "
+            "releases) by result: ok, error, unsupported.", ["result"], registry=r,
+        )
+        self.releases_sent = Counter(
+            p + "releases_sent", "Decode request ids sent for release, by call result.",
+            ["result"], registry=r,
+        )
+        self.pinned_blocks = Gauge(
+            p + "decode_pinned_blocks", "Decode KV blocks pinned by this router's handles.",
+            ["url"], registry=r,
+        )
+        self.decode_blocks = Gauge(
+            p + "decode_kv_blocks", "KV blocks of the decode replica (reported by it).",
+            ["url"], registry=r,
+        )
+        self.decode_residency = Gauge(
+            p + "decode_residency", "The decode replica's own residency report: retained_"
+            "blocks, granted_blocks, free_blocks, grants, and per cause released_<cause> and "
+            "refused_<reason> (counts since the engine started).", ["url", "field"],
+            registry=r,
+        )
         self.backend_healthy = Gauge(
             p + "backend_healthy", "1 when the backend is usable.", ["role", "url"], registry=r,
         )
@@ -96,6 +120,21 @@ class Metrics:
         if child is None:
             child = self._leg[(leg, result)] = self.leg.labels(leg, result)
         child.observe(seconds)
+
+    def export_residency(self, url: str, replica: Any, pinned: int) -> None:
+        self.pinned_blocks.labels(url).set(pinned)
+        if replica.num_blocks is not None:
+            self.decode_blocks.labels(url).set(replica.num_blocks)
+        rep = replica.last
+        fields = {"retained_blocks": rep.get("retainedBlocks"),
+                  "granted_blocks": rep.get("grantedBlocks"),
+                  "free_blocks": rep.get("freeBlocks"), "grants": rep.get("grants")}
+        for prefix, key in (("released_", "released"), ("refused_", "refusals")):
+            for cause, n in (rep.get(key) or {}).items():
+                fields[prefix + str(cause)] = n
+        for name, value in fields.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                self.decode_residency.labels(url, name).set(value)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

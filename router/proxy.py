@@ -43,6 +43,7 @@ from .identity import (
     tenant_of,
 )
 from .metrics import Metrics
+from .residency import Residency
 from .reuse import reuse_report
 from .selection import least_outstanding, pick_decode
 from .sse import DONE, PARAMS, MessageCollector, SSEFilter, error_event
@@ -64,6 +65,7 @@ _MISS_PARAMS = {
 }
 # Fields a one-token prefill must not carry (they would change or fail a max_tokens=1 run).
 _PREFILL_DROP = ("max_completion_tokens", "min_tokens", "stream_options")
+OWNER_KEY = "bidirkv_owner"
 
 
 def prefill_body(body: dict[str, Any], handle: dict[str, Any] | None) -> dict[str, Any]:
@@ -84,14 +86,26 @@ def prefill_body(body: dict[str, Any], handle: dict[str, Any] | None) -> dict[st
     return out
 
 
-def decode_body(body: dict[str, Any], p_params: Any, p_host: str) -> dict[str, Any]:
-    """The client's body plus P's params, with P's address as the router reached it."""
+def decode_body(body: dict[str, Any], p_params: Any, p_host: str,
+                owner: str | None = None) -> dict[str, Any]:
+    """The client's body plus P's params, with P's address as the router reached it, and
+    the router that will own D's handle (D keeps the blocks while that owner renews)."""
     out = dict(body)
     if isinstance(p_params, dict):
         kv = dict(p_params)
         kv["remote_host"] = p_host
+        if owner is not None:
+            kv[OWNER_KEY] = owner
         out[PARAMS] = kv
     return out
+
+
+def handle_blocks(params: dict[str, Any]) -> int:
+    """Blocks a D handle pins on its replica (all KV groups)."""
+    ids = params.get("remote_block_ids")
+    if not isinstance(ids, list):
+        return 0
+    return sum(len(g) for g in ids if isinstance(g, list))
 
 
 class UpstreamFailure(Exception):
@@ -192,6 +206,8 @@ class Router:
         self._health_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._set_timeouts()
+        self.residency = Residency(cfg.owner_lease_seconds, self._t_probe,
+                                   on_result=self._on_residency_call)
         for b in self.backends():
             self._export_health(b)
 
@@ -205,8 +221,10 @@ class Router:
             cookie_jar=aiohttp.DummyCookieJar(),
         )
         self._health_task = asyncio.create_task(self._health_loop(), name="router-health")
+        self.residency.start(self.session)
 
     async def close(self) -> None:
+        await self.residency.close()
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -232,6 +250,8 @@ class Router:
         self.cfg = cfg
         self.store.configure(cfg.handle_ttl_seconds, cfg.max_conversations)
         self._set_timeouts()
+        self.residency.lease_seconds = cfg.owner_lease_seconds
+        self.residency.timeout = self._t_probe
         changed = False
         for pool, urls in ((self.prefill, cfg.prefill), (self.decode, cfg.decode)):
             added, removed = pool.reconcile(urls)
@@ -241,6 +261,7 @@ class Router:
                     self.metrics.backend_outstanding.remove(b.role, b.url)
                 if b.role == DECODE:
                     self.store.drop_replica(b.url, "replica_removed")
+                    self.residency.forget(b.url)
                 log.info("backend removed role=%s url=%s", b.role, b.url)
             for b in added:
                 self._export_health(b)
@@ -251,8 +272,20 @@ class Router:
             self._wake.set()
 
     # -- health --------------------------------------------------------------------
-    def _on_evict(self, reason: str, n: int) -> None:
-        self.metrics.evictions.labels(reason).inc(n)
+    def _on_evict(self, reason: str, entries: list[Entry]) -> None:
+        self.metrics.evictions.labels(reason).inc(len(entries))
+        self.residency.release(reason, entries)
+
+    def _on_residency_call(self, url: str, result: str, released: int) -> None:
+        self.metrics.residency_calls.labels(result).inc()
+        if released:
+            self.metrics.releases_sent.labels(result).inc(released)
+
+    def keep_under_watermark(self, url: str) -> None:
+        """Drop the replica's oldest handles while they pin more than the watermark."""
+        total = self.residency.capacity(url)
+        if total is not None:
+            self.store.trim_replica(url, int(self.cfg.retention_watermark * total))
 
     def _export_health(self, b: Backend) -> None:
         self.metrics.backend_healthy.labels(b.role, b.url).set(1 if b.healthy else 0)
@@ -289,11 +322,24 @@ class Router:
         for b in self.backends():
             self.metrics.backend_outstanding.labels(b.role, b.url).set(b.outstanding)
 
+    async def renew_residency(self) -> None:
+        """Renew this router's lease on every healthy decode; learn their capacity."""
+        if not self.cfg.bidirectional:
+            return
+        assert self.session is not None
+        healthy = self.decode.healthy()
+        await asyncio.gather(*(self.residency.call(self.session, b.url) for b in healthy))
+        for b in healthy:
+            self.keep_under_watermark(b.url)
+            self.metrics.export_residency(b.url, self.residency.replica(b.url),
+                                          self.store.pinned.get(b.url, 0))
+
     async def _health_loop(self) -> None:
         while True:
             self._wake.clear()
             try:
                 await self.check_health()
+                await self.renew_residency()
                 self.store.sweep()
                 self.metrics.handles.set(len(self.store))
             except Exception:  # noqa: BLE001 - the loop must outlive any one bad round
@@ -540,7 +586,8 @@ class Router:
         """The response and its outcome; UpstreamFailure when D failed before the client
         got a byte (the caller may retry elsewhere)."""
         assert self.session is not None
-        payload = dumps(decode_body(turn.body, p_body.get(PARAMS), p.host))
+        owner = self.residency.owner if self.cfg.bidirectional else None
+        payload = dumps(decode_body(turn.body, p_body.get(PARAMS), p.host, owner))
         t = time.perf_counter()
         d.outstanding += 1
         resp: aiohttp.ClientResponse | None = None
@@ -678,11 +725,12 @@ class Router:
                 log.warning("decode engine id changed (restart) url=%s handles_dropped=%d",
                             d.url, n)
             d.engine_id = engine
+        rid = params.get("remote_request_id")
+        rid = rid if isinstance(rid, str) else None
+        key, tenant, prefix_len = None, None, 0
         if not self.cfg.bidirectional or not d.in_pool or not d.healthy:
-            self.metrics.handles.set(len(self.store))
-            return
-        tenant, prefix_len = None, 0
-        if turn.history is not None and collector is not None:
+            pass
+        elif turn.history is not None and collector is not None:
             key = turn.history.store_key(collector.message())
         elif turn.prompt is not None and collector is not None:
             text = turn.prompt + collector.text
@@ -690,14 +738,26 @@ class Router:
             tenant, prefix_len = turn.tenant, len(text)
         elif turn.store_key is not None:
             key = turn.store_key
-        else:
+        if key is None:
+            # D retained the blocks for a handle nobody will ever send: free them now.
+            if rid is not None and d.in_pool:
+                self.residency.release_ids(d.url, [rid])
+            self.metrics.handles.set(len(self.store))
             return
         kv = dict(params)
         kv["remote_host"] = d.host
         n = kv.get("remote_num_tokens")
         n = n if isinstance(n, int) and not isinstance(n, bool) else 0
-        self.store.put(key, dumps(kv), d.url, engine, n, tenant=tenant, prefix_len=prefix_len)
+        self.store.put(key, dumps(kv), d.url, engine, n, tenant=tenant, prefix_len=prefix_len,
+                       request_id=rid, blocks=handle_blocks(kv))
+        self.keep_under_watermark(d.url)
         self.metrics.handles.set(len(self.store))
+
+    def end_conversation(self, tenant: bytes, conversation_id: str) -> bool:
+        """DELETE /v1/conversations/{id}: drop the handle, D frees its blocks now."""
+        ended = self.store.end(explicit_key(tenant, conversation_id))
+        self.metrics.handles.set(len(self.store))
+        return ended
 
     # -- other routes ------------------------------------------------------------------
     async def handle_models(self, request: web.Request) -> web.StreamResponse:

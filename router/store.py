@@ -9,6 +9,10 @@ lookups, so two concurrent turns of one conversation never send the same handle 
 
 Params are stored as compact JSON bytes, not dicts: block id lists of big ints cost ~36
 bytes per id as Python objects, ~5 as text, and 100k handles must fit in a small pod.
+
+Every handle also pins blocks on its decode replica until it is used or released, so the
+store counts them per replica (`pinned`) and hands every entry it drops to `on_evict`:
+the router tells that replica to free the blocks (router/residency.py).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class Entry:
         "reserved",
         "tenant",
         "prefix_len",
+        "request_id",
+        "blocks",
     )
 
     def __init__(
@@ -46,6 +52,8 @@ class Entry:
         expires_at: float,
         tenant: bytes | None,
         prefix_len: int,
+        request_id: str | None = None,
+        blocks: int = 0,
     ) -> None:
         self.key = key
         self.params = params
@@ -57,6 +65,10 @@ class Entry:
         # Set only for prompt-prefix entries (/v1/completions without an id).
         self.tenant = tenant
         self.prefix_len = prefix_len
+        # D's own id of the retained request (what it frees on release) and how many
+        # blocks it pins there.
+        self.request_id = request_id
+        self.blocks = blocks
 
 
 class _Lengths:
@@ -88,7 +100,7 @@ class _Lengths:
         return self.sorted[: bisect.bisect_right(self.sorted, n)]
 
 
-EvictHook = Callable[[str, int], None]
+EvictHook = Callable[[str, list[Entry]], None]
 PrefixKeys = Callable[[str, list[int]], Iterator[tuple[int, bytes]]]
 
 
@@ -103,6 +115,9 @@ class HandleStore:
     ) -> None:
         self._d: OrderedDict[bytes, Entry] = OrderedDict()
         self._lengths: dict[bytes, _Lengths] = {}
+        # Per decode replica: its entries in store order (oldest first) and their blocks.
+        self._by_url: dict[str, OrderedDict[bytes, Entry]] = {}
+        self.pinned: dict[str, int] = {}
         self.ttl = ttl_seconds
         self.max_entries = max_entries
         self._clock = clock
@@ -132,11 +147,13 @@ class HandleStore:
         *,
         tenant: bytes | None = None,
         prefix_len: int = 0,
+        request_id: str | None = None,
+        blocks: int = 0,
     ) -> Entry:
-        old = self._d.pop(key, None)
+        old = self._d.get(key)
         if old is not None:
-            self._unindex(old)
-            self._evicted("replaced", 1)
+            self._remove(old)
+            self._evicted("replaced", [old])
         entry = Entry(
             key,
             params,
@@ -146,21 +163,38 @@ class HandleStore:
             self._clock() + self.ttl,
             tenant,
             prefix_len,
+            request_id,
+            blocks,
         )
         self._d[key] = entry
+        self._by_url.setdefault(decode_url, OrderedDict())[key] = entry
+        self.pinned[decode_url] = self.pinned.get(decode_url, 0) + blocks
         if tenant is not None:
             self._lengths.setdefault(tenant, _Lengths()).add(prefix_len)
         self._trim()
         return entry
 
     def _trim(self) -> None:
-        n = 0
+        doomed = []
         while len(self._d) > self.max_entries:
-            _, old = self._d.popitem(last=False)
-            self._unindex(old)
-            n += 1
-        if n:
-            self._evicted("lru", n)
+            old = next(iter(self._d.values()))
+            self._remove(old)
+            doomed.append(old)
+        self._evicted("lru", doomed)
+
+    def trim_replica(self, decode_url: str, max_blocks: int, reason: str = "watermark") -> int:
+        """Drop the replica's oldest unreserved handles until it pins at most `max_blocks`."""
+        doomed = []
+        entries = self._by_url.get(decode_url)
+        if entries:
+            for entry in list(entries.values()):
+                if self.pinned.get(decode_url, 0) <= max_blocks:
+                    break
+                if not entry.reserved:
+                    self._remove(entry)
+                    doomed.append(entry)
+        self._evicted(reason, doomed)
+        return len(doomed)
 
     def _unindex(self, entry: Entry) -> None:
         if entry.tenant is not None:
@@ -174,12 +208,23 @@ class HandleStore:
         if self._d.get(entry.key) is entry:
             del self._d[entry.key]
             self._unindex(entry)
+            url = entry.decode_url
+            entries = self._by_url.get(url)
+            if entries is not None:
+                entries.pop(entry.key, None)
+                if not entries:
+                    del self._by_url[url]
+            left = self.pinned.get(url, 0) - entry.blocks
+            if left > 0 or url in self._by_url:
+                self.pinned[url] = left
+            else:
+                self.pinned.pop(url, None)
             return True
         return False
 
-    def _evicted(self, reason: str, n: int) -> None:
-        if self._on_evict is not None and n:
-            self._on_evict(reason, n)
+    def _evicted(self, reason: str, entries: list[Entry]) -> None:
+        if self._on_evict is not None and entries:
+            self._on_evict(reason, entries)
 
     # -- the reservation protocol ----------------------------------------------------
     def lookup(self, key: bytes) -> tuple[str, Entry | None]:
@@ -189,7 +234,7 @@ class HandleStore:
             return MISS, None
         if entry.expires_at <= self._clock():
             self._remove(entry)
-            self._evicted("ttl", 1)
+            self._evicted("ttl", [entry])
             return EXPIRED, None
         entry.reserved = True
         return HIT, entry
@@ -228,24 +273,28 @@ class HandleStore:
 
     def discard(self, entry: Entry, reason: str) -> None:
         if self._remove(entry):
-            self._evicted(reason, 1)
+            self._evicted(reason, [entry])
+
+    def end(self, key: bytes) -> bool:
+        """The client ended the conversation: drop its handle (reserved or not)."""
+        entry = self._d.get(key)
+        if entry is None:
+            return False
+        self._remove(entry)
+        self._evicted("ended", [entry])
+        return True
 
     # -- bulk drops --------------------------------------------------------------------
     def drop_replica(self, decode_url: str, reason: str, keep_engine_id: str | None = None) -> int:
-        """Drop every handle of one decode replica (except those of `keep_engine_id`).
-
-        A scan, not an index: replicas leave rarely and a scan of 100k entries takes
-        milliseconds, where a per-replica index would cost memory on every entry.
-        """
+        """Drop every handle of one decode replica (except those of `keep_engine_id`)."""
         doomed = [
             e
-            for e in self._d.values()
-            if e.decode_url == decode_url
-            and (keep_engine_id is None or e.engine_id != keep_engine_id)
+            for e in self._by_url.get(decode_url, {}).values()
+            if keep_engine_id is None or e.engine_id != keep_engine_id
         ]
         for e in doomed:
             self._remove(e)
-        self._evicted(reason, len(doomed))
+        self._evicted(reason, doomed)
         return len(doomed)
 
     def sweep(self) -> int:
@@ -259,5 +308,5 @@ class HandleStore:
                 doomed.append(entry)
         for entry in doomed:
             self._remove(entry)
-        self._evicted("ttl", len(doomed))
+        self._evicted("ttl", doomed)
         return len(doomed)

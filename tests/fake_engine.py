@@ -59,6 +59,8 @@ class Behaviour:
     params_on_last_chunk: bool = False  # decode: params on the finish chunk, not alone
     no_params: bool = False  # decode: finish without kv_transfer_params
     health_status: int = 200
+    residency_status: int = 200  # decode: /bidirkv/residency answers with this status
+    num_blocks: int = 1000  # decode: the capacity /bidirkv/residency reports
 
 
 class FakeEngine:
@@ -78,6 +80,9 @@ class FakeEngine:
         self.cancelled_event = asyncio.Event()
         self.completed = 0
         self.record = True
+        self.residency_calls: list[dict[str, Any]] = []
+        self.released: list[str] = []
+        self.released_event = asyncio.Event()
         self._blocks = itertools.count(1)
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -90,6 +95,8 @@ class FakeEngine:
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        if self.role == "decode":
+            app.router.add_post("/bidirkv/residency", self._residency)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -144,6 +151,34 @@ class FakeEngine:
     async def _health(self, request: web.Request) -> web.Response:
         self.health_checks += 1
         return web.json_response({}, status=self.behaviour.health_status)
+
+    async def _residency(self, request: web.Request) -> web.Response:
+        """What the bidir-kv plugin's route answers (connector/endpoint.py), recorded."""
+        body = await request.json()
+        self.residency_calls.append(body)
+        if self.behaviour.residency_status != 200:
+            return web.json_response({}, status=self.behaviour.residency_status)
+        self.released.extend(body.get("release") or [])
+        if body.get("release"):
+            self.released_event.set()
+        return web.json_response({"enabled": True, "numBlocks": self.behaviour.num_blocks,
+                                  "freeBlocks": self.behaviour.num_blocks, "retainedBlocks": 0,
+                                  "releasedBlocks": 0, "released": {"router": 0}})
+
+    async def wait_released(self, request_id: str, timeout: float = 5.0) -> bool:
+        """True once `request_id` was sent for release (bounded wait)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while request_id not in self.released:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            self.released_event.clear()
+            try:
+                await asyncio.wait_for(self.released_event.wait(), left)
+            except TimeoutError:
+                return request_id in self.released
+        return True
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [

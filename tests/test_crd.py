@@ -75,7 +75,8 @@ GOOD_SPECS = [
     {"model": {"name": "m"}},
     {"model": {"name": "m", "dtype": "float32", "maxModelLen": 4096},
      "decode": {"replicas": 3, "enablePrefixCaching": False},
-     "kvTransfer": {"bidirectional": False, "decoderKvBlocksTtlSeconds": 60},
+     "kvTransfer": {"bidirectional": False, "decoderKvBlocksTtlSeconds": 60,
+                    "retentionWatermark": 0.25, "ownerLeaseSeconds": 60},
      "router": {"conversationTtlSeconds": 50, "serviceType": "LoadBalancer"}},
     {"model": {"name": "m"}, "efa": {"enabled": True, "hugepages2Mi": "5Gi"},
      "kvTransfer": {"backend": "LIBFABRIC"},
@@ -99,6 +100,13 @@ BAD_SPECS = [
      "decode": {"efaDevices": 1}},
     {"model": {"name": "m"}, "decode": {"efaDevices": 1}},
     {"model": {"name": "m"}, "router": {"serviceType": "ExternalName"}},
+    {"model": {"name": "m"}, "kvTransfer": {"retentionWatermark": 0}},
+    {"model": {"name": "m"}, "kvTransfer": {"retentionWatermark": 1.5}},
+    {"model": {"name": "m"}, "kvTransfer": {"ownerLeaseSeconds": 5}},
+    # A lease past vLLM's TTL never matters (CEL rule).
+    {"model": {"name": "m"}, "kvTransfer": {"decoderKvBlocksTtlSeconds": 60,
+                                            "ownerLeaseSeconds": 61},
+     "router": {"conversationTtlSeconds": 50}},
 ]
 
 

@@ -72,6 +72,18 @@ def test_defaults_reach_the_vllm_config(minimal):
     assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
 
 
+def test_residency_knobs_reach_router_and_both_roles(minimal):
+    minimal["spec"]["kvTransfer"] = {"retentionWatermark": 0.3, "ownerLeaseSeconds": 45}
+    objs = render_resource(minimal)
+    for role in ("prefill", "decode"):
+        e = env(container(objs, f"tiny-{role}"))
+        assert e["BIDIRKV_RETENTION_WATERMARK"] == "0.3"
+        assert e["BIDIRKV_OWNER_LEASE_SECONDS"] == "45"
+        assert e["VLLM_PLUGINS"] == "bidirkv"  # loads the /bidirkv/residency route
+    cfg = json.loads(by_kind_name(objs)[("ConfigMap", "tiny-router")]["data"]["router.json"])
+    assert cfg["retentionWatermark"] == 0.3 and cfg["ownerLeaseSeconds"] == 45
+
+
 def test_bidirectional_off_on_both_roles(minimal):
     minimal["spec"]["kvTransfer"] = {"bidirectional": False}
     objs = render_resource(minimal)
@@ -195,6 +207,9 @@ def test_fingerprint_covers_shared_settings_only(minimal):
          "spec.prefill.resources.limits.memory"),
         ({"model": {"name": "m", "dtype": "int3"}}, "spec.model.dtype: 'int3'"),
         ({"kvTransfr": {}}, "spec.kvTransfr: {...}: Extra inputs are not permitted"),
+        ({"kvTransfer": {"ownerLeaseSeconds": 600}},
+         "spec.kvTransfer.ownerLeaseSeconds: 600 must be at most"),
+        ({"kvTransfer": {"retentionWatermark": 2}}, "spec.kvTransfer.retentionWatermark: 2"),
     ],
 )
 def test_bad_specs_name_the_field(minimal, change, expected):

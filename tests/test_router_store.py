@@ -16,8 +16,8 @@ def make(ttl=100.0, max_entries=10):
     clock = Clock()
     evicted: dict[str, int] = {}
 
-    def on_evict(reason: str, n: int) -> None:
-        evicted[reason] = evicted.get(reason, 0) + n
+    def on_evict(reason: str, entries: list) -> None:
+        evicted[reason] = evicted.get(reason, 0) + len(entries)
 
     return HandleStore(ttl, max_entries, clock=clock, on_evict=on_evict), clock, evicted
 

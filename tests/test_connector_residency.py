@@ -1,0 +1,150 @@
+"""Decode residency decisions (connector/residency.py) and the grant wire (lease.py)."""
+
+import threading
+
+import msgspec
+
+from bidirkv.connector import lease
+from bidirkv.connector.residency import (
+    GRANT_MARGIN_S,
+    Residency,
+    blocks_wanted,
+)
+from bidirkv.connector.settings import Settings
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(**kw):
+    clock = Clock()
+    return Residency(clock=clock, **kw), clock
+
+
+def test_release_then_grant_is_refused_and_grant_then_release_is_a_no_op():
+    res, clock = make()
+    res.retain("a", 3, "r1", clock.t + 100)
+    res.retain("b", 2, "r1", clock.t + 100)
+    assert res.release(["a"]) == 3
+    assert res.grant("a") == (False, "released:router")
+    assert res.grant("b") == (True, "granted")
+    assert res.release(["b"]) == 0  # a read may be in flight: only its notification frees
+    assert res.grant("b") == (False, "already_granted")  # single use
+    assert res.take_pending() == ["a"]
+    assert res.take_pending() == []
+
+
+def test_grant_refused_near_vllms_deadline_and_for_unknown_ids():
+    res, clock = make()
+    res.retain("a", 1, None, clock.t + GRANT_MARGIN_S - 1)
+    assert res.grant("a") == (False, "near_expiry")
+    assert res.grant("nope") == (False, "unknown")
+    assert res.stats()["refusals"] == {"near_expiry": 1, "unknown": 1}
+
+
+def test_pressure_reclaims_oldest_first_and_skips_granted():
+    res, clock = make()
+    for rid, blocks in (("old", 2), ("granted", 4), ("mid", 3), ("new", 5)):
+        res.retain(rid, blocks, None, clock.t + 100)
+    res.grant("granted")
+    assert res.reclaim(4) == 5  # old (2) + mid (3): whole requests, oldest first
+    assert res.take_pending() == ["old", "mid"]
+    assert res.stats()["released"] == {"pressure": 2}
+    assert res.releasing_blocks() == 5 and res.kept_blocks() == 9
+
+
+def test_owner_lease_lapses_unless_renewed():
+    res, clock = make(owner_lease_s=10)
+    res.retain("a", 1, "gone", clock.t + 100)
+    res.retain("b", 1, "alive", clock.t + 100)
+    res.retain("c", 1, None, clock.t + 100)  # no owner: TTL and pressure only
+    clock.t += 5
+    res.renew("alive", 10)
+    clock.t += 6
+    assert res.expire_owners() == 1
+    assert res.take_pending() == ["a"]
+    clock.t += 20
+    assert res.expire_owners() == 1
+    assert res.take_pending() == ["b"]
+
+
+def test_watermark_counts_only_what_is_still_kept():
+    res, clock = make(watermark=0.5)
+    res.retain("a", 6, None, clock.t + 100)
+    res.retain("b", 6, None, clock.t + 100)
+    assert res.over_watermark(20) == 2
+    res.reclaim(res.over_watermark(20), "watermark")
+    assert res.over_watermark(20) == 0
+
+
+def test_freed_requests_are_counted_by_how_they_went():
+    res, clock = make()
+    for rid in ("read", "released", "expired"):
+        res.retain(rid, 1, None, clock.t + 100)
+    res.grant("read")
+    res.release(["released"])
+    res.on_freed(["read", "released", "expired", "never-seen"])
+    st = res.stats()
+    assert st["freed"] == {"read": 1, "released": 1, "expired": 1}
+    assert st["retainedRequests"] == 0
+
+
+def test_a_grant_and_a_release_race_one_wins():
+    for _ in range(200):
+        res, clock = make()
+        res.retain("x", 1, None, clock.t + 100)
+        out = {}
+        go = threading.Barrier(2)
+
+        def grant(res=res, out=out, go=go):
+            go.wait()
+            out["grant"] = res.grant("x")[0]
+
+        def release(res=res, out=out, go=go):
+            go.wait()
+            out["release"] = res.release(["x"]) > 0
+
+        threads = [threading.Thread(target=grant), threading.Thread(target=release)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert out["grant"] != out["release"], out
+
+
+def test_blocks_wanted():
+    assert blocks_wanted(0, 16, 0) == 1
+    assert blocks_wanted(16, 16, 0) == 2  # the next token starts a block
+    assert blocks_wanted(100, 16, 3) == 7 + 3
+
+
+def test_side_channel_answers_grants_handshakes_and_garbage():
+    meta = {(0, 0): b"agent-metadata"}
+    calls = []
+
+    def grant(rid):
+        calls.append(rid)
+        return True, "granted"
+
+    frames = lease.answer(lease.lease_request("req-1"), meta, grant)
+    assert calls == ["req-1"] and lease.parse_reply(list(frames)) == (True, "granted")
+    frames = lease.answer(msgspec.msgpack.encode([b"get_meta_msg", 0, 0]), meta, grant)
+    assert frames[0] == b"agent-metadata" and len(frames) == 2
+    for junk in (b"\xff\x00", msgspec.msgpack.encode([b"get_meta_msg", 9, 9]),
+                 msgspec.msgpack.encode({"a": 1}), lease.lease_request("x")):
+        frames = lease.answer(junk, meta, None)
+        assert lease.parse_reply(list(frames))[0] is False
+
+
+def test_settings_for_residency():
+    s = Settings.from_env({"BIDIRKV_OWNER_LEASE_SECONDS": "45",
+                           "BIDIRKV_RETENTION_WATERMARK": "0.3"})
+    assert (s.owner_lease_s, s.retention_watermark) == (45.0, 0.3)
+    bad = Settings.from_env({"BIDIRKV_OWNER_LEASE_SECONDS": "soon",
+                             "BIDIRKV_RETENTION_WATERMARK": "7"})
+    assert (bad.owner_lease_s, bad.retention_watermark) == (30.0, 1.0)

@@ -1,0 +1,146 @@
+"""Every way the router drops a handle tells that decode to free its blocks (fake engines).
+
+Decode's side of the contract (the engines' /bidirkv/residency, the lease, the grant
+before a read) runs against real vLLM servers in e2e/test_residency.py.
+"""
+
+import asyncio
+
+import pytest
+from fake_engine import Cluster
+
+pytestmark = pytest.mark.timeout(30)
+
+U1 = [{"role": "user", "content": "hi"}]
+
+
+def more(r, text="more"):
+    return U1 + [r["message"], {"role": "user", "content": text}]
+
+
+async def test_decode_leg_names_the_owner_and_heartbeats_renew_it():
+    async with Cluster(config={"healthCheckIntervalSeconds": 0.05,
+                               "ownerLeaseSeconds": 7}) as c:
+        await c.chat(U1, conversation_id="a")
+        owner = c.router.residency.owner
+        d_req = c.d[0].generations()[0]
+        assert d_req.kv["bidirkv_owner"] == owner
+        # The prefill leg carries no owner: P's blocks are read once, by D.
+        assert "bidirkv_owner" not in c.p[0].generations()[0].kv
+        for _ in range(100):
+            if c.d[0].residency_calls:
+                break
+            await asyncio.sleep(0.02)
+        call = c.d[0].residency_calls[0]
+        assert call["owner"] == owner and call["leaseSeconds"] == 7
+
+
+async def test_explicit_end_releases_and_is_tenant_scoped():
+    async with Cluster() as c:
+        await c.chat(U1, conversation_id="a", headers={"X-Request-Id": "rid-a",
+                                                       "Authorization": "Bearer t1"})
+        async with c.session.delete(c.url + "/v1/conversations/a",
+                                    headers={"Authorization": "Bearer t2"}) as r:
+            assert r.status == 404  # another tenant's conversation is not visible
+        async with c.session.delete(c.url + "/v1/conversations/a",
+                                    headers={"Authorization": "Bearer t1"}) as r:
+            assert r.status == 204
+        assert await c.d[0].wait_released("rid-a")
+        async with c.session.delete(c.url + "/v1/conversations/a",
+                                    headers={"Authorization": "Bearer t1"}) as r:
+            assert r.status == 404
+            assert (await r.json())["error"]["param"] == "conversation_id"
+        assert 'bidirkv_router_handle_evictions_total{reason="ended"} 1.0' in await c.metrics()
+
+
+async def test_concurrent_duplicates_release_the_superseded_handle():
+    async with Cluster() as c:
+        await asyncio.gather(
+            c.chat(U1, conversation_id="a", headers={"X-Request-Id": "dup-1"}),
+            c.chat(U1, conversation_id="a", headers={"X-Request-Id": "dup-2"}))
+        kept = c.router.store.pinned
+        assert len(c.router.store) == 1 and sum(kept.values()) > 0
+        released = [rid for rid in ("dup-1", "dup-2") if await c.d[0].wait_released(rid, 2)]
+        assert len(released) == 1
+
+
+async def test_lru_bound_releases_the_oldest():
+    async with Cluster(config={"maxConversations": 1}) as c:
+        await c.chat(U1, conversation_id="a", headers={"X-Request-Id": "rid-a"})
+        await c.chat(U1, conversation_id="b", headers={"X-Request-Id": "rid-b"})
+        assert await c.d[0].wait_released("rid-a")
+        assert "rid-b" not in c.d[0].released
+
+
+async def test_router_ttl_releases():
+    async with Cluster(config={"conversationTtlSeconds": 0.2,
+                               "healthCheckIntervalSeconds": 0.05}) as c:
+        await c.chat(U1, conversation_id="a", headers={"X-Request-Id": "rid-a"})
+        assert await c.d[0].wait_released("rid-a")
+        assert len(c.router.store) == 0
+
+
+async def test_failed_reuse_releases_but_a_read_does_not():
+    async with Cluster() as c:
+        r1 = await c.chat(U1, conversation_id="a", headers={"X-Request-Id": "rid-1"})
+        await c.chat(more(r1), conversation_id="a", headers={"X-Request-Id": "rid-2"})
+        c.p[0].behaviour.fail_with_handle = 500
+        await c.chat(more(r1, "again"), conversation_id="a", headers={"X-Request-Id": "rid-3"})
+        assert await c.d[0].wait_released("rid-2")
+        # P took rid-1's handle (it read the blocks; its notification frees them): no
+        # release for it, though one was sent after it would have been.
+        assert "rid-1" not in c.d[0].released
+
+
+async def test_watermark_keeps_pinned_blocks_under_the_share_of_decode():
+    async with Cluster(config={"retentionWatermark": 0.5,
+                               "healthCheckIntervalSeconds": 0.05}) as c:
+        c.d[0].behaviour.num_blocks = 8
+        for _ in range(100):
+            if c.router.residency.capacity(c.d[0].url) == 8:
+                break
+            await asyncio.sleep(0.02)
+        for i in range(6):
+            await c.chat(U1, conversation_id=f"c{i}", headers={"X-Request-Id": f"rid-{i}"})
+            assert c.router.store.pinned.get(c.d[0].url, 0) <= 4
+        assert await c.d[0].wait_released("rid-0")
+        metrics = await c.metrics()
+        assert 'bidirkv_router_handle_evictions_total{reason="watermark"}' in metrics
+        assert "bidirkv_router_decode_kv_blocks" in metrics
+
+
+async def test_unidentifiable_turn_releases_at_once():
+    async with Cluster() as c:
+        # A batched prompt: no conversation can be named for it, so no handle is stored.
+        await c.complete(["a", "b"], headers={"X-Request-Id": "batch"})
+        assert await c.d[0].wait_released("batch")
+        assert len(c.router.store) == 0
+
+
+async def test_decode_restart_drops_handles_without_a_release():
+    async with Cluster() as c:
+        await c.chat(U1, conversation_id="a", headers={"X-Request-Id": "rid-a"})
+        c.d[0].engine_id = "decode-restarted"
+        await c.chat(U1, conversation_id="b", headers={"X-Request-Id": "rid-b"})
+        assert len(c.router.store) == 1
+        async with c.session.delete(c.url + "/v1/conversations/b") as r:
+            assert r.status == 204
+        assert await c.d[0].wait_released("rid-b")
+        # The restarted engine no longer has rid-a's blocks: nothing to release.
+        assert "rid-a" not in c.d[0].released
+
+
+async def test_decode_without_the_route_is_left_alone():
+    async with Cluster(config={"healthCheckIntervalSeconds": 0.05}) as c:
+        c.d[0].behaviour.residency_status = 404
+        r = await c.chat(U1, conversation_id="a")
+        assert r["status"] == 200
+        for _ in range(100):
+            if not c.router.residency.replica(c.d[0].url).supported:
+                break
+            await asyncio.sleep(0.02)
+        assert not c.router.residency.replica(c.d[0].url).supported
+        calls, checks = len(c.d[0].residency_calls), c.d[0].health_checks
+        while c.d[0].health_checks < checks + 3:  # three more health rounds
+            await asyncio.sleep(0.02)
+        assert len(c.d[0].residency_calls) == calls  # not asked again
