@@ -8,7 +8,10 @@ machine and the multi-turn TTFT benchmark with bidirectional KV transfer ON and 
    renders, pod IPs mapped to 127.0.0.1) and the benchmark runs against the router.
 4. The same spec with kvTransfer.bidirectional false (on the servers too, not only the
    router: pinned blocks on D would steal CPU), the benchmark again, plus the lower bound.
-5. Table, JSON and PNGs in out/demo/.
+5. Pressure: decode limited to 128 KV blocks and vLLM's default 480 s retention, more
+   conversations than it can keep, 4 requests in flight (the concurrent benchmark), ON
+   then OFF: retained KV must never make new work wait.
+6. Tables, JSON and PNGs in out/demo/.
 
 Every process started is stopped at the end, on failure, on Ctrl-C and on SIGTERM.
 """
@@ -69,6 +72,65 @@ async def control_plane(spec_path: pathlib.Path) -> None:
                 print(f"    created {body['kind']} {body['metadata']['name']}")
         print(printer.table([di]))
     print("    the next steps run these same rendered containers as local processes")
+
+
+# Decode KV limited so that retained conversations fill it; vLLM's default retention (the
+# local spec shortens it), so a stall would show as minutes, not seconds.
+PRESSURE = {"blocks": 128, "conversations": 12, "turns": 4, "concurrency": 4, "think_s": 1.0,
+            "first_tokens": 1000, "new_tokens": 250, "output_tokens": 32}
+
+
+def pressure_patch(spec: dict[str, Any], bidirectional: bool) -> dict[str, Any]:
+    args = [a for a in spec.get("engine", {}).get("extraArgs", [])
+            if not a.startswith("--num-gpu-blocks-override")]
+    return {"engine": {"extraArgs": [*args, f"--num-gpu-blocks-override={PRESSURE['blocks']}"]},
+            "kvTransfer": {"bidirectional": bidirectional, "decoderKvBlocksTtlSeconds": 480},
+            "router": {"conversationTtlSeconds": 420}}
+
+
+def run_pressure(label: str, patch: dict[str, Any], args: argparse.Namespace
+                 ) -> dict[str, Any]:
+    from bidirkv.bench import concurrent, loadreport
+    from bidirkv.local.cli import prepare_stack
+
+    progress = not args.no_progress
+    stack = prepare_stack(args.spec, args.out / f"stack-pressure-{label}", patch=patch,
+                          cwd=ROOT, progress=progress)
+    with stack:
+        stack.start(progress=progress)
+        knobs = {k: v for k, v in PRESSURE.items() if k != "blocks"}
+        cfg = concurrent.ConcurrentConfig(url=stack.router_url, label=label, **knobs)
+        doc = loadreport.document(concurrent.run(cfg, progress=progress))
+        loadreport.write_json(args.out / f"pressure-{label}.json", doc)
+    print(f"    stopped P, D and router of the pressure {label.upper()} stack", flush=True)
+    return doc
+
+
+def pressure(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]], Any]) -> None:
+    from bidirkv.bench import loadreport
+    from bidirkv.local.cli import build_tiny_model
+    from bidirkv.local.plan import read_spec_file
+
+    spec = read_spec_file(args.spec)
+    build_tiny_model(pathlib.Path(ROOT, spec["model"]["name"]),
+                     spec["model"].get("dtype", "bfloat16"), not args.no_progress)
+    p = PRESSURE
+    print(f"    decode (and prefill) KV: {p['blocks']} blocks; {p['conversations']} "
+          f"conversations x {p['turns']} turns ({p['first_tokens']} words, then "
+          f"+{p['new_tokens']} a turn), {p['concurrency']} in flight, {p['think_s']:g} s "
+          "think time; vLLM's default 480 s retention")
+    docs = {
+        "on": timed("pressure, bidirectional ON: start, concurrent benchmark, stop",
+                    lambda: run_pressure("on", pressure_patch(spec, True), args)),
+        "off": timed("pressure, bidirectional OFF: start, concurrent benchmark, stop",
+                     lambda: run_pressure("off", pressure_patch(spec, False), args)),
+    }
+    step("pressure results (per request, 4 in flight)")
+    print(loadreport.comparison_text(docs))
+    path = loadreport.ttft_over_time_plot(
+        docs, args.out / "pressure_ttft_over_time.png",
+        f"TTFT under decode KV pressure ({p['blocks']} blocks, {p['concurrency']} in flight)")
+    print(f"plot: {path}")
 
 
 # -- 2-5. data plane -----------------------------------------------------------------------
@@ -156,6 +218,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-turns", type=int, default=2)
     p.add_argument("--settle", type=float, default=1.0, metavar="SECONDS")
     p.add_argument("--skip-control-plane", action="store_true")
+    p.add_argument("--skip-pressure", action="store_true",
+                   help="leave out the concurrent run under decode KV pressure")
+    p.add_argument("--only-pressure", action="store_true",
+                   help="only the concurrent run under decode KV pressure")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -188,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
                 timed(f"control plane: operator on an in-memory API server, "
                       f"kubectl apply -f {args.spec.name}",
                       lambda: asyncio.run(control_plane(args.spec)))
-            rc = data_plane(args, timed)
+            rc = 0 if args.only_pressure else data_plane(args, timed)
+            if rc == 0 and not args.skip_pressure:
+                pressure(args, timed)
     except KeyboardInterrupt:
         print("\ndemo: interrupted; every process it started is stopped", file=sys.stderr)
         return 130

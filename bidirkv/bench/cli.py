@@ -3,6 +3,8 @@
     bidir-kv bench --url http://ROUTER --label on          # any router, e.g. a cluster's
     bidir-kv bench --state-dir out/local --label on        # a `bidir-kv local up` stack
     bidir-kv bench --compare out/bench/on.json out/bench/off.json
+    bidir-kv bench --state-dir out/local --concurrency 4 --conversations 12 --turns 4
+        # concurrent mode: a pool of conversations, N in flight, think time between turns
 """
 
 from __future__ import annotations
@@ -48,6 +50,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lower-bound", action="store_true",
                    help="with --state-dir: measure the lower bound on the stack's decode server "
                         "(meaningful with kvTransfer.bidirectional false)")
+    p.add_argument("--concurrency", type=int, metavar="N",
+                   help="concurrent mode: N requests in flight over the pool of --conversations "
+                        "(per-request TTFT p50/p99, throughput, errors)")
+    p.add_argument("--think", type=float, default=1.0, metavar="SECONDS",
+                   help="concurrent mode: pause between an answer and the conversation's next "
+                        "turn")
+    p.add_argument("--first-tokens", type=int, default=1000,
+                   help="concurrent mode: user words of a conversation's first turn "
+                        "(--new-tokens for later turns)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -80,12 +91,44 @@ def _config(args: argparse.Namespace):
     )
 
 
+def _load_config(args: argparse.Namespace):
+    from .concurrent import ConcurrentConfig
+
+    base = _config(args)
+    return ConcurrentConfig(
+        url=base.url, label=args.label, model=args.model, conversations=args.conversations,
+        turns=args.turns, concurrency=args.concurrency, think_s=args.think,
+        first_tokens=args.first_tokens, new_tokens=args.new_tokens,
+        output_tokens=args.output_tokens, stream=not args.no_stream, seed=args.seed)
+
+
+def run_load(args: argparse.Namespace) -> int:
+    from . import concurrent, loadreport
+    from .client import RequestFailed
+
+    try:
+        cfg = _load_config(args)
+        doc = loadreport.document(concurrent.run(cfg, progress=not args.no_progress))
+    except (ValueError, RequestFailed) as exc:
+        print(f"bidir-kv bench: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bidir-kv bench: interrupted", file=sys.stderr)
+        return 130
+    path = loadreport.write_json(args.out / f"{cfg.label}-load.json", doc)
+    print(loadreport.comparison_text({cfg.label: doc}))
+    print(f"json: {path}")
+    return 1 if doc["summary"]["errors"] else 0
+
+
 def run(args: argparse.Namespace) -> int:
     from . import report, stats
     from .client import RequestFailed
     from .runner import Runner
 
     prog = "bidir-kv bench"
+    if args.concurrency is not None and not args.compare:
+        return run_load(args)
     try:
         if args.compare:
             on, off = (report.load_run(p) for p in args.compare)
