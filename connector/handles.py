@@ -8,12 +8,16 @@ the scheduler, where it can take the engine down. Here every handle is either ex
 well formed, signed by the engine that issued it and seen for the first time, or it is
 dropped and the request is served without reuse.
 
-The signature is an HMAC over the fields that select memory (engine, request, blocks,
-token counts, digests). It leaves out the two fields a router legitimately rewrites: the
-direction flags and `remote_host` (the address the router reached the peer at). Its key
-is `BIDIRKV_HANDLE_KEY`, identical on every engine of a pool (from a Secret); without it
-a public default key is used, which catches accidents but not a client that reads this
-file.
+The signature is an HMAC over everything the reading engine acts on: engine, request,
+host and port (the reader connects only where the signature says), blocks, token counts,
+expiry and digests. It leaves out only the direction flags, which the router sets per
+leg. Its key is `BIDIRKV_HANDLE_KEY`, identical on every engine of a resource (the
+operator's Secret); `BIDIRKV_HANDLE_KEY_PREVIOUS` is also accepted during a rotation.
+There is no default key: an engine without one does not start (plugin.py).
+
+Decode hands out a handle only to a request that carries the router's proof
+(`bidirkv_proof`, bidirkv/proof.py): a caller who can reach the engine but does not hold
+the key gets its answer and nothing else.
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ import json
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-DEFAULT_KEY = b"bidir-kv/unauthenticated-default"
 MAC_KEY = "bidirkv_mac"
+PROOF_KEY = "bidirkv_proof"
 BLOCKS_KEY = "bidirkv_blocks"
 REPORT_KEY = "bidirkv"
 HANDLE_KEYS = (
@@ -91,9 +96,10 @@ def handle_problem(params: dict[str, Any], max_tokens: int) -> str | None:
 
 def _mac_message(params: dict[str, Any]) -> bytes:
     fields = [
-        1,
+        2,
         params.get("remote_engine_id"),
         params.get("remote_request_id"),
+        params.get("remote_host"),
         params.get("remote_port"),
         params.get("remote_block_ids"),
         params.get("remote_num_tokens"),
@@ -106,15 +112,24 @@ def _mac_message(params: dict[str, Any]) -> bytes:
     return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
 
-def sign(params: dict[str, Any], key: bytes | None) -> str:
-    return hmac.new(key or DEFAULT_KEY, _mac_message(params), hashlib.sha256).hexdigest()[
-        :MAC_HEX
-    ]
+Keys = bytes | Sequence[bytes]
 
 
-def signature_ok(params: dict[str, Any], key: bytes | None) -> bool:
+def _keys(keys: Keys) -> tuple[bytes, ...]:
+    return (keys,) if isinstance(keys, bytes) else tuple(k for k in keys if k)
+
+
+def sign(params: dict[str, Any], key: bytes) -> str:
+    if not key:
+        raise ValueError("no handle key")
+    return hmac.new(key, _mac_message(params), hashlib.sha256).hexdigest()[:MAC_HEX]
+
+
+def signature_ok(params: dict[str, Any], keys: Keys) -> bool:
+    """Signed with one of `keys` (the current key, then the previous one)."""
     mac = params.get(MAC_KEY)
-    return isinstance(mac, str) and hmac.compare_digest(mac, sign(params, key))
+    return isinstance(mac, str) and any(
+        hmac.compare_digest(mac, sign(params, k)) for k in _keys(keys))
 
 
 def normalized(params: dict[str, Any]) -> dict[str, Any]:
@@ -134,11 +149,13 @@ class Admission:
     reason: str | None = None  # short code of the problem, for the report
 
 
-def admit(params: dict[str, Any], key: bytes | None, max_tokens: int,
+def admit(params: dict[str, Any], keys: Keys, max_tokens: int,
           seen: ReplayGuard | None = None, now: float | None = None) -> Admission:
     """The params an engine may act on: internal keys and bad handles removed."""
-    # Keys with a leading underscore are vLLM's own per-request state.
-    out = {k: v for k, v in params.items() if not str(k).startswith("_")}
+    # Keys with a leading underscore are vLLM's own per-request state; the proof is
+    # checked by the caller before this.
+    out = {k: v for k, v in params.items()
+           if not str(k).startswith("_") and k != PROOF_KEY}
     for flag in FLAGS:
         if flag in out and not isinstance(out[flag], bool | None):
             out[flag] = False
@@ -146,7 +163,7 @@ def admit(params: dict[str, Any], key: bytes | None, max_tokens: int,
     if not offered:
         return Admission(out, handle=False)
     problem, reason = handle_problem(out, max_tokens), "malformed"
-    if problem is None and not signature_ok(out, key):
+    if problem is None and not signature_ok(out, keys):
         problem, reason = "the handle's signature does not match", "unauthenticated"
     if problem is None and seen is not None and not seen.first_use(out[MAC_KEY], now):
         problem, reason = "the handle was already used", "replayed"

@@ -3,8 +3,9 @@
 Misconfigured KV transport fails silently in vLLM (a wrong side-channel host strands
 peers, UCX on EFA falls back to TCP), so the pod refuses to start instead, with one line
 that says what is wrong and how to fix it. The same goes for a server that would start
-without the bidir-kv vLLM plugin (connector/plugin.py): it would stream no handles and
-reuse KV unverified.
+without the bidir-kv vLLM plugin (connector/plugin.py), without a handle key, or on a
+vLLM whose internals the plugin's patches no longer fit (each target and its parameters
+are checked here, before vLLM starts): it would reuse KV unverified or unauthenticated.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ def preflight_errors(
         errors.append(
             f"VLLM_NIXL_SIDE_CHANNEL_HOST={host!r} is not an address peers can reach: set it "
             "to the pod IP (downward API status.podIP) or 127.0.0.1 for a local stack"
+        )
+    if not env.get("BIDIRKV_HANDLE_KEY", "").strip():
+        errors.append(
+            "BIDIRKV_HANDLE_KEY is not set: KV handles could not be authenticated (the "
+            "operator sets it from the resource's Secret; by hand, the same random value on "
+            "every engine, e.g. `openssl rand -hex 32`)"
         )
     port = env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")
     if not port.isdigit() or not 1 <= int(port) <= 65535:
@@ -114,6 +121,15 @@ def plugin_error(env: Mapping[str, str]) -> str | None:
     return None
 
 
+def patch_errors() -> list[str]:
+    """Every patch target the installed vLLM lacks or changed (imports vLLM)."""
+    from .patching import target_problems
+    from .plugin import REQUIRED_TARGETS, _version
+
+    return [f"vLLM {_version()}: cannot patch {p}; this image's vLLM does not fit the "
+            "bidir-kv plugin" for p in target_problems(REQUIRED_TARGETS)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bidir-kv serve")
     parser.add_argument("--role", required=True, choices=ROLES)
@@ -134,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         err = plugin_error(os.environ)
         if err:
             errors.append(err)
+    if not errors:
+        errors += patch_errors()
     if errors:
         for err in errors:
             print(f"bidir-kv serve: {err}", file=sys.stderr)

@@ -17,7 +17,7 @@ import inspect
 import logging
 import os
 
-from .patching import Skip, resolve, wrap
+from .patching import Skip, Target, resolve, wrap
 from .settings import Resolved
 
 log = logging.getLogger("vllm.bidirkv")
@@ -48,6 +48,10 @@ def _agent_config(orig, settings: Resolved):
         return orig(*args, **kwargs)
 
     return nixl_agent_config
+
+
+TARGETS = [Target(MODULE, "NixlBaseConnectorWorker.__init__"),
+           Target(MODULE, "nixl_agent_config")]
 
 
 def install(settings: Resolved) -> list[str]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import queue
 
-from .patching import wrap
+from .patching import Target, wrap
 
 MODULE = "vllm.v1.engine.core"
 WORKER_MODULE = "vllm.v1.executor.multiproc_executor"
@@ -75,6 +75,10 @@ def _execute_worker_rpc(orig):
         cond.busy_loop_s = 0.0 if empty else default
 
     return _rpc
+
+
+TARGETS = [Target(MODULE, "EngineCoreProc._process_engine_step", ("self",)),
+           Target(WORKER_MODULE, "WorkerProc._execute_worker_rpc", ("self", "rpc_request"))]
 
 
 def install(poll_ms: int) -> list[str]:

@@ -35,7 +35,7 @@ import threading
 from typing import Any
 
 from . import lease
-from .patching import MARK, Skip, resolve, wrap
+from .patching import MARK, Skip, Target, resolve, wrap
 from .residency import Residency, blocks_wanted, current, install
 
 log = logging.getLogger("vllm.bidirkv")
@@ -251,24 +251,35 @@ def _read_blocks_for_req(orig):
     return _read
 
 
-SCHEDULER_SIDE = (
-    (CONNECTOR, "NixlBaseConnector.request_finished"),
-    (CONNECTOR, "NixlBaseConnector.request_finished_all_groups"),
-    (CONNECTOR, "NixlBaseConnector.update_state_after_alloc"),
-    (CONNECTOR, "NixlBaseConnector.build_connector_meta"),
-    (CONNECTOR, "NixlBaseConnector.update_connector_output"),
-    (BASE_SCHEDULER, "NixlBaseConnectorScheduler._nixl_handshake_listener"),
-    (SCHEDULER, "Scheduler.schedule"),
-    (ENGINE, "EngineCore"),
-)
-WORKER_SIDE = ((PULL_WORKER, "NixlPullConnectorWorker._read_blocks_for_req"),)
+CONNECTOR_TARGETS = [
+    Target(CONNECTOR, "NixlBaseConnector.request_finished", ("self", "request", "block_ids")),
+    Target(CONNECTOR, "NixlBaseConnector.request_finished_all_groups",
+           ("self", "request", "block_ids")),
+    Target(CONNECTOR, "NixlBaseConnector.update_state_after_alloc",
+           ("self", "request", "blocks", "num_external_tokens")),
+    Target(CONNECTOR, "NixlBaseConnector.build_connector_meta", ("self", "scheduler_output")),
+    Target(CONNECTOR, "NixlBaseConnector.update_connector_output",
+           ("self", "connector_output")),
+    Target(BASE_SCHEDULER, "NixlBaseConnectorScheduler._nixl_handshake_listener",
+           ("encoded_data", "ready_event", "stop_event", "host", "port")),
+]
+TARGETS = [
+    *CONNECTOR_TARGETS,
+    Target(SCHEDULER, "Scheduler.schedule", ("self",)),
+    # Utility calls are looked up by name on the engine (EngineCore.bidirkv_residency).
+    Target(ENGINE, "EngineCoreProc._handle_client_request", ("self", "request_type", "request")),
+    Target(PULL_WORKER, "NixlPullConnectorWorker._read_blocks_for_req",
+           ("self", "req_id", "meta")),
+    Target(PULL_WORKER, "NixlPullConnectorWorker._handle_failed_transfer",
+           ("self", "req_id", "handle", "failed_req_ids", "record_failed_transfer")),
+]
 _lock = threading.Lock()
 
 
 def install_connector(owner_lease_s: float, watermark: float) -> list[str]:
     """Decode-side patches of the connector module (engine-core process)."""
-    for module, qualname in SCHEDULER_SIDE[:6]:
-        resolve(module, qualname)
+    for t in CONNECTOR_TARGETS:
+        resolve(t.module, t.qualname)
 
     with _lock:
         if current() is None:

@@ -9,7 +9,9 @@ vLLM acts on them, and where the params of a finished request are built:
   second time for the same request (vLLM 0.32 does after a failed read or a preemption).
 - `update_connector_output`: note reads that failed (P then recomputes).
 - `request_finished`: D adds its block digests; both roles sign what they hand out; P
-  adds its reuse report.
+  adds its reuse report. D keeps blocks and hands out a handle only for a request that
+  carried the router's proof (handles.make_proof); any other request's blocks are freed
+  at once and it gets no handle.
 Push mode (NixlPushConnector) is left alone: it does not support bidirectional transfer.
 """
 
@@ -20,9 +22,20 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from bidirkv.proof import PROOF_TTL_S, proof_problem
+
 from . import digests
-from .handles import BLOCKS_KEY, MAC_KEY, REPORT_KEY, ReplayGuard, admit, normalized, sign
-from .patching import resolve, wrap
+from .handles import (
+    BLOCKS_KEY,
+    MAC_KEY,
+    PROOF_KEY,
+    REPORT_KEY,
+    ReplayGuard,
+    admit,
+    normalized,
+    sign,
+)
+from .patching import Skip, Target, resolve, wrap
 from .reuse import Report, offered_tokens, plan, record_load_failure, record_match
 
 log = logging.getLogger("vllm.bidirkv")
@@ -35,17 +48,20 @@ QUIET = ("match", "prompt_shorter", "local_cache", "below_threshold")
 
 @dataclass
 class State:
-    key: bytes | None
+    keys: tuple[bytes, ...]  # the current key (signs) first, then the previous one
     seed: bytes
     fingerprint: str
     max_tokens: int
     guard: ReplayGuard
+    proofs: ReplayGuard = field(default_factory=lambda: ReplayGuard(ttl=3 * PROOF_TTL_S))
     failed: set[str] = field(default_factory=set)
+    # Requests that carried a valid router proof (D keeps their blocks for reuse).
+    proven: set[str] = field(default_factory=set)
     # Kept here, not in the params: those travel to the workers with the request.
     reports: dict[str, Report] = field(default_factory=dict)
 
 
-def _state(sched: Any, key: bytes | None) -> State:
+def _state(sched: Any, keys: tuple[bytes, ...]) -> State:
     st = sched.__dict__.get(STATE)
     if st is None:
         cfg = sched.vllm_config
@@ -53,12 +69,9 @@ def _state(sched: Any, key: bytes | None) -> State:
         seed = digests.model_seed(str(mc.model), getattr(mc, "revision", None),
                                   str(mc.dtype), str(cc.cache_dtype), int(sched.block_size))
         ttl = max(float(sched.decoder_kv_blocks_ttl), float(sched._kv_lease_duration))
-        st = State(key, seed, digests.fingerprint(seed), int(mc.max_model_len),
+        st = State(keys, seed, digests.fingerprint(seed), int(mc.max_model_len),
                    ReplayGuard(ttl=2 * ttl))
         sched.__dict__[STATE] = st
-        if key is None:
-            log.warning("bidir-kv: BIDIRKV_HANDLE_KEY is not set; KV handles are checked "
-                        "but not authenticated (set the same secret on every engine)")
     return st
 
 
@@ -83,13 +96,13 @@ def _layout_ok(sched: Any, ids: list) -> bool:
     return not getattr(sched, "_is_hma_required", True) and len(ids) == len(groups)
 
 
-def _on_new_request(orig, key):
+def _on_new_request(orig, keys):
     @functools.wraps(orig)
     def on_new_request(self, request):
         params = request.kv_transfer_params
         if isinstance(params, dict) and params:
             try:
-                _admit(self, request, params, key)
+                _admit(self, request, params, keys)
             except Exception:  # noqa: BLE001 - a bug here must cost reuse, not the engine
                 log.exception("bidir-kv: request %s: params check failed; served without "
                               "KV transfer", request.request_id)
@@ -99,10 +112,18 @@ def _on_new_request(orig, key):
     return on_new_request
 
 
-def _admit(sched: Any, request: Any, params: dict, key: bytes | None) -> None:
-    st = _state(sched, key)
+def _admit(sched: Any, request: Any, params: dict, keys: tuple[bytes, ...]) -> None:
+    st = _state(sched, keys)
+    proof = params.pop(PROOF_KEY, None)
+    if proof is not None:
+        problem = proof_problem(proof, st.keys, st.proofs.first_use)
+        if problem is None:
+            st.proven.add(request.request_id)
+        else:
+            log.warning("bidir-kv: request %s: %s; its KV will not be kept for reuse",
+                        request.request_id, problem)
     offered = offered_tokens(params)
-    adm = admit(params, st.key, st.max_tokens, st.guard)
+    adm = admit(params, st.keys, st.max_tokens, st.guard)
     if adm.problem:
         log.warning("bidir-kv: request %s: kv_transfer_params handle dropped: %s",
                     request.request_id, adm.problem)
@@ -137,24 +158,32 @@ def _get_num_new_matched_tokens(orig):
     return get_num_new_matched_tokens
 
 
-def _update_connector_output(orig, key):
+def _update_connector_output(orig, keys):
     @functools.wraps(orig)
     def update_connector_output(self, connector_output):
         failed = getattr(connector_output, "failed_recving", None)
         if failed:
-            _state(self, key).failed.update(failed)
+            _state(self, keys).failed.update(failed)
         return orig(self, connector_output)
 
     return update_connector_output
 
 
-def _request_finished(orig, key):
+def _request_finished(orig, keys):
     @functools.wraps(orig)
     def request_finished(self, request, block_ids):
         delay, out = orig(self, request, block_ids)
-        st = _state(self, key)
+        st = _state(self, keys)
         failed = request.request_id in st.failed
         st.failed.discard(request.request_id)
+        proven = request.request_id in st.proven
+        st.proven.discard(request.request_id)
+        if delay and out is not None and out.get("do_remote_decode") and not proven:
+            # Not sent by the router: keep nothing, hand out nothing.
+            self._reqs_need_send.pop(request.request_id, None)
+            self._reqs_not_processed.add(request.request_id)
+            st.reports.pop(request.request_id, None)
+            return False, None
         if out is None:
             st.reports.pop(request.request_id, None)
             return delay, out
@@ -187,22 +216,29 @@ def _finish(sched: Any, st: State, request: Any, out: dict, delay: bool) -> dict
             digests.block_digests(_request_seed(st, request), held, sched.block_size),
         ).to_wire()
     if out.get("remote_block_ids"):
-        out[MAC_KEY] = sign(out, st.key)
+        out[MAC_KEY] = sign(out, st.keys[0])
     return out
 
 
-METHODS = ("on_new_request", "get_num_new_matched_tokens", "update_connector_output",
-           "request_finished")
+TARGETS = [
+    Target(MODULE, f"{CLASS}.on_new_request", ("self", "request")),
+    Target(MODULE, f"{CLASS}.get_num_new_matched_tokens",
+           ("self", "request", "num_computed_tokens")),
+    Target(MODULE, f"{CLASS}.update_connector_output", ("self", "connector_output")),
+    Target(MODULE, f"{CLASS}.request_finished", ("self", "request", "block_ids")),
+]
 
 
-def install(key: bytes | None) -> list[str]:
+def install(keys: tuple[bytes, ...]) -> list[str]:
     # All or nothing: D publishing digests that no P checks (or the reverse) would
     # only turn reuse off in a way that is harder to see.
-    for name in METHODS:
-        resolve(MODULE, f"{CLASS}.{name}")
-    wrap(MODULE, f"{CLASS}.on_new_request", lambda o: _on_new_request(o, key))
+    for t in TARGETS:
+        resolve(t.module, t.qualname)
+    if not keys:
+        raise Skip("no handle key (BIDIRKV_HANDLE_KEY)")
+    wrap(MODULE, f"{CLASS}.on_new_request", lambda o: _on_new_request(o, keys))
     wrap(MODULE, f"{CLASS}.get_num_new_matched_tokens", _get_num_new_matched_tokens)
     wrap(MODULE, f"{CLASS}.update_connector_output",
-         lambda o: _update_connector_output(o, key))
-    wrap(MODULE, f"{CLASS}.request_finished", lambda o: _request_finished(o, key))
+         lambda o: _update_connector_output(o, keys))
+    wrap(MODULE, f"{CLASS}.request_finished", lambda o: _request_finished(o, keys))
     return ["verified-reuse"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .patching import MARK, Skip, resolve, wrap
+from .patching import MARK, Skip, Target, resolve, wrap
 from .streamparams import CHAT_OBJECT, COMPLETION_OBJECT, wrap_stream_generator
 
 TARGETS = {
@@ -11,6 +11,10 @@ TARGETS = {
     "vllm.entrypoints.openai.completion.serving":
         ("OpenAIServingCompletion.completion_stream_generator", COMPLETION_OBJECT),
 }
+
+
+# The generators' signatures are checked by wrap_stream_generator itself.
+TARGET_LIST = [Target(module, qualname) for module, (qualname, _) in TARGETS.items()]
 
 
 def install(module: str) -> list[str]:

@@ -1,19 +1,22 @@
-"""Guarded monkeypatching of vLLM internals.
+"""Guarded monkeypatching of vLLM internals, and the check that every target is there.
 
 Every patch names the vLLM release line it was written against and the attributes it
-replaces. On another release, or when an attribute is gone, the patch is skipped with
-one warning: a mismatched patch of scheduler internals fails worse (silently wrong KV)
-than a missing one (no reuse).
+replaces, with their parameters (`Target`). The launcher checks all of them before vLLM
+starts and refuses to start when one is missing or changed (`target_problems`); inside
+vLLM a patch that cannot apply stops the process (plugin.py): without them reuse would
+run on vLLM's trust, unverified and unauthenticated (fail closed).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.abc
+import inspect
 import logging
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("vllm.bidirkv")
@@ -29,6 +32,40 @@ class Skip(Exception):
 
 def vllm_supported(version: str) -> bool:
     return version.startswith(SUPPORTED_VLLM)
+
+
+@dataclass(frozen=True)
+class Target:
+    """`module:qualname`, and the parameter names a patch relies on (None: not callable,
+    or any signature)."""
+
+    module: str
+    qualname: str
+    params: tuple[str, ...] | None = None
+
+    def __str__(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+
+def target_problem(t: Target) -> str | None:
+    """Why this target cannot be patched as written (None: it can)."""
+    try:
+        _, _, obj = resolve(t.module, t.qualname)
+    except Skip as exc:
+        return str(exc)
+    if t.params is None:
+        return None
+    try:
+        names = tuple(inspect.signature(inspect.unwrap(obj)).parameters)
+    except (TypeError, ValueError):
+        return f"{t}: no inspectable signature"
+    if names[: len(t.params)] != t.params:
+        return f"{t}: parameters ({', '.join(names)}) are not ({', '.join(t.params)})"
+    return None
+
+
+def target_problems(targets: list[Target]) -> list[str]:
+    return [p for t in targets if (p := target_problem(t)) is not None]
 
 
 def resolve(module: str, qualname: str) -> tuple[Any, str, Any]:

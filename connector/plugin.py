@@ -2,9 +2,12 @@
 
 vLLM calls `register()` in every process of a server (API server, engine core, workers),
 possibly more than once. Each patch is applied when its target module is imported in
-that process, and skipped with one warning when its target is not what it was written
-against, or when vLLM is not a release line the patches know. Set VLLM_PLUGINS to a
-list without `bidirkv` to turn the plugin off.
+that process. The plugin fails closed: on a vLLM release it was not written for, without
+a handle key, or when a patch that keeps reuse safe cannot apply (a target missing or
+changed), it stops the server with one line that says which, instead of letting vLLM
+reuse KV on trust. Only the CPU performance patches are optional (skipped with a
+warning). `TARGETS` lists everything patched; the launcher checks them all before vLLM
+starts. Set VLLM_PLUGINS to a list without `bidirkv` to turn the plugin off.
 """
 
 from __future__ import annotations
@@ -15,15 +18,22 @@ import os
 from collections.abc import Callable
 
 from . import patch_cpu, patch_idle, patch_residency, patch_reuse, patch_stream
-from .patching import Skip, vllm_supported, when_imported
+from .patching import SUPPORTED_VLLM, Skip, Target, target_problems, vllm_supported, when_imported
 from .settings import Resolved, Settings
 
 log = logging.getLogger("vllm.bidirkv")
 
 NAME = "bidirkv"
 ENTRY_POINT = "bidirkv.connector.plugin:register"
+REQUIRED_TARGETS: list[Target] = [*patch_reuse.TARGETS, *patch_stream.TARGET_LIST,
+                                  *patch_residency.TARGETS]
+OPTIONAL_TARGETS: list[Target] = [*patch_cpu.TARGETS, *patch_idle.TARGETS]
 _registered = False
 applied: list[str] = []
+
+
+class PluginError(RuntimeError):
+    """The server must not start: the message says why and what to do."""
 
 
 @functools.cache
@@ -33,15 +43,41 @@ def _resolved() -> Resolved:
     return Settings.from_env(os.environ).resolve(bool(current_platform.is_cpu()))
 
 
-def _guarded(what: str, install: Callable[[], list[str]]) -> Callable[[], None]:
+def _version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "?")
+
+
+def startup_problems(env: dict[str, str] | os._Environ) -> list[str]:
+    """Why a server with this plugin must not start (the launcher's check; empty: fine)."""
+    problems = []
+    version = _version()
+    if not vllm_supported(version):
+        problems.append(f"vLLM {version} is not a release bidir-kv was written for "
+                        f"({', '.join(v + 'x' for v in SUPPORTED_VLLM)})")
+    if not Settings.from_env(env).handle_keys:
+        problems.append("BIDIRKV_HANDLE_KEY is not set: KV handles cannot be authenticated "
+                        "(the operator sets it from the resource's Secret; by hand use the "
+                        "same random value on every engine, e.g. `openssl rand -hex 32`)")
+    problems += [f"vLLM {version}: cannot patch {p}" for p in target_problems(REQUIRED_TARGETS)]
+    return problems
+
+
+def _guarded(what: str, install: Callable[[], list[str]], required: bool = True
+             ) -> Callable[[], None]:
     def hook() -> None:
         try:
             done = install()
-        except Skip as exc:
-            log.warning("bidir-kv: %s patch skipped: %s", what, exc)
-            return
-        except Exception:  # noqa: BLE001 - a broken patch must not break the import
-            log.exception("bidir-kv: %s patch failed; skipped", what)
+        except Exception as exc:  # noqa: BLE001 - reported below, by kind
+            if required:
+                raise PluginError(f"bidir-kv: the {what} patch cannot apply to vLLM "
+                                  f"{_version()} ({exc}); refusing to serve KV reuse "
+                                  "without it") from exc
+            if isinstance(exc, Skip):
+                log.warning("bidir-kv: %s patch skipped: %s", what, exc)
+            else:
+                log.exception("bidir-kv: %s patch failed; skipped", what)
             return
         if done:
             applied.extend(done)
@@ -55,26 +91,29 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    import vllm
-
-    version = getattr(vllm, "__version__", "?")
+    version = _version()
     if not vllm_supported(version):
-        log.warning("bidir-kv: vLLM %s is not a release the plugin was written for; "
-                    "no patches applied (no streamed handles, no verified reuse)", version)
-        return
+        raise PluginError(f"bidir-kv: vLLM {version} is not a release the plugin was written "
+                          "for; refusing to start (set VLLM_PLUGINS without bidirkv to run "
+                          "vLLM without it)")
     settings = Settings.from_env(os.environ)
-    key = settings.handle_key
+    keys = settings.handle_keys
+    if not keys:
+        raise PluginError("bidir-kv: BIDIRKV_HANDLE_KEY is not set; refusing to start "
+                          "(KV handles could not be authenticated)")
     when_imported(patch_reuse.MODULE,
-                  _guarded("verified reuse", lambda: patch_reuse.install(key)))
+                  _guarded("verified reuse", lambda: patch_reuse.install(keys)))
     for module in patch_stream.TARGETS:
         when_imported(module, _guarded(
             "streamed handles",
             lambda m=module: patch_stream.install(m) if _resolved().stream_params else []))
-    when_imported(patch_cpu.MODULE, _guarded("cpu", lambda: patch_cpu.install(_resolved())))
-    when_imported(patch_idle.MODULE,
-                  _guarded("idle loop", lambda: patch_idle.install(_resolved().idle_poll_ms)))
+    when_imported(patch_cpu.MODULE, _guarded(
+        "cpu", lambda: patch_cpu.install(_resolved()), required=False))
+    when_imported(patch_idle.MODULE, _guarded(
+        "idle loop", lambda: patch_idle.install(_resolved().idle_poll_ms), required=False))
     when_imported(patch_idle.WORKER_MODULE, _guarded(
-        "idle worker", lambda: patch_idle.install_worker(_resolved().idle_poll_ms)))
+        "idle worker", lambda: patch_idle.install_worker(_resolved().idle_poll_ms),
+        required=False))
     when_imported(patch_residency.CONNECTOR, _guarded(
         "residency", lambda: patch_residency.install_connector(
             settings.owner_lease_s, settings.retention_watermark)))

@@ -33,7 +33,9 @@ MANAGED_ARGS = (
     "--no-enable-prefix-caching",
     "--kv-transfer-config",
 )
-MANAGED_ENV_PREFIXES = ("VLLM_NIXL_SIDE_CHANNEL_", "FI_", "VLLM_PLUGINS")
+MANAGED_ENV_PREFIXES = (
+    "VLLM_NIXL_SIDE_CHANNEL_", "FI_", "VLLM_PLUGINS", "BIDIRKV_HANDLE_KEY",
+)
 
 
 @dataclass(frozen=True)

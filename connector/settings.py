@@ -73,6 +73,8 @@ class Settings:
     idle_poll_ms: int | None = None
     stream_params: bool = True
     handle_key: bytes | None = None
+    # Accepted besides handle_key while a rotation rolls out (never used to sign).
+    handle_key_previous: bytes | None = None
     # Decode residency (residency.py): how long a router's handles outlive its last
     # heartbeat, and the share of decode's KV that retained blocks may pin.
     owner_lease_s: float = DEFAULT_OWNER_LEASE_S
@@ -80,17 +82,24 @@ class Settings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
-        key = env.get("BIDIRKV_HANDLE_KEY", "")
+        key = env.get("BIDIRKV_HANDLE_KEY", "").strip()
+        previous = env.get("BIDIRKV_HANDLE_KEY_PREVIOUS", "").strip()
         return cls(
             keep_affinity=_tristate(env, "BIDIRKV_CPU_KEEP_AFFINITY"),
             nixl_progress_thread=_tristate(env, "BIDIRKV_NIXL_PROGRESS_THREAD"),
             idle_poll_ms=_ms(env, "BIDIRKV_IDLE_POLL_MS"),
             stream_params=_tristate(env, "BIDIRKV_STREAM_PARAMS") is not False,
             handle_key=key.encode() if key else None,
+            handle_key_previous=previous.encode() if previous else None,
             owner_lease_s=_number(env, "BIDIRKV_OWNER_LEASE_SECONDS", 1, 86400,
                                   DEFAULT_OWNER_LEASE_S),
             retention_watermark=_number(env, "BIDIRKV_RETENTION_WATERMARK", 0.0, 1.0, 1.0),
         )
+
+    @property
+    def handle_keys(self) -> tuple[bytes, ...]:
+        """Keys a handle may be signed with: the current one first."""
+        return tuple(k for k in (self.handle_key, self.handle_key_previous) if k)
 
     def resolve(self, is_cpu: bool) -> Resolved:
         return Resolved(

@@ -331,7 +331,10 @@ CHILDREN = [("apps/v1", "statefulsets", "prefill"), ("apps/v1", "statefulsets", 
             ("v1", "services", "prefill"), ("v1", "services", "decode"),
             ("v1", "services", "router"), ("policy/v1", "poddisruptionbudgets", "prefill"),
             ("policy/v1", "poddisruptionbudgets", "decode"), ("v1", "configmaps", "router"),
-            ("apps/v1", "deployments", "router")]
+            ("apps/v1", "deployments", "router"),
+            ("networking.k8s.io/v1", "networkpolicies", "engines"),
+            ("networking.k8s.io/v1", "networkpolicies", "router"),
+            ("v1", "secrets", "handle-key")]
 # One hand edit per kind the operator writes; it must put each back (update).
 DRIFT = [("apps/v1", "statefulsets", "decode", {"spec": {"replicas": 7}},
           lambda o: o["spec"]["replicas"] == 2),
@@ -342,7 +345,9 @@ DRIFT = [("apps/v1", "statefulsets", "decode", {"spec": {"replicas": 7}},
          ("policy/v1", "poddisruptionbudgets", "prefill", {"spec": {"maxUnavailable": 3}},
           lambda o: o["spec"]["maxUnavailable"] == 1),
          ("v1", "configmaps", "router", {"data": {"router.json": "{}"}},
-          lambda o: "decode-0" in o["data"]["router.json"])]
+          lambda o: "decode-0" in o["data"]["router.json"]),
+         ("networking.k8s.io/v1", "networkpolicies", "engines",
+          {"spec": {"ingress": [{}]}}, lambda o: len(o["spec"]["ingress"]) == 2)]
 
 
 def exercise_operator(server: KubeAPIServer, example: dict, ns: str) -> None:

@@ -14,6 +14,7 @@ CHILDREN = [
     ("Service", "prefill"), ("StatefulSet", "prefill"), ("PodDisruptionBudget", "prefill"),
     ("Service", "decode"), ("StatefulSet", "decode"), ("PodDisruptionBudget", "decode"),
     ("ConfigMap", "router"), ("Deployment", "router"), ("Service", "router"),
+    ("NetworkPolicy", "engines"), ("NetworkPolicy", "router"),
 ]
 
 
@@ -202,6 +203,47 @@ async def test_restart_with_nothing_changed_writes_nothing(minimal, example):
             assert controller.reconciles >= 2
         assert [r for r in server.writes() if r.resource != "events"] == []
         assert server.writes() == []
+
+
+async def test_the_handle_key_secret_is_created_once_and_never_shown(minimal):
+    import base64
+    import json
+
+    async with api_server() as (server, client):
+        # A key the user brought for one resource is used as it is.
+        await client.create({"apiVersion": "v1", "kind": "Secret", "metadata": {
+            "name": "mine-handle-key", "namespace": "ns1"}, "data": {"current": "YWJj"}})
+        async with running_operator(client) as controller:
+            await client.call("POST", di_path("ns1"), resource(minimal, "ns1"))
+            mine = dict(minimal, metadata={"name": "mine", "namespace": "ns1"})
+            await client.call("POST", di_path("ns1"), resource(mine, "ns1"))
+            await _converged(client, controller)
+            await _converged(client, controller, "mine", "ns1")
+            secret = await client.get("Secret", "ns1", "tiny-handle-key")
+            key = base64.b64decode(secret["data"]["current"]).decode()
+            assert len(key) == 64 and int(key, 16) >= 0  # 256 random bits, hex
+            assert secret["metadata"]["ownerReferences"][0]["kind"] == "DisaggregatedInference"
+            assert (await client.get("Secret", "ns1", "mine-handle-key"))["data"] == {
+                "current": "YWJj"}
+            # A spec change reconciles again: the Secret is not rewritten.
+            await client.call("PATCH", di_path("ns1", "tiny"),
+                              {"spec": {"decode": {"replicas": 2}}},
+                              "application/merge-patch+json")
+            await eventually(lambda: _decode_replicas(client, 2), what="decode scaled")
+            await controller.idle()
+            # Two creates (the user's, then the operator's for tiny), and nothing else.
+            secret_writes = [r.verb for r in server.writes() if r.resource == "secrets"]
+            assert secret_writes == ["create", "create"]
+            # Nowhere but in the Secret: not in status, events or any child.
+            others = [await get_di(client, "ns1", "tiny"),
+                      *server.list("v1", "events", "ns1"),
+                      *(await children(client, "ns1", "tiny")).values()]
+            assert key not in json.dumps(others)
+
+
+async def _decode_replicas(client, n):
+    sts = await client.get("StatefulSet", "ns1", "tiny-decode")
+    return sts if sts and sts["spec"]["replicas"] == n else None
 
 
 async def test_delete_leaves_children_to_the_garbage_collector(minimal):

@@ -29,6 +29,7 @@ from .vllm_stack import (  # noqa: E402
     metric,
     post,
     prefill_leg,
+    proof,
     running_router,
     running_stack,
     spec_for,
@@ -157,7 +158,8 @@ def test_a_waiting_request_takes_retained_blocks(stack):
 def test_untracked_request_is_freed_on_release(stack):
     """Both flags false (no P handle): vLLM retained such requests and never freed them."""
     body = chat([{"role": "user", "content": random_text(300, seed=40)}], max_tokens=4)
-    body["kv_transfer_params"] = {"do_remote_prefill": False, "do_remote_decode": False}
+    body["kv_transfer_params"] = {"do_remote_prefill": False, "do_remote_decode": False,
+                                  "bidirkv_proof": proof()}
     status, out = post(stack.d_url + "/v1/chat/completions", body)
     assert status == 200, out
     handle = out["kv_transfer_params"]
@@ -165,6 +167,20 @@ def test_untracked_request_is_freed_on_release(stack):
     assert residency(stack, release=[handle["remote_request_id"]])["releasedBlocks"] > 0
     after = settled(stack, lambda o: o["retainedRequests"] < before["retainedRequests"])
     assert after["retainedRequests"] < before["retainedRequests"], after
+
+
+def test_a_direct_caller_gets_no_handle_and_decode_keeps_nothing(stack):
+    """Without the router's proof: the answer, no handle, no retained blocks."""
+    before = residency(stack)["retainedRequests"]
+    body = chat([{"role": "user", "content": random_text(300, seed=45)}], max_tokens=4)
+    for kv in ({"do_remote_prefill": False, "do_remote_decode": False},
+               {"do_remote_prefill": False, "do_remote_decode": False,
+                "bidirkv_proof": "0.1.2"}):
+        status, out = post(stack.d_url + "/v1/chat/completions",
+                           dict(body, kv_transfer_params=kv))
+        assert status == 200 and out["choices"][0]["message"]["content"]
+        assert out.get("kv_transfer_params") is None
+        assert residency(stack)["retainedRequests"] == before
 
 
 def test_an_owner_that_stops_renewing_loses_its_blocks(stack):

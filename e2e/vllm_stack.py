@@ -21,12 +21,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from bidirkv.local.engines import LocalPorts, engine_process, local_router_config
+from bidirkv.local.engines import LocalPorts, engine_process, local_router_config, local_secrets
 from bidirkv.local.model import build_model
 from bidirkv.local.procs import Proc, merged_env, stop_all
 from bidirkv.operator.spec import parse_spec
+from bidirkv.proof import make_proof
 
 KEY = "e2e-handle-key"
+
+
+def proof() -> str:
+    """What the router adds to a decode leg; without it decode keeps no KV for reuse."""
+    return make_proof(KEY.encode())
 BLOCK = 128
 MODEL = "tiny"
 START_TIMEOUT = 300
@@ -41,8 +47,7 @@ GEN = {"temperature": 0, "max_tokens": 24, "ignore_eos": True, "skip_special_tok
 def spec_for(model: pathlib.Path, max_model_len: int = 4096) -> dict:
     env = [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
            {"name": "UCX_TLS", "value": "tcp,self,sm"},
-           {"name": "HF_HUB_OFFLINE", "value": "1"},
-           {"name": "BIDIRKV_HANDLE_KEY", "value": KEY}]
+           {"name": "HF_HUB_OFFLINE", "value": "1"}]
     return {
         "model": {"name": str(model), "servedName": MODEL, "maxModelLen": max_model_len,
                   "dtype": "float32"},
@@ -96,7 +101,7 @@ def running_stack(root: pathlib.Path, spec_doc: dict | None = None,
     procs: list[Proc] = []
     try:
         for role, lp in ports.items():
-            argv, env = engine_process(spec, role, lp)
+            argv, env = engine_process(spec, role, lp, local_secrets(KEY))
             argv += (extra_args or {}).get(role, [])
             # Started from the test's own directory, the repository's operator/ folder
             # would shadow the standard library for `python -m vllm...`.
@@ -120,7 +125,7 @@ def running_router(s: Stack, name: str = "router", **overrides) -> Iterator[tupl
     cfg_path.write_text(json.dumps(cfg))
     argv = [str(pathlib.Path(sys.executable).parent / "bidir-kv"), "router", "--config",
             str(cfg_path), "--port", str(port), "--host", "127.0.0.1"]
-    router = Proc(name, argv, merged_env({}), s.root / f"{name}.log",
+    router = Proc(name, argv, merged_env({"BIDIRKV_HANDLE_KEY": KEY}), s.root / f"{name}.log",
                   f"http://127.0.0.1:{port}/health").start(cwd=str(s.root))
     try:
         router.wait_healthy(60)
@@ -190,7 +195,7 @@ def prefill_leg(s: Stack, body: dict, handle: dict | None = None) -> dict:
 def decode_leg(s: Stack, body: dict, p_out: dict, streamed: bool = True
                ) -> tuple[str, dict | None, list]:
     dbody = dict(body, stream=streamed,
-                 kv_transfer_params=dict(p_out["kv_transfer_params"], remote_host="127.0.0.1"))
+                 kv_transfer_params=dict(p_out["kv_transfer_params"], bidirkv_proof=proof()))
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     if not streamed:
         status, out = post(s.d_url + path, dbody)

@@ -17,8 +17,9 @@ from typing import Any
 
 from . import spec as api
 from .diff import differs, owned_by, replacement
+from .handlekey import new_secret, secret_name
 from .kube import ApiError, KubeClient
-from .render import Owner, render
+from .render import Owner, child_metadata, render
 from .status import compute_status, same_status
 
 log = logging.getLogger("bidirkv.operator")
@@ -53,6 +54,8 @@ class Controller:
         self._pending: dict[str, asyncio.TimerHandle | asyncio.Task] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._failures: dict[str, int] = {}
+        # Resources whose handle-key Secret was seen: one GET per resource and process.
+        self._keys_ok: set[str] = set()
         self.reconciles = 0
 
     # -- watch events ---------------------------------------------------------------
@@ -61,6 +64,7 @@ class Controller:
         if event_type == "DELETED" or body["metadata"].get("deletionTimestamp"):
             # Children carry owner references: the garbage collector removes them.
             self.owners.pop(uid, None)
+            self._keys_ok.discard(uid)
             self._cancel(uid)
             return
         self.owners[uid] = body
@@ -138,6 +142,7 @@ class Controller:
             await self._report_invalid(body, owner, generation, previous, str(exc))
             return
 
+        await self._ensure_key(owner)
         seen: dict[tuple[str, str], dict[str, Any] | None] = {}
         problem = None
         for obj in desired:
@@ -150,6 +155,24 @@ class Controller:
         await self._write_status(body, status)
         if problem and _condition_message(previous) != problem[1]:
             await self._event(body, "Warning", problem[0], problem[1])
+
+    async def _ensure_key(self, owner: Owner) -> None:
+        """Create the resource's handle-key Secret when it is missing; never rewrite it.
+
+        One that exists is used as it is, owned or not (a key brought by the user). Its
+        content is never logged, compared or put in status or events.
+        """
+        if owner.uid in self._keys_ok:
+            return
+        name = secret_name(owner.name)
+        if await self.client.get("Secret", owner.namespace, name) is None:
+            try:
+                await self.client.create(new_secret(child_metadata(owner, "handle-key", name)))
+                log.info("created Secret/%s", name)
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+        self._keys_ok.add(owner.uid)
 
     async def _apply(self, obj: dict[str, Any], owner: Owner) -> dict[str, Any]:
         key = _key(obj)

@@ -22,6 +22,9 @@ MAX_NAME_LENGTH = 40
 _DROP = {"title", "additionalProperties"}
 
 
+_OPTIONAL = "x-bidirkv-optional"
+
+
 def _structural(node: Any, defs: dict[str, Any]) -> Any:
     if isinstance(node, list):
         return [_structural(n, defs) for n in node]
@@ -45,6 +48,9 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             raise ValueError(f"cannot express anyOf {any_of} in a structural schema")
         if node.get("default", 0) is None:
             del node["default"]
+            # Optional (None by default): absent stays absent, never defaulted to `{}`
+            # (an empty label selector means "everything").
+            node[_OPTIONAL] = True
     extra = node.get("additionalProperties")
     out: dict[str, Any] = {}
     for key, value in node.items():
@@ -69,8 +75,10 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
                 and "properties" in prop
                 and "default" not in prop
                 and name not in required
+                and not prop.pop(_OPTIONAL, False)
             ):
                 prop["default"] = {}
+            prop.pop(_OPTIONAL, None)
     if "pattern" in out and out.get("x-kubernetes-int-or-string"):
         del out["pattern"]
     return out

@@ -49,6 +49,8 @@ KINDS = {
         Kind("apps/v1", "StatefulSet", "statefulsets"),
         Kind("apps/v1", "Deployment", "deployments"),
         Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
+        Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
+        Kind("v1", "Secret", "secrets"),
         Kind(f"{api.GROUP}/{api.VERSION}", api.KIND, api.PLURAL),
     ]
 }

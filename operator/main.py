@@ -25,6 +25,7 @@ CHILD_RESOURCES = [
     ("", "v1", "services"),
     ("", "v1", "configmaps"),
     ("policy", "v1", "poddisruptionbudgets"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
 ]
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
 # kopf's peering resources (kopf.dev, the group kopf looks for first).

@@ -15,6 +15,8 @@ from bidirkv.connector.roleconfig import ENGINE_PORT, ROLES, build_role_config, 
 
 from . import spec as api
 from .crd import MAX_NAME_LENGTH
+from .handlekey import key_env
+from .netpol import network_policies
 
 APP = "bidir-kv"
 MANAGED_BY = "bidir-kv-operator"
@@ -62,7 +64,7 @@ def child_name(owner: Owner, component: str) -> str:
     return f"{owner.name}-{component}"
 
 
-def _metadata(owner: Owner, component: str, name: str | None = None) -> dict[str, Any]:
+def child_metadata(owner: Owner, component: str, name: str | None = None) -> dict[str, Any]:
     return {
         "name": name or child_name(owner, component),
         "namespace": owner.namespace,
@@ -146,7 +148,7 @@ def engine_pod_template(
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["bidir-kv", "serve", "--role", role, "--"],
         "args": rc.args,
-        "env": rc.env,
+        "env": [*rc.env, *key_env(owner.name)],
         "ports": [
             {"name": name, "containerPort": port, "protocol": "TCP"}
             for name, port in rc.ports.items()
@@ -172,6 +174,8 @@ def engine_pod_template(
             container["volumeMounts"].append({"name": "hugepages", "mountPath": "/hugepages"})
     pod_spec: dict[str, Any] = {
         "terminationGracePeriodSeconds": 60,
+        # Engines never call the Kubernetes API: no token to steal from them.
+        "automountServiceAccountToken": False,
         "containers": [container],
         "volumes": volumes,
     }
@@ -200,7 +204,7 @@ def engine_statefulset(
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": _metadata(owner, role),
+        "metadata": child_metadata(owner, role),
         "spec": {
             "serviceName": child_name(owner, role),
             "replicas": getattr(spec, role).replicas,
@@ -216,7 +220,7 @@ def engine_service(owner: Owner, spec: api.DisaggregatedInferenceSpec, role: str
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(owner, role),
+        "metadata": child_metadata(owner, role),
         "spec": {
             "clusterIP": "None",
             # Peers handshake over the NIXL side channel while a pod is not yet Ready.
@@ -239,7 +243,7 @@ def pod_disruption_budget(owner: Owner, role: str) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(owner, role),
+        "metadata": child_metadata(owner, role),
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner, role)}},
     }
 
@@ -267,7 +271,7 @@ def router_configmap(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dict
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(owner, "router"),
+        "metadata": child_metadata(owner, "router"),
         "data": {ROUTER_CONFIG_KEY: body + "\n"},
     }
 
@@ -284,6 +288,8 @@ def router_deployment(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dic
             "--port", str(ROUTER_CONTAINER_PORT),
         ],
         "ports": [{"name": "http", "containerPort": ROUTER_CONTAINER_PORT, "protocol": "TCP"}],
+        # The key signs the router's proof on decode legs (bidirkv/proof.py).
+        "env": key_env(owner.name),
         "readinessProbe": _http_probe("/ready", 5, 2, 3),
         "livenessProbe": _http_probe("/health", 10, 3, 5),
         "resources": {
@@ -302,13 +308,14 @@ def router_deployment(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dic
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(owner, "router"),
+        "metadata": child_metadata(owner, "router"),
         "spec": {
             "replicas": spec.router.replicas,
             "selector": {"matchLabels": selector_labels(owner, "router")},
             "template": {
                 "metadata": {"labels": labels(owner, "router")},
                 "spec": {
+                    "automountServiceAccountToken": False,
                     "containers": [container],
                     "volumes": [
                         {"name": "config",
@@ -324,7 +331,7 @@ def router_service(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dict[s
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(owner, "router"),
+        "metadata": child_metadata(owner, "router"),
         "spec": {
             "type": spec.router.service_type,
             "selector": selector_labels(owner, "router"),
@@ -362,6 +369,10 @@ def render(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> list[dict[str,
         router_deployment(owner, spec),
         router_service(owner, spec),
     ]
+    instance = {k: v for k, v in selector_labels(owner, "router").items()
+                if k != "app.kubernetes.io/component"}
+    children += network_policies(lambda c: child_metadata(owner, c), instance,
+                                 selector_labels(owner, "router"), ROUTER_CONTAINER_PORT, spec)
     return children
 
 

@@ -292,6 +292,56 @@ class EfaSpec(_Model):
     )
 
 
+class LabelSelectorRequirement(_Model):
+    key: str = Field(min_length=1, max_length=317, description="Label key.")
+    operator: str = Field(
+        pattern="^(In|NotIn|Exists|DoesNotExist)$",
+        description="`In`, `NotIn`, `Exists` or `DoesNotExist`.",
+    )
+    values: list[str] = Field(
+        default_factory=list, description="Values for `In` and `NotIn`; empty otherwise."
+    )
+
+
+class LabelSelector(_Model):
+    match_labels: dict[str, str] = Field(
+        default_factory=dict, description="Labels the selected objects carry."
+    )
+    match_expressions: list[LabelSelectorRequirement] = Field(
+        default_factory=list, description="Label requirements, all of which must hold."
+    )
+
+
+class PolicyPeer(_Model):
+    namespace_selector: LabelSelector | None = Field(
+        default=None,
+        description="Namespaces whose pods may connect (`{}`: every namespace). Without "
+        "it, pods of this resource's namespace.",
+    )
+    pod_selector: LabelSelector | None = Field(
+        default=None, description="Pods that may connect (`{}`: all pods of the namespaces)."
+    )
+
+
+class NetworkPolicySpec(_Model):
+    enabled: bool = Field(
+        default=True,
+        description="Render NetworkPolicies: engine HTTP only from this resource's router "
+        "(and `metricsFrom`), the NIXL side channel and KV transport only between this "
+        "resource's engine pods, router ingress from `routerFrom` (open when empty). "
+        "They take effect only with a CNI that enforces NetworkPolicy; EFA traffic does "
+        "not pass through IP and is not covered (security groups govern it).",
+    )
+    metrics_from: list[PolicyPeer] = Field(
+        default_factory=list,
+        description="Who may also reach the engines' HTTP port (e.g. Prometheus scrapers).",
+    )
+    router_from: list[PolicyPeer] = Field(
+        default_factory=list,
+        description="Who may reach the router; empty: anyone that can route to it.",
+    )
+
+
 class RouterSpec(_Model):
     replicas: int = Field(default=1, ge=1, le=64, description="Router pods.")
     image: str = Field(
@@ -334,6 +384,15 @@ CEL_RULES: list[tuple[str, str, str]] = [
         ".kvTransfer.ownerLeaseSeconds",
     ),
     (
+        "(!has(self.networkPolicy.metricsFrom) || self.networkPolicy.metricsFrom.all(p, "
+        "has(p.namespaceSelector) || has(p.podSelector))) && "
+        "(!has(self.networkPolicy.routerFrom) || self.networkPolicy.routerFrom.all(p, "
+        "has(p.namespaceSelector) || has(p.podSelector)))",
+        "every networkPolicy.metricsFrom and routerFrom entry needs namespaceSelector or "
+        "podSelector",
+        ".networkPolicy",
+    ),
+    (
         "!self.efa.enabled || self.kvTransfer.backend == 'LIBFABRIC'",
         "kvTransfer.backend must be LIBFABRIC when efa.enabled is true "
         "(UCX over EFA falls back to TCP)",
@@ -367,6 +426,9 @@ class DisaggregatedInferenceSpec(_Model):
     )
     efa: EfaSpec = Field(default_factory=EfaSpec, description="AWS EFA settings.")
     router: RouterSpec = Field(default_factory=RouterSpec, description="The router.")
+    network_policy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec, description="Network isolation of the pods."
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> DisaggregatedInferenceSpec:
@@ -394,6 +456,12 @@ def cross_field_errors(spec: DisaggregatedInferenceSpec) -> list[str]:
             f"spec.kvTransfer.ownerLeaseSeconds: {lease} must be at most "
             f"kvTransfer.decoderKvBlocksTtlSeconds ({ttl})"
         )
+    for field in ("metrics_from", "router_from"):
+        for i, peer in enumerate(getattr(spec.network_policy, field)):
+            if peer.namespace_selector is None and peer.pod_selector is None:
+                name = "metricsFrom" if field == "metrics_from" else "routerFrom"
+                errors.append(f"spec.networkPolicy.{name}[{i}]: needs namespaceSelector or "
+                              "podSelector (an empty entry would admit everyone)")
     if spec.efa.enabled and spec.kv_transfer.backend != Backend.LIBFABRIC.value:
         errors.append(
             f"spec.kvTransfer.backend: {spec.kv_transfer.backend!r} must be 'LIBFABRIC' when "

@@ -18,7 +18,7 @@ from aiohttp import web
 from .codec import dumps, loads
 from .config import ConfigError, RouterConfig, load_config
 from .identity import tenant_of
-from .proxy import Router, json_error, json_response
+from .proxy import HANDLE_KEY_ENV, Router, json_error, json_response
 from .reload import ConfigWatcher
 from .validation import CHAT, COMPLETIONS, MAX_CONVERSATION_ID
 
@@ -142,11 +142,12 @@ def build_app(
     overrides: dict[str, Any] | None = None,
     reload_interval: float = 1.0,
     debug: bool | None = None,
+    handle_key: bytes | None = None,
 ) -> web.Application:
     # aiohttp's own body limit is lifted: the router applies maxBodyBytes itself, which a
     # reload can change, with a JSON 413.
     app = web.Application(middlewares=[json_errors], client_max_size=2**40)
-    router = Router(cfg)
+    router = Router(cfg, handle_key=handle_key)
     app[ROUTER] = router
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
@@ -260,10 +261,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"bidir-kv router: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
+    key = os.environ.get(HANDLE_KEY_ENV, "").strip().encode()
+    if cfg.bidirectional and not key:
+        print(f"bidir-kv router: {HANDLE_KEY_ENV} is not set: decode keeps KV for reuse only "
+              "for requests the router proves it sent, with the resource's handle key (the "
+              "operator sets it from the resource's Secret)", file=sys.stderr)
+        return 2
     if not 0 <= args.port <= 65535:
         print(f"bidir-kv router: --port {args.port} is not a port (0-65535)", file=sys.stderr)
         return 2
-    app = build_app(cfg, config_path=args.config, overrides=overrides)
+    app = build_app(cfg, config_path=args.config, overrides=overrides, handle_key=key or None)
     try:
         asyncio.run(_serve(app, args.host, args.port))
     except OSError as exc:

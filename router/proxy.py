@@ -30,6 +30,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from bidirkv.proof import make_proof
+
 from .backends import DECODE, PREFILL, Backend, Pool
 from .codec import dumps, loads
 from .config import RouterConfig
@@ -66,6 +68,8 @@ _MISS_PARAMS = {
 # Fields a one-token prefill must not carry (they would change or fail a max_tokens=1 run).
 _PREFILL_DROP = ("max_completion_tokens", "min_tokens", "stream_options")
 OWNER_KEY = "bidirkv_owner"
+PROOF_KEY = "bidirkv_proof"
+HANDLE_KEY_ENV = "BIDIRKV_HANDLE_KEY"
 
 
 def prefill_body(body: dict[str, Any], handle: dict[str, Any] | None) -> dict[str, Any]:
@@ -86,16 +90,18 @@ def prefill_body(body: dict[str, Any], handle: dict[str, Any] | None) -> dict[st
     return out
 
 
-def decode_body(body: dict[str, Any], p_params: Any, p_host: str,
-                owner: str | None = None) -> dict[str, Any]:
-    """The client's body plus P's params, with P's address as the router reached it, and
-    the router that will own D's handle (D keeps the blocks while that owner renews)."""
+def decode_body(body: dict[str, Any], p_params: Any, owner: str | None = None,
+                proof: str | None = None) -> dict[str, Any]:
+    """The client's body plus P's params as P signed them (host included), the router that
+    will own D's handle (D keeps the blocks while that owner renews), and the router's
+    proof, without which D keeps nothing and hands out no handle."""
     out = dict(body)
     if isinstance(p_params, dict):
         kv = dict(p_params)
-        kv["remote_host"] = p_host
         if owner is not None:
             kv[OWNER_KEY] = owner
+        if proof is not None:
+            kv[PROOF_KEY] = proof
         out[PARAMS] = kv
     return out
 
@@ -194,8 +200,11 @@ class Unavailable(Exception):
 
 
 class Router:
-    def __init__(self, cfg: RouterConfig, metrics: Metrics | None = None) -> None:
+    def __init__(self, cfg: RouterConfig, metrics: Metrics | None = None,
+                 handle_key: bytes | None = None) -> None:
         self.cfg = cfg
+        # The resource's handle key: signs the proof that a decode leg comes from here.
+        self.handle_key = handle_key
         self.metrics = metrics or Metrics()
         self.store = HandleStore(
             cfg.handle_ttl_seconds, cfg.max_conversations, on_evict=self._on_evict
@@ -586,8 +595,11 @@ class Router:
         """The response and its outcome; UpstreamFailure when D failed before the client
         got a byte (the caller may retry elsewhere)."""
         assert self.session is not None
-        owner = self.residency.owner if self.cfg.bidirectional else None
-        payload = dumps(decode_body(turn.body, p_body.get(PARAMS), p.host, owner))
+        owner = proof = None
+        if self.cfg.bidirectional:
+            owner = self.residency.owner
+            proof = make_proof(self.handle_key) if self.handle_key else None
+        payload = dumps(decode_body(turn.body, p_body.get(PARAMS), owner, proof))
         t = time.perf_counter()
         d.outstanding += 1
         resp: aiohttp.ClientResponse | None = None
@@ -745,7 +757,6 @@ class Router:
             self.metrics.handles.set(len(self.store))
             return
         kv = dict(params)
-        kv["remote_host"] = d.host
         n = kv.get("remote_num_tokens")
         n = n if isinstance(n, int) and not isinstance(n, bool) else 0
         self.store.put(key, dumps(kv), d.url, engine, n, tenant=tenant, prefix_len=prefix_len,

@@ -39,16 +39,23 @@ def test_signed_handle_is_admitted_once():
     assert admit(h, KEY, MAX, guard, now=61).handle
 
 
-def test_router_rewrites_survive_the_signature():
+def test_direction_flags_are_outside_the_signature():
     h = d_handle()
-    h.update(remote_host="d-0.d.ns.svc", do_remote_decode=False, do_remote_prefill=True)
+    h.update(do_remote_decode=False, do_remote_prefill=True)
     assert signature_ok(h, KEY)
+
+
+def test_the_previous_key_is_accepted_during_a_rotation():
+    h = d_handle()  # signed with KEY
+    assert signature_ok(h, (b"new-key", KEY))
+    assert admit(h, (b"new-key", KEY), MAX).handle
+    assert not signature_ok(h, (b"new-key",))
 
 
 @pytest.mark.parametrize("field, value", [
     ("remote_block_ids", [[3, 4, 6]]), ("remote_engine_id", "eng-x"),
     ("remote_request_id", "req-2"), ("remote_port", 5601), ("remote_num_tokens", 900),
-    ("remote_blocks_expiry_time", 99999.0), ("tp_size", 2),
+    ("remote_blocks_expiry_time", 99999.0), ("tp_size", 2), ("remote_host", "10.6.6.6"),
 ])
 def test_any_change_of_what_is_read_breaks_the_signature(field, value):
     h = d_handle()

@@ -59,14 +59,37 @@ def test_patch_waits_for_the_module_and_applies_once(fake_module):
         wrap("bidirkv_no_such_module", "X.y", make)
 
 
-def test_register_skips_everything_on_an_unknown_vllm(monkeypatch, caplog):
+def test_register_refuses_an_unknown_vllm_and_a_missing_key(monkeypatch):
+    """Fail closed: the server does not start rather than reuse KV on trust."""
     monkeypatch.setitem(sys.modules, "vllm", ModuleType("vllm"))
     sys.modules["vllm"].__version__ = "0.99.0"
     monkeypatch.setattr(plugin, "_registered", False)
-    plugin.register()
-    assert "no patches applied" in caplog.text and plugin.applied == []
-    plugin.register()  # vLLM calls it again in the same process: no second warning
-    assert caplog.text.count("no patches applied") == 1
+    monkeypatch.setenv("BIDIRKV_HANDLE_KEY", "k")
+    with pytest.raises(plugin.PluginError, match="vLLM 0.99.0 is not a release"):
+        plugin.register()
+    assert plugin.applied == []
+    sys.modules["vllm"].__version__ = "0.32.0"
+    monkeypatch.delenv("BIDIRKV_HANDLE_KEY")
+    monkeypatch.setattr(plugin, "_registered", False)
+    with pytest.raises(plugin.PluginError, match="BIDIRKV_HANDLE_KEY is not set"):
+        plugin.register()
+
+
+def test_a_required_patch_that_cannot_apply_stops_the_process():
+    def fails() -> list[str]:
+        raise Skip("x.Y.z not found")
+
+    with pytest.raises(plugin.PluginError, match="verified reuse patch cannot apply"):
+        plugin._guarded("verified reuse", fails)()
+    plugin._guarded("cpu", fails, required=False)()  # optional: skipped with a warning
+
+
+def test_every_patch_target_resolves_in_the_installed_vllm():
+    """Targets and parameters against the installed vLLM, without starting a server."""
+    pytest.importorskip("vllm")
+    from bidirkv.connector.patching import target_problems
+
+    assert target_problems(plugin.REQUIRED_TARGETS + plugin.OPTIONAL_TARGETS) == []
 
 
 def test_launcher_sees_the_registered_entry_point():

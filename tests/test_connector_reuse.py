@@ -12,6 +12,7 @@ import pytest
 from bidirkv.connector import patch_reuse
 from bidirkv.connector.handles import MAC_KEY, admit, sign
 from bidirkv.connector.reuse import Report, plan
+from bidirkv.proof import make_proof
 
 BS = 16
 KEY = b"k"
@@ -27,6 +28,7 @@ def scheduler(dtype="torch.float32", bs=BS, threshold=0):
         block_size=bs, decoder_kv_blocks_ttl=60, _kv_lease_duration=30, engine_id="e",
         kv_cache_config=SimpleNamespace(transfer_groups=[object()]),
         _is_hma_required=False, kv_recompute_threshold=threshold,
+        _reqs_need_send={}, _reqs_not_processed=set(),
     )
 
 
@@ -62,21 +64,43 @@ def upstream_matched(self, req, num_computed):
     return 0, False
 
 
-on_new = patch_reuse._on_new_request(lambda self, req: None, KEY)
+KEYS = (KEY,)
+on_new = patch_reuse._on_new_request(lambda self, req: None, KEYS)
 matched = patch_reuse._get_num_new_matched_tokens(upstream_matched)
-finished = patch_reuse._request_finished(upstream_finished, KEY)
-conn_out = patch_reuse._update_connector_output(lambda self, out: None, KEY)
+finished = patch_reuse._request_finished(upstream_finished, KEYS)
+conn_out = patch_reuse._update_connector_output(lambda self, out: None, KEYS)
 
 PROMPT1 = list(range(1000, 1070))  # 70 tokens
 OUTPUT1 = list(range(2000, 2030))  # 30 tokens: D holds 99 -> 6 full blocks
 
 
-def decode_turn(d):
-    req = request("d1", PROMPT1, {"do_remote_prefill": False, "do_remote_decode": False},
-                  OUTPUT1)
+def decode_turn(d, proof=True):
+    params = {"do_remote_prefill": False, "do_remote_decode": False}
+    if proof:
+        params["bidirkv_proof"] = make_proof(KEY)  # what the router adds to a decode leg
+    req = request("d1", PROMPT1, params, OUTPUT1)
+    on_new(d, req)
+    d.__dict__.setdefault("_reqs_need_send", {})["d1"] = 99.0  # vLLM's TTL deadline
     d_blocks = list(range(50, 57))
     _, handle = finished(d, req, (d_blocks,))
     return handle
+
+
+def test_decode_keeps_nothing_for_a_request_without_the_routers_proof():
+    d = scheduler()
+    assert decode_turn(d, proof=False) is None
+    assert "d1" not in d._reqs_need_send and "d1" in d._reqs_not_processed
+    # A proof made with another key, or used twice, is no proof.
+    req = request("d2", PROMPT1, {"bidirkv_proof": make_proof(b"other")}, OUTPUT1)
+    on_new(d, req)
+    assert finished(d, req, ([1],)) == (False, None)
+    proof = make_proof(KEY)
+    first = request("d3", PROMPT1, {"bidirkv_proof": proof}, OUTPUT1)
+    on_new(d, first)
+    assert finished(d, first, ([1],))[1] is not None
+    again = request("d4", PROMPT1, {"bidirkv_proof": proof}, OUTPUT1)
+    on_new(d, again)
+    assert finished(d, again, ([1],)) == (False, None)
 
 
 def prefill_turn(p, handle, prompt, local_cached=0, fail=False):

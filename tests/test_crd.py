@@ -77,7 +77,9 @@ GOOD_SPECS = [
      "decode": {"replicas": 3, "enablePrefixCaching": False},
      "kvTransfer": {"bidirectional": False, "decoderKvBlocksTtlSeconds": 60,
                     "retentionWatermark": 0.25, "ownerLeaseSeconds": 60},
-     "router": {"conversationTtlSeconds": 50, "serviceType": "LoadBalancer"}},
+     "router": {"conversationTtlSeconds": 50, "serviceType": "LoadBalancer"},
+     "networkPolicy": {"metricsFrom": [{"namespaceSelector": {}}],
+                       "routerFrom": [{"podSelector": {"matchLabels": {"a": "b"}}}]}},
     {"model": {"name": "m"}, "efa": {"enabled": True, "hugepages2Mi": "5Gi"},
      "kvTransfer": {"backend": "LIBFABRIC"},
      "prefill": {"efaDevices": 2, "resources": {"requests": {"memory": "1Gi"}}},
@@ -100,6 +102,9 @@ BAD_SPECS = [
      "decode": {"efaDevices": 1}},
     {"model": {"name": "m"}, "decode": {"efaDevices": 1}},
     {"model": {"name": "m"}, "router": {"serviceType": "ExternalName"}},
+    {"model": {"name": "m"}, "networkPolicy": {"metricsFrom": [{}]}},
+    {"model": {"name": "m"}, "networkPolicy": {"routerFrom": [
+        {"podSelector": {"matchExpressions": [{"key": "a", "operator": "Near"}]}}]}},
     {"model": {"name": "m"}, "kvTransfer": {"retentionWatermark": 0}},
     {"model": {"name": "m"}, "kvTransfer": {"retentionWatermark": 1.5}},
     {"model": {"name": "m"}, "kvTransfer": {"ownerLeaseSeconds": 5}},
@@ -130,6 +135,8 @@ def _drop_empty(value):
     """The server does not default empty lists/maps the models carry as defaults."""
     if isinstance(value, dict):
         return {k: _drop_empty(v) for k, v in value.items() if v not in ([], {})}
+    if isinstance(value, list):
+        return [_drop_empty(v) for v in value]
     return value
 
 

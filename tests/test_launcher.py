@@ -10,6 +10,7 @@ from bidirkv.operator.spec import parse_spec
 def rendered(spec_dict, role):
     rc = build_role_config(parse_spec(spec_dict), role)
     env = {e["name"]: e.get("value", "10.0.0.7") for e in rc.env}
+    env["BIDIRKV_HANDLE_KEY"] = "k" * 64  # from the resource's Secret in a pod
     return rc.args, env
 
 
@@ -54,6 +55,37 @@ def test_kv_config_problems(minimal):
 def test_serve_exits_nonzero_with_one_line_per_problem(minimal, capsys, monkeypatch):
     args, env = rendered(minimal["spec"], "decode")
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "0.0.0.0")
+    monkeypatch.setenv("BIDIRKV_HANDLE_KEY", env["BIDIRKV_HANDLE_KEY"])
     assert main(["--role", "decode", "--", *args]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("bidir-kv serve: VLLM_NIXL_SIDE_CHANNEL_HOST")
+
+
+def test_no_handle_key_refuses_to_start(minimal):
+    args, env = rendered(minimal["spec"], "decode")
+    del env["BIDIRKV_HANDLE_KEY"]
+    (err,) = preflight_errors("decode", args, env)
+    assert err.startswith("BIDIRKV_HANDLE_KEY is not set")
+
+
+def test_a_missing_patch_target_refuses_to_start(minimal, capsys, monkeypatch):
+    """A vLLM whose internals moved: the launcher names the version and the target."""
+    pytest.importorskip("vllm")
+    from bidirkv.connector import launcher, plugin
+    from bidirkv.connector.patching import Target
+
+    monkeypatch.setattr(plugin, "REQUIRED_TARGETS", [
+        *plugin.REQUIRED_TARGETS,
+        Target("vllm.v1.core.sched.scheduler", "Scheduler.gone_in_this_release"),
+        Target("vllm.v1.core.sched.scheduler", "Scheduler.schedule", ("self", "other")),
+    ])
+    errs = launcher.patch_errors()
+    assert len(errs) == 2, errs
+    assert "Scheduler.gone_in_this_release not found" in errs[0]
+    assert errs[0].startswith("vLLM 0.32") and "parameters (self, throttle_prefills)" in errs[1]
+    args, env = rendered(minimal["spec"], "decode")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert launcher.main(["--role", "decode", "--skip-nixl-check", "--", *args]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all(ln.startswith("bidir-kv serve: vLLM 0.32") for ln in lines)

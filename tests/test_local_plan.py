@@ -116,11 +116,18 @@ def test_plan_runs_the_rendered_containers(spec, tmp_path):
         assert changed == {"--host", "--port"}
         assert args[args.index("--host") + 1] == "127.0.0.1"
         assert args[args.index("--port") + 1] == str(server.http_port)
-        rendered_env = {e["name"] for e in c["env"]}
+        # Every rendered variable, except the optional previous key (no rotation here).
+        rendered_env = {e["name"] for e in c["env"]} - {"BIDIRKV_HANDLE_KEY_PREVIOUS"}
         assert set(server.env) == rendered_env
         assert server.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
         assert server.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(server.nixl_port)
     p, d = plan.engines
+    # One fresh key per stack, the same for every engine and the router.
+    key = p.env["BIDIRKV_HANDLE_KEY"]
+    assert len(key) == 64 and d.env["BIDIRKV_HANDLE_KEY"] == key
+    assert plan.router.env["BIDIRKV_HANDLE_KEY"] == key
+    assert plan_stack(spec, [9000, 9001, 9002, 9003, 9004], tmp_path).engines[0].env[
+        "BIDIRKV_HANDLE_KEY"] != key
     assert (p.http_port, p.nixl_port, d.http_port, d.nixl_port) == (9001, 9002, 9003, 9004)
     assert p.health_url == "http://127.0.0.1:9001/health"
     assert kv_config(p.argv)["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True

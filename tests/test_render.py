@@ -38,6 +38,8 @@ def test_children_and_owner_references(minimal):
     assert sorted(by_kind_name(objs)) == [
         ("ConfigMap", "tiny-router"),
         ("Deployment", "tiny-router"),
+        ("NetworkPolicy", "tiny-engines"),
+        ("NetworkPolicy", "tiny-router"),
         ("PodDisruptionBudget", "tiny-decode"),
         ("PodDisruptionBudget", "tiny-prefill"),
         ("Service", "tiny-decode"),
@@ -52,6 +54,42 @@ def test_children_and_owner_references(minimal):
         assert obj["metadata"]["namespace"] == "ns1"
         assert obj["metadata"]["labels"]["app.kubernetes.io/instance"] == "tiny"
         assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "bidir-kv-operator"
+
+
+def test_engines_and_router_read_the_key_from_the_secret_and_mount_no_token(minimal):
+    objs = by_kind_name(render_resource(minimal))
+    ref = {"secretKeyRef": {"name": "tiny-handle-key", "key": "current"}}
+    for kind, name in (("StatefulSet", "tiny-prefill"), ("StatefulSet", "tiny-decode"),
+                       ("Deployment", "tiny-router")):
+        pod = objs[(kind, name)]["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False
+        e = env(pod["containers"][0])
+        assert e["BIDIRKV_HANDLE_KEY"] == ref
+        assert e["BIDIRKV_HANDLE_KEY_PREVIOUS"]["secretKeyRef"]["optional"] is True
+    # Rendering references the Secret; the operator creates it (never rendered).
+    assert not any(k[0] == "Secret" for k in objs)
+
+
+def test_network_policies_isolate_the_engines(minimal):
+    minimal["spec"]["networkPolicy"] = {
+        "metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
+        "routerFrom": [{"podSelector": {"matchLabels": {"role": "agent"}}}]}
+    objs = by_kind_name(render_resource(minimal))
+    eng = objs[("NetworkPolicy", "tiny-engines")]["spec"]
+    assert eng["podSelector"]["matchExpressions"] == [
+        {"key": "app.kubernetes.io/component", "operator": "In", "values": ["prefill", "decode"]}]
+    peers, http = eng["ingress"]
+    assert "ports" not in peers  # engines reach each other on any port (UCX picks them)
+    assert peers["from"] == [{"podSelector": eng["podSelector"]}]
+    assert http["ports"] == [{"protocol": "TCP", "port": 8000}]
+    assert http["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == \
+        "router"
+    assert http["from"][1] == {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}
+    router = objs[("NetworkPolicy", "tiny-router")]["spec"]["ingress"]
+    assert router == [{"ports": [{"protocol": "TCP", "port": 8000}],
+                       "from": [{"podSelector": {"matchLabels": {"role": "agent"}}}]}]
+    minimal["spec"]["networkPolicy"] = {"enabled": False}
+    assert not any(k[0] == "NetworkPolicy" for k in by_kind_name(render_resource(minimal)))
 
 
 def test_defaults_reach_the_vllm_config(minimal):
@@ -210,6 +248,10 @@ def test_fingerprint_covers_shared_settings_only(minimal):
         ({"kvTransfer": {"ownerLeaseSeconds": 600}},
          "spec.kvTransfer.ownerLeaseSeconds: 600 must be at most"),
         ({"kvTransfer": {"retentionWatermark": 2}}, "spec.kvTransfer.retentionWatermark: 2"),
+        ({"networkPolicy": {"routerFrom": [{}]}},
+         "spec.networkPolicy.routerFrom[0]: needs namespaceSelector or podSelector"),
+        ({"engine": {"extraEnv": [{"name": "BIDIRKV_HANDLE_KEY", "value": "x"}]}},
+         "'BIDIRKV_HANDLE_KEY' is managed"),
     ],
 )
 def test_bad_specs_name_the_field(minimal, change, expected):

@@ -17,8 +17,8 @@ def assert_handle_from(p_request, d_engine, turn_rid=None):
     assert p_request.has_handle, kv
     assert kv["do_remote_decode"] is True and kv["do_remote_prefill"] is False
     assert kv["remote_engine_id"] == d_engine.engine_id
-    # The router reached D at 127.0.0.1; D's own idea of its address is replaced.
-    assert kv["remote_host"] == "127.0.0.1"
+    # D's own side-channel address, as D signed it: the router never rewrites it.
+    assert kv["remote_host"] == d_engine.nixl_host
     if turn_rid is not None:
         assert kv["remote_request_id"] == turn_rid
 
@@ -158,7 +158,7 @@ async def test_client_sent_kv_transfer_params_are_dropped():
         assert r["status"] == 200
         p, d = gens(c.p[0])[0], gens(c.d[0])[0]
         assert p.kv["remote_block_ids"] is None and p.kv["remote_host"] is None
-        assert d.kv["remote_block_ids"] != [[666]] and d.kv["remote_host"] == "127.0.0.1"
+        assert d.kv["remote_block_ids"] != [[666]] and d.kv["remote_host"] == "10.0.1.1"
 
 
 async def test_leg_bodies_and_request_id():
@@ -175,9 +175,12 @@ async def test_leg_bodies_and_request_id():
         assert d.body["stream"] is True and d.body["max_completion_tokens"] == 50
         assert d.body["stream_options"] == {"include_usage": True} and d.body["top_p"] == 0.9
         assert "max_tokens" not in d.body
-        # D gets P's params, with the host the router reached P at.
+        # D gets P's params as P signed them (its own host), the owner and no proof
+        # (this router has no handle key).
         assert d.kv["do_remote_prefill"] is True and d.kv["remote_engine_id"] == \
-            c.p[0].engine_id and d.kv["remote_host"] == "127.0.0.1"
+            c.p[0].engine_id and d.kv["remote_host"] == c.p[0].nixl_host
+        assert d.kv["bidirkv_owner"] == c.router.residency.owner
+        assert "bidirkv_proof" not in d.kv and "bidirkv_owner" not in p.kv
         assert p.headers["X-Request-Id"] == d.headers["X-Request-Id"] == "client-rid"
         await c.chat(U1)
         p2, d2 = gens(c.p[0])[1], gens(c.d[0])[1]

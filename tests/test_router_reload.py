@@ -107,7 +107,8 @@ async def test_main_serves_as_a_process():
         [sys.executable, "-c", "import sys; from bidirkv.router.app import main; "
          "sys.exit(main(sys.argv[1:]))", "router", "--prefill", p.url, "--decode", d.url,
          "--port", "0", "--host", "127.0.0.1"],
-        stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                "BIDIRKV_HANDLE_KEY": "k"},
     )
     try:
         url = None

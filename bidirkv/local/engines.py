@@ -10,14 +10,24 @@ from __future__ import annotations
 import pathlib
 import shutil
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from bidirkv.operator.handlekey import CURRENT, new_key, secret_name
 from bidirkv.operator.render import Owner, engine_statefulset, router_config
 from bidirkv.operator.spec import DisaggregatedInferenceSpec
 
 LOOPBACK = "127.0.0.1"
 LOCAL_OWNER = Owner(name="local", namespace="local", uid="local")
+# secret name -> key -> value: what a pod would read through secretKeyRef.
+LocalSecrets = Mapping[str, Mapping[str, str]]
+
+
+def local_secrets(key: str | None = None) -> dict[str, dict[str, str]]:
+    """The Secrets a local stack stands in for: a fresh handle key per stack (as the
+    operator creates one per resource)."""
+    return {secret_name(LOCAL_OWNER.name): {CURRENT: key or new_key()}}
 
 
 @dataclass(frozen=True)
@@ -38,17 +48,30 @@ def _local_args(args: list[str], ports: LocalPorts) -> list[str]:
     return out
 
 
-def _local_env(env: list[dict[str, Any]], ports: LocalPorts) -> dict[str, str]:
+def local_env(env: list[dict[str, Any]], secrets: LocalSecrets,
+              ports: LocalPorts | None = None) -> dict[str, str]:
+    """A container's env for a local process: the pod IP is the loopback address and
+    secretKeyRef reads `secrets`."""
     out: dict[str, str] = {}
     for var in env:
-        ref = (var.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath")
+        source = var.get("valueFrom") or {}
+        ref = source.get("fieldRef", {}).get("fieldPath")
+        secret = source.get("secretKeyRef")
         if ref == "status.podIP":
             out[var["name"]] = LOOPBACK
         elif "value" in var:
             out[var["name"]] = var["value"]
+        elif secret is not None:
+            value = secrets.get(secret.get("name"), {}).get(secret.get("key"))
+            if value is not None:
+                out[var["name"]] = value
+            elif not secret.get("optional"):
+                raise ValueError(f"env {var['name']}: no local value for Secret "
+                                 f"{secret.get('name')} key {secret.get('key')}")
         else:
             raise ValueError(f"env {var['name']}: cannot map {var} to a local process")
-    out["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports.nixl)
+    if ports is not None:
+        out["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports.nixl)
     return out
 
 
@@ -59,14 +82,14 @@ def bidirkv_command() -> str:
 
 
 def engine_process(
-    spec: DisaggregatedInferenceSpec, role: str, ports: LocalPorts
+    spec: DisaggregatedInferenceSpec, role: str, ports: LocalPorts, secrets: LocalSecrets
 ) -> tuple[list[str], dict[str, str]]:
     """argv and environment additions that run one rendered engine container locally."""
     c = rendered_container(spec, role)
     command = list(c["command"])
     if command[0] == "bidir-kv":
         command[0] = bidirkv_command()
-    return command + _local_args(c["args"], ports), _local_env(c["env"], ports)
+    return command + _local_args(c["args"], ports), local_env(c["env"], secrets, ports)
 
 
 def local_router_config(

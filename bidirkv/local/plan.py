@@ -21,7 +21,16 @@ import yaml
 from bidirkv.operator.render import router_deployment
 from bidirkv.operator.spec import KIND, DisaggregatedInferenceSpec, SpecError, parse_spec
 
-from .engines import LOCAL_OWNER, LOOPBACK, LocalPorts, engine_process, local_router_config
+from .engines import (
+    LOCAL_OWNER,
+    LOOPBACK,
+    LocalPorts,
+    LocalSecrets,
+    engine_process,
+    local_env,
+    local_router_config,
+    local_secrets,
+)
 from .engines import bidirkv_command as _bidirkv_command
 
 ROLES = ("prefill", "decode")
@@ -131,9 +140,10 @@ def ports_needed(spec: DisaggregatedInferenceSpec) -> list[str]:
     return out
 
 
-def router_process(config_path: pathlib.Path, port: int, spec: DisaggregatedInferenceSpec
-                   ) -> list[str]:
-    """The rendered router container's command, with its ConfigMap file and port mapped."""
+def router_process(config_path: pathlib.Path, port: int, spec: DisaggregatedInferenceSpec,
+                   secrets: LocalSecrets) -> tuple[list[str], dict[str, str]]:
+    """The rendered router container's command and env, with its ConfigMap file, port and
+    Secret mapped."""
     c = router_deployment(LOCAL_OWNER, spec)["spec"]["template"]["spec"]["containers"][0]
     command = list(c["command"])
     if command[0] == "bidir-kv":
@@ -142,12 +152,14 @@ def router_process(config_path: pathlib.Path, port: int, spec: DisaggregatedInfe
     for flag, value in (("--config", str(config_path)), ("--host", LOOPBACK),
                         ("--port", str(port))):
         args[args.index(flag) + 1] = value
-    return command + args
+    return command + args, local_env(c.get("env", []), secrets)
 
 
 def plan_stack(spec: DisaggregatedInferenceSpec, ports: list[int],
-               state_dir: pathlib.Path) -> StackPlan:
-    """The processes of a local stack on the given ports (in `ports_needed` order)."""
+               state_dir: pathlib.Path, secrets: LocalSecrets | None = None) -> StackPlan:
+    """The processes of a local stack on the given ports (in `ports_needed` order); a fresh
+    handle key unless `secrets` are given."""
+    secrets = local_secrets() if secrets is None else secrets
     labels = ports_needed(spec)
     if len(ports) != len(labels):
         raise ValueError(f"{len(labels)} ports needed ({', '.join(labels)}), got {len(ports)}")
@@ -158,13 +170,14 @@ def plan_stack(spec: DisaggregatedInferenceSpec, ports: list[int],
     it = iter(ports[1:])
     for role, name in engine_names(spec):
         lp = LocalPorts(http=next(it), nixl=next(it))
-        argv, env = engine_process(spec, role, lp)
+        argv, env = engine_process(spec, role, lp, secrets)
         engines.append(ServerPlan(name, role, argv, env, lp.http, lp.nixl))
         by_role[role].append(lp)
     cfg = local_router_config(spec, by_role["prefill"], by_role["decode"])
     cfg_path = state_dir / "router.json"
-    router = ServerPlan("router", "router", router_process(cfg_path, ports[0], spec), {},
-                        ports[0], health_path="/ready")
+    router_argv, router_env = router_process(cfg_path, ports[0], spec, secrets)
+    router = ServerPlan("router", "router", router_argv, router_env, ports[0],
+                        health_path="/ready")
     return StackPlan(engines, router, cfg, cfg_path, dict(zip(labels, ports, strict=True)))
 
 

@@ -142,6 +142,7 @@ BUILTINS: tuple[ResourceType, ...] = (
     _rt("batch/v1", "jobs", "Job", categories=("all",), status=True),
     _rt("policy/v1", "poddisruptionbudgets", "PodDisruptionBudget", short_names=("pdb",),
         status=True),
+    _rt("networking.k8s.io/v1", "networkpolicies", "NetworkPolicy", short_names=("netpol",)),
     _rt("rbac.authorization.k8s.io/v1", "roles", "Role"),
     _rt("rbac.authorization.k8s.io/v1", "rolebindings", "RoleBinding"),
     _rt("rbac.authorization.k8s.io/v1", "clusterroles", "ClusterRole", namespaced=False),

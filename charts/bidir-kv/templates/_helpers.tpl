@@ -98,6 +98,14 @@ the requests of a real operator run.
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "update"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "update"]
+# The handle-key Secret of each resource: read to see that it exists, created once.
+# Never listed or watched (no access to other Secrets' contents beyond a name it asks for).
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create"]
 # Warning events for specs the operator cannot apply (InvalidSpec, ChildConflict).
 - apiGroups: [""]
   resources: ["events"]

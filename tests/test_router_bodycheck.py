@@ -1,0 +1,44 @@
+"""Hostile JSON found before parsing recursion or re-encoding (router/bodycheck.py)."""
+
+import json
+import time
+
+from bidirkv.router.bodycheck import MAX_DEPTH, nesting_problem, surrogate_problem
+
+
+def nested(depth: int, inner: str = "1") -> bytes:
+    return ("[" * depth + inner + "]" * depth).encode()
+
+
+def test_depth_limit_is_exact():
+    assert nesting_problem(nested(MAX_DEPTH)) is None
+    assert "deeper than 64" in nesting_problem(nested(MAX_DEPTH + 1))
+    mixed = ('{"a":' * 40 + "[" * 30 + "0" + "]" * 30 + "}" * 40).encode()
+    assert nesting_problem(mixed) is not None
+
+
+def test_brackets_inside_strings_do_not_count():
+    body = json.dumps({"messages": [{"role": "user", "content": "[" * 5000 + '\\"{'}]})
+    assert nesting_problem(body.encode()) is None
+
+
+def test_wide_bodies_pass_and_unbalanced_ones_are_left_to_the_parser():
+    wide = ("[" + ",".join(["[[1],{}]"] * 20000) + "]").encode()
+    assert nesting_problem(wide) is None
+    assert nesting_problem(b"[" * 100) is None  # no closing brackets: invalid JSON
+
+
+def test_a_huge_deep_body_is_refused_quickly():
+    body = nested(2_000_000)
+    t = time.perf_counter()
+    assert nesting_problem(body) is not None
+    assert time.perf_counter() - t < 2.0
+
+
+def test_lone_surrogates_are_found_with_their_path():
+    raw = b'{"messages":[{"role":"user","content":"a\\ud800b"}]}'
+    assert surrogate_problem(raw, json.loads(raw)).startswith("messages[0].content:")
+    pair = b'{"messages":[{"role":"user","content":"\\ud83d\\ude00"}]}'
+    assert surrogate_problem(pair, json.loads(pair)) is None
+    key = b'{"\\udfff":1}'
+    assert surrogate_problem(key, json.loads(key)).startswith("<key>")
