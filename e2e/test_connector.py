@@ -197,6 +197,43 @@ def test_bad_params_straight_to_a_server_are_served_without_reuse(stack):
     assert report(p3)["reason"] == "replayed" and report(p3)["reused_tokens"] == 0
 
 
+def test_only_handles_sealed_with_the_resources_key_are_read(stack):
+    """Forged, tampered or replayed handles: P reads nothing from D (its NIXL byte
+    counter does not move) and the output is the reuse-off output."""
+    user1 = {"role": "user", "content": random_text(300, seed=91)}
+    text1, handle, _ = turn(stack, chat([user1]))
+    body = chat([user1, {"role": "assistant", "content": text1},
+                 {"role": "user", "content": random_text(40, seed=92)}])
+    want = turn(stack, body, None, streamed=False)[0]
+
+    def resigned(h, key=b"attacker-key"):
+        return dict(h, **{MAC_KEY: sign(h, key)})
+
+    cases = {
+        "another key": resigned(handle),
+        "another key, new request id": resigned(dict(handle, remote_request_id="x-1")),
+        "tampered host": dict(handle, remote_host="127.0.0.2"),
+        "tampered port": dict(handle, remote_port=handle["remote_port"] + 1),
+        "tampered blocks": dict(handle, remote_block_ids=[[0, 1, 2]]),
+    }
+    for name, forged in cases.items():
+        before = metric(stack.p_url, "vllm:nixl_bytes_transferred_sum")
+        p_out = prefill_leg(stack, body, forged)
+        assert metric(stack.p_url, "vllm:nixl_bytes_transferred_sum") == before, name
+        rep = p_out["kv_transfer_params"]["bidirkv"]
+        assert rep["reused_tokens"] == 0 and rep["reason"] == "unauthenticated", (name, rep)
+        assert decode_leg(stack, body, p_out, streamed=False)[0] == want, name
+    # The sealed handle is read once; its replay reads nothing.
+    before = metric(stack.p_url, "vllm:nixl_bytes_transferred_sum")
+    p_out = prefill_leg(stack, body, handle)
+    assert metric(stack.p_url, "vllm:nixl_bytes_transferred_sum") > before
+    assert decode_leg(stack, body, p_out, streamed=False)[0] == want
+    before = metric(stack.p_url, "vllm:nixl_bytes_transferred_sum")
+    p_out = prefill_leg(stack, body, handle)
+    assert p_out["kv_transfer_params"]["bidirkv"]["reason"] == "replayed"
+    assert metric(stack.p_url, "vllm:nixl_bytes_transferred_sum") == before
+
+
 @pytest.mark.parametrize("where", ["unreachable host", "wrong engine id"])
 def test_signed_handle_to_a_missing_peer_is_recomputed(stack, where):
     """Signed with the pool's key but pointing where no such engine is: only the real

@@ -106,6 +106,17 @@ def decode_body(body: dict[str, Any], p_params: Any, owner: str | None = None,
     return out
 
 
+def model_len(models: Any, name: str | None) -> int | None:
+    """`max_model_len` of the model named `name` (else the first) in a /v1/models reply."""
+    data = models.get("data") if isinstance(models, dict) else None
+    if not isinstance(data, list):
+        return None
+    cards = [m for m in data if isinstance(m, dict)]
+    chosen = next((m for m in cards if m.get("id") == name), cards[0] if cards else None)
+    n = chosen.get("max_model_len") if chosen else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
 def handle_blocks(params: dict[str, Any]) -> int:
     """Blocks a D handle pins on its replica (all KV groups)."""
     ids = params.get("remote_block_ids")
@@ -205,6 +216,9 @@ class Router:
         self.cfg = cfg
         # The resource's handle key: signs the proof that a decode leg comes from here.
         self.handle_key = handle_key
+        # The served model's context length, from prefill's /v1/models: a max_tokens
+        # above it is refused before any engine works on the request.
+        self.max_model_len: int | None = None
         self.metrics = metrics or Metrics()
         self.store = HandleStore(
             cfg.handle_ttl_seconds, cfg.max_conversations, on_evict=self._on_evict
@@ -256,6 +270,8 @@ class Router:
     def apply_config(self, cfg: RouterConfig) -> None:
         """Swap in a validated config. Requests in flight keep the Backend objects and
         timeouts they started with, so a reload never fails them."""
+        if cfg.model != self.cfg.model:
+            self.max_model_len = None  # learned again for the new model
         self.cfg = cfg
         self.store.configure(cfg.handle_ttl_seconds, cfg.max_conversations)
         self._set_timeouts()
@@ -331,6 +347,21 @@ class Router:
         for b in self.backends():
             self.metrics.backend_outstanding.labels(b.role, b.url).set(b.outstanding)
 
+    async def learn_model_len(self) -> None:
+        """Once per router (and after a reload): the model's max_model_len from P."""
+        if self.max_model_len is not None:
+            return
+        assert self.session is not None
+        for b in self.prefill.healthy():
+            try:
+                async with self.session.get(b.url + "/v1/models", timeout=self._t_probe) as r:
+                    data = loads(await r.read()) if r.status == 200 else None
+            except (*_FAILURES, ValueError):
+                continue
+            self.max_model_len = model_len(data, self.cfg.model)
+            if self.max_model_len is not None:
+                return
+
     async def renew_residency(self) -> None:
         """Renew this router's lease on every healthy decode; learn their capacity."""
         if not self.cfg.bidirectional:
@@ -348,6 +379,7 @@ class Router:
             self._wake.clear()
             try:
                 await self.check_health()
+                await self.learn_model_len()
                 await self.renew_residency()
                 self.store.sweep()
                 self.metrics.handles.set(len(self.store))
@@ -403,7 +435,8 @@ class Router:
         cfg = self.cfg
         try:
             raw = await self.read_body(request, cfg.max_body_bytes)
-            req = parse_request(raw, kind, request.headers.get("X-Conversation-Id"))
+            req = parse_request(raw, kind, request.headers.get("X-Conversation-Id"),
+                                self.max_model_len)
         except ClientError as e:
             self.metrics.request(kind, "client_error")
             return json_error(e.status, e.message, e.type, e.param)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .bodycheck import nesting_problem, surrogate_problem
 from .codec import dumps, loads
 
 CHAT = "chat"
@@ -91,16 +92,31 @@ def _check_prompt(prompt: Any) -> None:
     )
 
 
-def parse_request(raw: bytes, kind: str, header_conversation_id: str | None) -> ParsedRequest:
+def _within_model(body: dict[str, Any], max_model_len: int | None) -> None:
+    if max_model_len is None:
+        return
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = body.get(field)
+        if isinstance(value, int) and value > max_model_len:
+            raise ClientError(400, f"{field}: {value} is more than the model's context length "
+                              f"({max_model_len} tokens)", field)
+
+
+def parse_request(raw: bytes, kind: str, header_conversation_id: str | None,
+                  max_model_len: int | None = None) -> ParsedRequest:
     """Validate and take apart a client body.
 
     Consumed here and never forwarded upstream: `conversation_id` (ours) and
     `kv_transfer_params` (only the router may tell engines where KV lives).
     """
+    if problem := nesting_problem(raw):
+        raise ClientError(400, problem)
     try:
         body = loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ClientError(400, f"request body is not valid JSON: {exc}") from None
+    if problem := surrogate_problem(raw, body):
+        raise ClientError(400, problem)
     if not isinstance(body, dict):
         raise ClientError(400, f"request body must be a JSON object, got {type(body).__name__}")
     if kind == CHAT:
@@ -118,6 +134,7 @@ def parse_request(raw: bytes, kind: str, header_conversation_id: str | None) -> 
         raise _bad("stream", stream, "true or false")
     for field in ("max_tokens", "max_completion_tokens", "n"):
         _positive_int(body, field)
+    _within_model(body, max_model_len)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model", model, "a string")

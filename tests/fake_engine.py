@@ -61,6 +61,7 @@ class Behaviour:
     health_status: int = 200
     residency_status: int = 200  # decode: /bidirkv/residency answers with this status
     num_blocks: int = 1000  # decode: the capacity /bidirkv/residency reports
+    max_model_len: int = 4096  # what /v1/models reports, as vLLM does
 
 
 class FakeEngine:
@@ -182,7 +183,8 @@ class FakeEngine:
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
-            {"id": self.model, "object": "model", "owned_by": "fake"}]})
+            {"id": self.model, "object": "model", "owned_by": "fake",
+             "max_model_len": self.behaviour.max_model_len}]})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()

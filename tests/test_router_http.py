@@ -1,5 +1,6 @@
 """The HTTP surface: client errors as JSON 4xx, health/ready/metrics/models routes."""
 
+import asyncio
 import json
 
 import pytest
@@ -28,6 +29,14 @@ async def cluster():
         ("/v1/chat/completions", {"messages": U1, "max_tokens": -3}, "max_tokens: -3"),
         ("/v1/completions", {"model": "m"}, "prompt: required"),
         ("/v1/completions", {"prompt": 5}, "prompt: 5"),
+        # Hostile bodies: valid JSON the router cannot carry, refused before any engine.
+        ("/v1/chat/completions",
+         b'{"messages":[{"role":"user","content":"a\\ud800"}]}',
+         "messages[0].content: contains a lone UTF-16 surrogate"),
+        ("/v1/chat/completions", b'{"messages":' + b"[" * 1500 + b"]" * 1500 + b"}",
+         "nested deeper than 64 levels"),
+        ("/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi"}],"x":'
+         + b"{\"a\":" * 200 + b"0" + b"}" * 200 + b"}", "nested deeper than 64 levels"),
     ],
 )
 async def test_bad_requests_get_a_400_naming_field_and_value(cluster, path, body, needle):
@@ -39,6 +48,25 @@ async def test_bad_requests_get_a_400_naming_field_and_value(cluster, path, body
     assert cluster.p[0].generations() == []
     # The router is still fine.
     assert (await cluster.chat(U1))["status"] == 200
+
+
+async def test_max_tokens_above_the_models_context_is_refused_before_any_engine(cluster):
+    # The router learns max_model_len (4096 on the fake engines) from prefill's /v1/models.
+    for _ in range(100):
+        if cluster.router.max_model_len:
+            break
+        await asyncio.sleep(0.02)
+    assert cluster.router.max_model_len == 4096
+    for field in ("max_tokens", "max_completion_tokens"):
+        status, raw, _ = await cluster.post("/v1/chat/completions",
+                                            {"messages": U1, field: 10**12})
+        err = json.loads(raw)["error"]
+        assert status == 400 and err["param"] == field
+        assert err["message"] == (f"{field}: 1000000000000 is more than the model's context "
+                                  "length (4096 tokens)")
+    assert cluster.p[0].generations() == []
+    status, _, _ = await cluster.post("/v1/chat/completions", {"messages": U1, "max_tokens": 4096})
+    assert status == 200
 
 
 async def test_body_over_the_limit_is_413(cluster):
