@@ -251,13 +251,15 @@ class KvTransferSpec(_Model):
         "request from scratch instead of erroring.",
     )
     retention_watermark: float = Field(
-        default=0.5,
+        default=0.9,
         ge=0.05,
         le=1,
         description="Share of each decode replica's KV blocks that retained conversations may "
         "pin. Above it the router releases the least recently stored ones, and decode "
         "enforces the same bound itself. Whatever the value, a request waiting for blocks "
-        "takes retained ones first: retention never makes new work wait.",
+        "takes retained ones first: retention never makes new work wait. Lower values "
+        "release conversations that would have come back (measured: 0.5 lost most reuse "
+        "under pressure, 0.9 and 1.0 kept it).",
     )
     owner_lease_seconds: int = Field(
         default=30,

@@ -101,7 +101,7 @@ class RouterConfig(_Model):
     health_check_interval_seconds: float = Field(default=5.0, gt=0, le=3600)
     # Share of each decode replica's KV blocks that this router's handles may pin; above
     # it the least recently stored conversations are released (kvTransfer.retentionWatermark).
-    retention_watermark: float = Field(default=0.5, gt=0, le=1)
+    retention_watermark: float = Field(default=0.9, gt=0, le=1)
     # Decode frees this router's retained blocks when it has not renewed its lease for
     # this long (router gone or restarted); renewed every health check round.
     owner_lease_seconds: float = Field(default=30.0, ge=1, le=86400)
