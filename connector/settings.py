@@ -1,7 +1,7 @@
 """The plugin's settings: `BIDIRKV_*` environment variables of the engine pod.
 
 The CPU knobs default to `auto`: on for vLLM's CPU platform, where the problems they fix
-were measured (see cpu-stack.md), and untouched elsewhere, where vLLM's defaults were
+were measured (see docs/protocol.md, section 5), and untouched elsewhere, where vLLM's defaults were
 tuned for accelerators. A value that does not parse falls back to `auto` with a
 warning: a typo must not take a serving pod down.
 """

@@ -263,6 +263,7 @@ def router_config(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dict[st
         "retentionWatermark": spec.kv_transfer.retention_watermark,
         "ownerLeaseSeconds": spec.kv_transfer.owner_lease_seconds,
         "kvFingerprint": kv_fingerprint(spec),
+        **({"handleStore": spec.router.handle_store.url} if spec.router.handle_store else {}),
     }
 
 
@@ -274,6 +275,15 @@ def router_configmap(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dict
         "metadata": child_metadata(owner, "router"),
         "data": {ROUTER_CONFIG_KEY: body + "\n"},
     }
+
+
+def _store_password_env(spec: api.DisaggregatedInferenceSpec) -> list[dict[str, Any]]:
+    store = spec.router.handle_store
+    if store is None or store.password_secret_ref is None:
+        return []
+    ref = store.password_secret_ref
+    return [{"name": "BIDIRKV_HANDLE_STORE_PASSWORD",
+             "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
 
 
 def router_deployment(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dict[str, Any]:
@@ -289,7 +299,7 @@ def router_deployment(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dic
         ],
         "ports": [{"name": "http", "containerPort": ROUTER_CONTAINER_PORT, "protocol": "TCP"}],
         # The key signs the router's proof on decode legs (bidirkv/proof.py).
-        "env": key_env(owner.name),
+        "env": key_env(owner.name) + _store_password_env(spec),
         "readinessProbe": _http_probe("/ready", 5, 2, 3),
         "livenessProbe": _http_probe("/health", 10, 3, 5),
         "resources": {

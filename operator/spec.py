@@ -344,6 +344,24 @@ class NetworkPolicySpec(_Model):
     )
 
 
+class SecretKeyRef(_Model):
+    name: str = Field(min_length=1, max_length=253, description="Secret name.")
+    key: str = Field(min_length=1, max_length=253, description="Key in the Secret.")
+
+
+class HandleStoreSpec(_Model):
+    url: str = Field(
+        pattern=r"^rediss?://[^/@\s]+(/[0-9]{1,2})?$",
+        max_length=512,
+        description="Redis-protocol server shared by the router replicas (Valkey, Redis, "
+        "ElastiCache without cluster mode): `redis://HOST:PORT/DB`, `rediss://` for TLS. "
+        "No password here: use `passwordSecretRef`.",
+    )
+    password_secret_ref: SecretKeyRef | None = Field(
+        default=None, description="Where the store's password is (read by the router pods)."
+    )
+
+
 class RouterSpec(_Model):
     replicas: int = Field(default=1, ge=1, le=64, description="Router pods.")
     image: str = Field(
@@ -369,6 +387,11 @@ class RouterSpec(_Model):
         le=10_000_000,
         description="Most conversation handles kept per router (least recently used dropped).",
     )
+    handle_store: HandleStoreSpec | None = Field(
+        default=None,
+        description="Share conversation handles between router replicas (and across router "
+        "restarts) through a Redis-protocol store. Required when `replicas` > 1.",
+    )
 
 
 # (rule, message, fieldPath) evaluated on `.spec` by the API server and by the operator.
@@ -379,6 +402,12 @@ CEL_RULES: list[tuple[str, str, str]] = [
         "router.conversationTtlSeconds must be at least "
         f"{TTL_SAFETY_MARGIN_SECONDS} s below kvTransfer.decoderKvBlocksTtlSeconds",
         ".router.conversationTtlSeconds",
+    ),
+    (
+        "self.router.replicas <= 1 || has(self.router.handleStore)",
+        "router.replicas > 1 needs router.handleStore: without a shared store, turns of one "
+        "conversation reach different routers and miss their decode KV",
+        ".router.replicas",
     ),
     (
         "self.kvTransfer.ownerLeaseSeconds <= self.kvTransfer.decoderKvBlocksTtlSeconds",
@@ -451,6 +480,12 @@ def cross_field_errors(spec: DisaggregatedInferenceSpec) -> list[str]:
             f"spec.router.conversationTtlSeconds: {router_ttl} must be at most "
             f"{ttl - TTL_SAFETY_MARGIN_SECONDS} (kvTransfer.decoderKvBlocksTtlSeconds {ttl} "
             f"minus a {TTL_SAFETY_MARGIN_SECONDS} s margin)"
+        )
+    if spec.router.replicas > 1 and spec.router.handle_store is None:
+        errors.append(
+            f"spec.router.replicas: {spec.router.replicas} needs spec.router.handleStore: "
+            "without a shared store, turns of one conversation reach different routers and "
+            "miss their decode KV"
         )
     lease = spec.kv_transfer.owner_lease_seconds
     if lease > ttl:

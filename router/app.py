@@ -17,6 +17,7 @@ from aiohttp import web
 
 from .codec import dumps, loads
 from .config import ConfigError, RouterConfig, load_config
+from .handlestore import StoreUnavailable
 from .identity import tenant_of
 from .proxy import HANDLE_KEY_ENV, Router, json_error, json_response
 from .reload import ConfigWatcher
@@ -26,6 +27,7 @@ log = logging.getLogger("bidirkv.router")
 
 ROUTER = web.AppKey("router", Router)
 WATCHER = web.AppKey("watcher", ConfigWatcher)
+STORE_PASSWORD_ENV = "BIDIRKV_HANDLE_STORE_PASSWORD"
 # Off unless set: lets benchmarks fill the handle store without 100k real requests.
 DEBUG_ENV = "BIDIRKV_ROUTER_DEBUG"
 
@@ -76,7 +78,7 @@ async def _end_conversation(request: web.Request) -> web.Response:
         return json_error(400, f"conversation id: {len(cid)} characters is too long; at most "
                           f"{MAX_CONVERSATION_ID} allowed", param="conversation_id")
     tenant = tenant_of(request.headers.get(router.cfg.tenant_header))
-    if router.end_conversation(tenant, cid):
+    if await router.end_conversation(tenant, cid):
         return web.Response(status=204)
     return json_error(404, "no stored conversation with this id for this tenant (never "
                       "stored, already ended, expired or released)", "not_found",
@@ -95,13 +97,18 @@ async def _ready(request: web.Request) -> web.Response:
                     "total": len(router.prefill.backends)},
         "decode": {"healthy": len(router.decode.healthy()),
                    "total": len(router.decode.backends)},
+        # Serving goes on without reuse while a shared store is away.
+        "handleStore": {"shared": router.store.owner is not None
+                        or router.cfg.handle_store is not None,
+                        "available": router.store.available},
     })
     return json_response(200 if router.ready() else 503, body)
 
 
 async def _metrics(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
-    router.metrics.handles.set(len(router.store))
+    with contextlib.suppress(StoreUnavailable):
+        router.metrics.handles.set(await router.store.count())
     for b in router.backends():
         router.metrics.backend_outstanding.labels(b.role, b.url).set(b.outstanding)
     body, ctype = router.metrics.exposition()
@@ -115,7 +122,7 @@ async def _debug_fill(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
     spec = loads(await request.read() or b"{}")
     count, blocks = int(spec.get("count", 1000)), int(spec.get("blocks", 64))
-    base = len(router.store)
+    base = await router.store.count()
     decode = router.decode.backends[0].url if router.decode.backends else "http://decode"
     for i in range(count):
         n = base + i
@@ -129,10 +136,9 @@ async def _debug_fill(request: web.Request) -> web.Response:
             "transfer_mode": "pull",
         }
         key = n.to_bytes(16, "big")
-        router.store.put(key, dumps(params), decode, params["remote_engine_id"],
-                         params["remote_num_tokens"])
-    router.metrics.handles.set(len(router.store))
-    return json_response(200, dumps({"stored": len(router.store)}))
+        await router.store.put(key, dumps(params), decode, params["remote_engine_id"],
+                               params["remote_num_tokens"])
+    return json_response(200, dumps({"stored": await router.store.count()}))
 
 
 def build_app(
@@ -143,11 +149,13 @@ def build_app(
     reload_interval: float = 1.0,
     debug: bool | None = None,
     handle_key: bytes | None = None,
+    store_password: str | None = None,
 ) -> web.Application:
     # aiohttp's own body limit is lifted: the router applies maxBodyBytes itself, which a
     # reload can change, with a JSON 413.
     app = web.Application(middlewares=[json_errors], client_max_size=2**40)
-    router = Router(cfg, handle_key=handle_key)
+    router = Router(cfg, handle_key=handle_key,
+                    store_password=store_password or os.environ.get(STORE_PASSWORD_ENV))
     app[ROUTER] = router
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
@@ -220,6 +228,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="decode engine base URL (repeatable; overrides the file's list)")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--handle-store", metavar="URL",
+                    help="redis://HOST:PORT/DB (rediss:// for TLS) shared by router replicas; "
+                         f"the password from ${STORE_PASSWORD_ENV} (overrides handleStore)")
     ap.add_argument("--config", metavar="FILE",
                     help="JSON (or YAML) config, reloaded when it changes")
     ap.add_argument("--log-level", default=os.environ.get("BIDIRKV_LOG_LEVEL", "INFO"),
@@ -256,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides["prefill"] = args.prefill
     if args.decode:
         overrides["decode"] = args.decode
+    if args.handle_store:
+        overrides["handleStore"] = args.handle_store
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:

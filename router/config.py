@@ -105,6 +105,9 @@ class RouterConfig(_Model):
     # Decode frees this router's retained blocks when it has not renewed its lease for
     # this long (router gone or restarted); renewed every health check round.
     owner_lease_seconds: float = Field(default=30.0, ge=1, le=86400)
+    # Shared handle store (router/redisstore.py): redis://HOST:PORT/DB or rediss://...;
+    # None keeps handles in this process. The password comes from the environment.
+    handle_store: str | None = Field(default=None, max_length=512)
     # Hash of what P and D must share, as stamped on the engine pods by the operator;
     # carried so a router can refuse engines of another fingerprint.
     kv_fingerprint: str | None = Field(default=None, max_length=64)
@@ -118,6 +121,21 @@ class RouterConfig(_Model):
     @classmethod
     def _decode_urls(cls, value: list[str]) -> list[str]:
         return _urls(value, "decode")
+
+    @field_validator("handle_store")
+    @classmethod
+    def _store_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+            raise ValueError("expected redis://HOST:PORT/DB or rediss://HOST:PORT/DB")
+        if parts.password is not None or parts.username is not None:
+            raise ValueError("no credentials in the URL: the password goes in "
+                             "BIDIRKV_HANDLE_STORE_PASSWORD")
+        if parts.path not in ("", "/") and not parts.path[1:].isdigit():
+            raise ValueError(f"database {parts.path[1:]!r} must be a number")
+        return value
 
     @model_validator(mode="after")
     def _ttl_positive(self) -> RouterConfig:
@@ -164,6 +182,8 @@ def format_errors(exc: ValidationError, source: str) -> str:
     for err in exc.errors(include_url=False):
         where = _loc(err["loc"])
         value = err.get("input")
+        if where in ("handleStore", "handle_store"):
+            value = "<not shown: it may hold a password>"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             model = Timeouts if err["loc"][:1] == ("timeouts",) else RouterConfig

@@ -82,6 +82,15 @@ class Metrics:
             "refused_<reason> (counts since the engine started).", ["url", "field"],
             registry=r,
         )
+        self.store_errors = Counter(
+            p + "handle_store_errors", "Shared handle store calls that failed, by operation "
+            "(those turns were served without reuse).", ["op"], registry=r,
+        )
+        self.store_up = Gauge(
+            p + "handle_store_up", "1 while the handle store answers (always 1 in-process).",
+            registry=r,
+        )
+        self.store_up.set(1)
         self.backend_healthy = Gauge(
             p + "backend_healthy", "1 when the backend is usable.", ["role", "url"], registry=r,
         )

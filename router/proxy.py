@@ -1,6 +1,6 @@
 """The data path: one client request = a prefill leg on P, then a decode leg on D.
 
-See shared/reference/protocol.md section 3. Decisions where the protocol is silent:
+See docs/protocol.md (sections 1, 2 and 4). Decisions where the protocol is silent:
 - A handle is reserved at lookup and spent only when P answered (single use). If P fails
   with a handle, the handle is discarded, not put back: P may have read (and so freed)
   D's blocks before failing, and a handle that made P fail would make the next turn fail
@@ -35,6 +35,7 @@ from bidirkv.proof import make_proof
 from .backends import DECODE, PREFILL, Backend, Pool
 from .codec import dumps, loads
 from .config import RouterConfig
+from .handlestore import Store, StoreUnavailable, make_store
 from .identity import (
     ChatHistory,
     chat_history,
@@ -49,7 +50,7 @@ from .residency import Residency
 from .reuse import reuse_report
 from .selection import least_outstanding, pick_decode
 from .sse import DONE, PARAMS, MessageCollector, SSEFilter, error_event
-from .store import EXPIRED, HIT, MISS, Entry, HandleStore
+from .store import EXPIRED, HIT, MISS, Entry
 from .validation import CHAT, ClientError, error_body, parse_request
 
 log = logging.getLogger("bidirkv.router")
@@ -212,7 +213,7 @@ class Unavailable(Exception):
 
 class Router:
     def __init__(self, cfg: RouterConfig, metrics: Metrics | None = None,
-                 handle_key: bytes | None = None) -> None:
+                 handle_key: bytes | None = None, store_password: str | None = None) -> None:
         self.cfg = cfg
         # The resource's handle key: signs the proof that a decode leg comes from here.
         self.handle_key = handle_key
@@ -220,9 +221,9 @@ class Router:
         # above it is refused before any engine works on the request.
         self.max_model_len: int | None = None
         self.metrics = metrics or Metrics()
-        self.store = HandleStore(
-            cfg.handle_ttl_seconds, cfg.max_conversations, on_evict=self._on_evict
-        )
+        self.store: Store = make_store(cfg, store_password, self._on_evict,
+                                       self._on_store_error)
+        self._tasks: set[asyncio.Task[Any]] = set()
         self.prefill = Pool(PREFILL, cfg.prefill)
         self.decode = Pool(DECODE, cfg.decode)
         self.session: aiohttp.ClientSession | None = None
@@ -243,11 +244,40 @@ class Router:
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
+        await self._start_store()
         self._health_task = asyncio.create_task(self._health_loop(), name="router-health")
         self.residency.start(self.session)
 
+    async def _start_store(self) -> None:
+        """A shared store names the owner decode keeps KV for (the same for every router
+        of the store, so a restarted replica keeps the conversations)."""
+        start = getattr(self.store, "start", None)
+        if start is None or self.store.owner is not None:
+            return
+        try:
+            await start()
+        except StoreUnavailable as exc:
+            log.warning("%s; serving without reuse until it answers", exc)
+            return
+        self.residency.owner = self.store.owner
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _quietly(self, coro: Any) -> Any:
+        """A store call whose failure costs only reuse (counted by _on_store_error)."""
+        try:
+            return await coro
+        except StoreUnavailable:
+            return None
+
     async def close(self) -> None:
         await self.residency.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await self.store.close()
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -285,14 +315,14 @@ class Router:
                     self.metrics.backend_healthy.remove(b.role, b.url)
                     self.metrics.backend_outstanding.remove(b.role, b.url)
                 if b.role == DECODE:
-                    self.store.drop_replica(b.url, "replica_removed")
+                    self._background(self._quietly(
+                        self.store.drop_replica(b.url, "replica_removed")))
                     self.residency.forget(b.url)
                 log.info("backend removed role=%s url=%s", b.role, b.url)
             for b in added:
                 self._export_health(b)
                 log.info("backend added role=%s url=%s", b.role, b.url)
             changed = changed or bool(added)
-        self.metrics.handles.set(len(self.store))
         if changed:
             self._wake.set()
 
@@ -301,16 +331,20 @@ class Router:
         self.metrics.evictions.labels(reason).inc(len(entries))
         self.residency.release(reason, entries)
 
+    def _on_store_error(self, op: str) -> None:
+        self.metrics.store_errors.labels(op).inc()
+
     def _on_residency_call(self, url: str, result: str, released: int) -> None:
         self.metrics.residency_calls.labels(result).inc()
         if released:
             self.metrics.releases_sent.labels(result).inc(released)
 
-    def keep_under_watermark(self, url: str) -> None:
+    async def keep_under_watermark(self, url: str) -> None:
         """Drop the replica's oldest handles while they pin more than the watermark."""
         total = self.residency.capacity(url)
         if total is not None:
-            self.store.trim_replica(url, int(self.cfg.retention_watermark * total))
+            await self._quietly(
+                self.store.trim_replica(url, int(self.cfg.retention_watermark * total)))
 
     def _export_health(self, b: Backend) -> None:
         self.metrics.backend_healthy.labels(b.role, b.url).set(1 if b.healthy else 0)
@@ -323,14 +357,12 @@ class Router:
         if ok:
             log.info("backend healthy role=%s url=%s", b.role, b.url)
             return
-        dropped = 0
         if b.role == DECODE:
             # Its blocks may be gone (restart) or unreachable: handing them to P would
             # only buy a failed read and a retry.
-            dropped = self.store.drop_replica(b.url, "replica_unhealthy")
-            self.metrics.handles.set(len(self.store))
-        log.warning("backend unhealthy role=%s url=%s why=%s handles_dropped=%d",
-                    b.role, b.url, why, dropped)
+            self._background(self._quietly(
+                self.store.drop_replica(b.url, "replica_unhealthy")))
+        log.warning("backend unhealthy role=%s url=%s why=%s", b.role, b.url, why)
 
     async def _probe(self, b: Backend) -> None:
         assert self.session is not None
@@ -370,9 +402,9 @@ class Router:
         healthy = self.decode.healthy()
         await asyncio.gather(*(self.residency.call(self.session, b.url) for b in healthy))
         for b in healthy:
-            self.keep_under_watermark(b.url)
-            self.metrics.export_residency(b.url, self.residency.replica(b.url),
-                                          self.store.pinned.get(b.url, 0))
+            await self.keep_under_watermark(b.url)
+            pinned = await self._quietly(self.store.pinned(b.url))
+            self.metrics.export_residency(b.url, self.residency.replica(b.url), pinned)
 
     async def _health_loop(self) -> None:
         while True:
@@ -380,9 +412,13 @@ class Router:
             try:
                 await self.check_health()
                 await self.learn_model_len()
+                await self._start_store()
                 await self.renew_residency()
-                self.store.sweep()
-                self.metrics.handles.set(len(self.store))
+                await self._quietly(self.store.sweep())
+                count = await self._quietly(self.store.count())
+                if count is not None:
+                    self.metrics.handles.set(count)
+                self.metrics.store_up.set(1 if self.store.available else 0)
             except Exception:  # noqa: BLE001 - the loop must outlive any one bad round
                 log.exception("health check round failed")
             with contextlib.suppress(TimeoutError):
@@ -446,7 +482,7 @@ class Router:
         turn = Turn(kind, req.stream, req.body, rid, request.headers.get("Authorization"),
                     tenant_of(request.headers.get(cfg.tenant_header)), t0)
         if cfg.bidirectional:
-            self._identify(turn, req.conversation_id)
+            await self._identify(turn, req.conversation_id)
         elif req.conversation_id is not None:
             turn.conv = short_hash(req.conversation_id)
         try:
@@ -457,8 +493,11 @@ class Router:
             raise
         finally:
             if turn.entry is not None:
-                self.store.release(turn.entry)
-                turn.entry = None
+                entry, turn.entry = turn.entry, None
+                try:
+                    await self.store.release(entry)
+                except StoreUnavailable:  # it cannot go back: D frees its blocks now
+                    self._on_evict("store_unavailable", [entry])
             if turn.asked_prefill:
                 self.metrics.reuse_outcome(turn.reuse)
         self.metrics.request(kind, outcome)
@@ -467,24 +506,29 @@ class Router:
                   (time.perf_counter() - t0) * 1000)
         return resp
 
-    def _identify(self, turn: Turn, conversation_id: str | None) -> None:
+    async def _identify(self, turn: Turn, conversation_id: str | None) -> None:
         store = self.store
         body = turn.body
+        key: bytes | None = None
+        status, entry = MISS, None
         if conversation_id is not None:
             turn.conv = short_hash(conversation_id)
-            turn.store_key = explicit_key(turn.tenant, conversation_id)
-            status, entry = store.lookup(turn.store_key)
+            key = turn.store_key = explicit_key(turn.tenant, conversation_id)
         elif turn.kind == CHAT:
             turn.history = chat_history(turn.tenant, body["messages"])
             key = turn.history.lookup_key
-            status, entry = store.lookup(key) if key is not None else (MISS, None)
             turn.conv = "auto:" + (key.hex()[:10] if key is not None else "new")
         elif isinstance(body.get("prompt"), str):
             turn.prompt = body["prompt"]
-            status, entry = store.lookup_prefix(turn.tenant, turn.prompt, prefix_keys(turn.tenant))
-            turn.conv = "auto:" + (entry.key.hex()[:10] if entry is not None else "new")
-        else:
-            status, entry = MISS, None  # batched or token-id prompts: not identifiable
+        try:
+            if key is not None:
+                status, entry = await store.lookup(key)
+            elif turn.prompt is not None:
+                status, entry = await store.lookup_prefix(turn.tenant, turn.prompt,
+                                                          prefix_keys(turn.tenant))
+                turn.conv = "auto:" + (entry.key.hex()[:10] if entry is not None else "new")
+        except StoreUnavailable:
+            status, entry = MISS, None  # served without reuse (counted)
         turn.reuse = {HIT: "hit", MISS: "miss", EXPIRED: "expired"}[status]
         if entry is not None:
             turn.entry = entry
@@ -550,7 +594,7 @@ class Router:
             except asyncio.CancelledError:
                 if entry is not None:
                     # P was asked and may have read D's blocks: not safe to hand out again.
-                    self.store.discard(entry, "cancelled")
+                    self.store.forget(entry, "cancelled")
                     turn.entry = None
                 raise
             except UpstreamFailure as f:
@@ -558,7 +602,7 @@ class Router:
                 last = f
                 if entry is not None:
                     # Spent or poisoned: see the module docstring. Retry as a miss.
-                    self.store.discard(entry, "reuse_failed")
+                    await self._quietly(self.store.discard(entry, "reuse_failed"))
                     turn.entry = None
                     turn.reuse = "dropped"
                     if f.kind == "connect":
@@ -581,16 +625,16 @@ class Router:
             finally:
                 p.outstanding -= 1
             self.metrics.observe_leg("prefill", "ok", time.perf_counter() - t)
-            self._account_reuse(turn, data)
+            await self._account_reuse(turn, data)
             return p, data
         assert last is not None
         raise last
 
-    def _account_reuse(self, turn: Turn, data: dict[str, Any]) -> None:
+    async def _account_reuse(self, turn: Turn, data: dict[str, Any]) -> None:
         report = reuse_report(data)
         entry = turn.entry
         if entry is not None:
-            self.store.consume(entry)
+            await self._quietly(self.store.consume(entry))
             turn.entry = None
             if entry.num_tokens >= self.cfg.kv_recompute_threshold:
                 self.metrics.tokens_offered.inc(entry.num_tokens)
@@ -647,7 +691,7 @@ class Router:
                                           f"HTTP {resp.status}")
                 if not turn.stream:
                     body = await resp.read()
-                    return self._finish_json(turn, d, body, t), "ok"
+                    return await self._finish_json(turn, d, body, t), "ok"
                 first = await resp.content.readany()
                 if not first:
                     raise UpstreamFailure("decode", d, "protocol",
@@ -674,7 +718,8 @@ class Router:
             self.set_health(f.backend, False, f.detail or f"HTTP {f.status}")
         raise f
 
-    def _finish_json(self, turn: Turn, d: Backend, body: bytes, t: float) -> web.Response:
+    async def _finish_json(self, turn: Turn, d: Backend, body: bytes, t: float
+                           ) -> web.Response:
         collector = MessageCollector(turn.kind == CHAT) if turn.collects else None
         if collector is not None or _MARKER in body:
             try:
@@ -686,7 +731,7 @@ class Router:
                 if collector is not None:
                     collector.feed_response(obj)
                 if isinstance(params, dict):
-                    self._store_handle(turn, d, params, collector)
+                    await self._store_handle(turn, d, params, collector)
                 body = dumps(obj)
         now = time.perf_counter()
         self.metrics.observe_ttft(turn.kind, False, now - turn.t0)
@@ -707,7 +752,7 @@ class Router:
         try:
             await out.prepare(request)
             chunk = filt.feed(first)
-            stored = self._maybe_store(turn, d, filt, collector, False)
+            stored = await self._maybe_store(turn, d, filt, collector, False)
             if chunk:
                 await out.write(chunk)
                 done = chunk.endswith(DONE)
@@ -726,7 +771,7 @@ class Router:
                     return out, "stream_error"
                 chunk = filt.feed(data) if data else filt.finish()
                 # Stored before the client can see [DONE]: its next turn may come at once.
-                stored = self._maybe_store(turn, d, filt, collector, stored)
+                stored = await self._maybe_store(turn, d, filt, collector, stored)
                 if chunk:
                     await out.write(chunk)
                     done = done or chunk.endswith(DONE)
@@ -746,11 +791,11 @@ class Router:
             await out.write_eof()
         return out, "ok"
 
-    def _maybe_store(self, turn: Turn, d: Backend, filt: SSEFilter,
+    async def _maybe_store(self, turn: Turn, d: Backend, filt: SSEFilter,
                      collector: MessageCollector | None, stored: bool) -> bool:
         if stored or filt.params is None:
             return stored
-        self._store_handle(turn, d, filt.params, collector)
+        await self._store_handle(turn, d, filt.params, collector)
         return True
 
     async def _end_with_error(self, out: web.StreamResponse, message: str) -> None:
@@ -759,16 +804,16 @@ class Router:
             await out.write_eof()
 
     # -- handles ---------------------------------------------------------------------
-    def _store_handle(self, turn: Turn, d: Backend, params: dict[str, Any],
-                      collector: MessageCollector | None) -> None:
+    async def _store_handle(self, turn: Turn, d: Backend, params: dict[str, Any],
+                            collector: MessageCollector | None) -> None:
         engine = params.get("remote_engine_id")
         if not isinstance(engine, str):
             engine = None
         if engine is not None and d.engine_id != engine:
             if d.engine_id is not None:
-                n = self.store.drop_replica(d.url, "engine_changed", keep_engine_id=engine)
-                log.warning("decode engine id changed (restart) url=%s handles_dropped=%d",
-                            d.url, n)
+                log.warning("decode engine id changed (restart) url=%s", d.url)
+                self._background(self._quietly(self.store.drop_replica(
+                    d.url, "engine_changed", keep_engine_id=engine)))
             d.engine_id = engine
         rid = params.get("remote_request_id")
         rid = rid if isinstance(rid, str) else None
@@ -787,21 +832,23 @@ class Router:
             # D retained the blocks for a handle nobody will ever send: free them now.
             if rid is not None and d.in_pool:
                 self.residency.release_ids(d.url, [rid])
-            self.metrics.handles.set(len(self.store))
             return
         kv = dict(params)
         n = kv.get("remote_num_tokens")
         n = n if isinstance(n, int) and not isinstance(n, bool) else 0
-        self.store.put(key, dumps(kv), d.url, engine, n, tenant=tenant, prefix_len=prefix_len,
-                       request_id=rid, blocks=handle_blocks(kv))
-        self.keep_under_watermark(d.url)
-        self.metrics.handles.set(len(self.store))
+        try:
+            await self.store.put(key, dumps(kv), d.url, engine, n, tenant=tenant,
+                                 prefix_len=prefix_len, request_id=rid,
+                                 blocks=handle_blocks(kv))
+        except StoreUnavailable:
+            if rid is not None:  # not kept anywhere: D frees the blocks now
+                self.residency.release_ids(d.url, [rid])
+            return
+        await self.keep_under_watermark(d.url)
 
-    def end_conversation(self, tenant: bytes, conversation_id: str) -> bool:
+    async def end_conversation(self, tenant: bytes, conversation_id: str) -> bool:
         """DELETE /v1/conversations/{id}: drop the handle, D frees its blocks now."""
-        ended = self.store.end(explicit_key(tenant, conversation_id))
-        self.metrics.handles.set(len(self.store))
-        return ended
+        return await self.store.end(explicit_key(tenant, conversation_id))
 
     # -- other routes ------------------------------------------------------------------
     async def handle_models(self, request: web.Request) -> web.StreamResponse:

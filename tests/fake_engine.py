@@ -1,5 +1,5 @@
 """A fake vLLM engine speaking the NixlConnector P/D protocol over HTTP, for tests and
-benchmarks (see shared/reference/protocol.md section 3).
+benchmarks (see docs/protocol.md, sections 1 and 2).
 
 Prefill role: answers a one-token, non-streamed completion whose top-level
 `kv_transfer_params` say where its blocks are (do_remote_prefill: true, ...).

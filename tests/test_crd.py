@@ -77,7 +77,9 @@ GOOD_SPECS = [
      "decode": {"replicas": 3, "enablePrefixCaching": False},
      "kvTransfer": {"bidirectional": False, "decoderKvBlocksTtlSeconds": 60,
                     "retentionWatermark": 0.25, "ownerLeaseSeconds": 60},
-     "router": {"conversationTtlSeconds": 50, "serviceType": "LoadBalancer"},
+     "router": {"conversationTtlSeconds": 50, "serviceType": "LoadBalancer", "replicas": 3,
+                "handleStore": {"url": "rediss://valkey.cache:6379/2",
+                                "passwordSecretRef": {"name": "valkey", "key": "pw"}}},
      "networkPolicy": {"metricsFrom": [{"namespaceSelector": {}}],
                        "routerFrom": [{"podSelector": {"matchLabels": {"a": "b"}}}]}},
     {"model": {"name": "m"}, "efa": {"enabled": True, "hugepages2Mi": "5Gi"},
@@ -103,6 +105,10 @@ BAD_SPECS = [
     {"model": {"name": "m"}, "decode": {"efaDevices": 1}},
     {"model": {"name": "m"}, "router": {"serviceType": "ExternalName"}},
     {"model": {"name": "m"}, "networkPolicy": {"metricsFrom": [{}]}},
+    # Two routers without a shared store would split conversations (CEL rule).
+    {"model": {"name": "m"}, "router": {"replicas": 2}},
+    {"model": {"name": "m"}, "router": {"handleStore": {"url": "redis://u:pw@v:6379/0"}}},
+    {"model": {"name": "m"}, "router": {"handleStore": {"url": "http://v:6379"}}},
     {"model": {"name": "m"}, "networkPolicy": {"routerFrom": [
         {"podSelector": {"matchExpressions": [{"key": "a", "operator": "Near"}]}}]}},
     {"model": {"name": "m"}, "kvTransfer": {"retentionWatermark": 0}},

@@ -122,6 +122,20 @@ def test_residency_knobs_reach_router_and_both_roles(minimal):
     assert cfg["retentionWatermark"] == 0.3 and cfg["ownerLeaseSeconds"] == 45
 
 
+def test_shared_handle_store_reaches_the_router(minimal):
+    minimal["spec"]["router"] = {"replicas": 2, "handleStore": {
+        "url": "redis://valkey:6379/0", "passwordSecretRef": {"name": "vk", "key": "pw"}}}
+    objs = by_kind_name(render_resource(minimal))
+    cfg = json.loads(objs[("ConfigMap", "tiny-router")]["data"]["router.json"])
+    assert cfg["handleStore"] == "redis://valkey:6379/0"
+    router = objs[("Deployment", "tiny-router")]["spec"]["template"]["spec"]["containers"][0]
+    assert env(router)["BIDIRKV_HANDLE_STORE_PASSWORD"] == {
+        "secretKeyRef": {"name": "vk", "key": "pw"}}
+    from bidirkv.router.config import parse_config
+
+    assert parse_config(cfg).handle_store == cfg["handleStore"]  # the router accepts it
+
+
 def test_bidirectional_off_on_both_roles(minimal):
     minimal["spec"]["kvTransfer"] = {"bidirectional": False}
     objs = render_resource(minimal)
@@ -248,6 +262,7 @@ def test_fingerprint_covers_shared_settings_only(minimal):
         ({"kvTransfer": {"ownerLeaseSeconds": 600}},
          "spec.kvTransfer.ownerLeaseSeconds: 600 must be at most"),
         ({"kvTransfer": {"retentionWatermark": 2}}, "spec.kvTransfer.retentionWatermark: 2"),
+        ({"router": {"replicas": 3}}, "spec.router.replicas: 3 needs spec.router.handleStore"),
         ({"networkPolicy": {"routerFrom": [{}]}},
          "spec.networkPolicy.routerFrom[0]: needs namespaceSelector or podSelector"),
         ({"engine": {"extraEnv": [{"name": "BIDIRKV_HANDLE_KEY", "value": "x"}]}},

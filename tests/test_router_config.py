@@ -94,3 +94,17 @@ def test_watcher_sees_kubernetes_symlink_swap(tmp_path):
     os.replace(tmp_link, tmp_path / "..data")
     assert file_signature(tmp_path / "router.json") != before
     assert w.poll() is True and applied[0].model == "swapped"
+
+
+@pytest.mark.parametrize(("url", "needle"), [
+    ("redis://user:secret@valkey:6379/0", "no credentials in the URL"),
+    ("http://valkey:6379", "expected redis://HOST:PORT/DB"),
+    ("redis://valkey:6379/cache", "database 'cache' must be a number"),
+])
+def test_handle_store_url_is_checked(url, needle):
+    from bidirkv.router.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match="handleStore") as err:
+        parse_config({"handleStore": url})
+    assert needle in str(err.value) and "secret" not in str(err.value)
+    assert parse_config({"handleStore": "rediss://valkey:6379/1"}).handle_store

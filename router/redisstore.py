@@ -1,0 +1,307 @@
+"""Decode handles in a Redis-protocol store (Valkey, Redis, ElastiCache non-cluster).
+
+Keys, under a prefix (default `bidirkv:`):
+    h:<key>          the entry (JSON), with a store-side TTL (the router's TTL + a minute,
+                     a safety net: the routers' sweep removes entries at their TTL)
+    order            zset key -> stored-at ms: TTL sweep and the LRU bound
+    rep:<decode url> zset key -> stored-at ms: one replica's entries, oldest first
+    pin              hash decode url -> blocks pinned by stored handles
+    len:<tenant>     zset key -> prompt-prefix length (completions identified by prefix)
+    owner            the id decode keeps retained KV for, shared by every router
+
+Every change of one entry is one Lua script, so it is atomic: two routers taking the same
+handle, one gets it (single use); a put that replaces an entry returns the old one for
+release. Whoever removes an entry (sweep, LRU, watermark, end, replaced) hands it to
+`on_evict`, which releases its blocks on decode.
+
+Memory: the store holds at most `maxConversations` entries (the LRU bound, enforced by
+the routers); run the server with `maxmemory-policy noeviction` so it never drops an
+index entry behind the routers' backs.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Any
+
+from .handlestore import EvictHook, PrefixKeys, StoreUnavailable
+from .store import EXPIRED, HIT, MISS, Entry
+
+SAFETY_TTL_MS = 60_000
+SCAN = 200
+
+_TAKE = """
+local v = redis.call('GET', KEYS[1])
+if not v then
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  return false
+end
+local e = cjson.decode(v)
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', ARGV[2] .. 'rep:' .. e['decode_url'], ARGV[1])
+redis.call('HINCRBY', ARGV[2] .. 'pin', e['decode_url'], -(e['blocks'] or 0))
+if e['tenant'] then redis.call('ZREM', ARGV[2] .. 'len:' .. e['tenant'], ARGV[1]) end
+return v
+"""
+
+_PUT = """
+local old = redis.call('GET', KEYS[1])
+if old then
+  local o = cjson.decode(old)
+  redis.call('ZREM', ARGV[5] .. 'rep:' .. o['decode_url'], ARGV[1])
+  redis.call('HINCRBY', ARGV[5] .. 'pin', o['decode_url'], -(o['blocks'] or 0))
+  if o['tenant'] then redis.call('ZREM', ARGV[5] .. 'len:' .. o['tenant'], ARGV[1]) end
+end
+if ARGV[6] == '1' and old then return old end
+local e = cjson.decode(ARGV[2])
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[4])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+redis.call('ZADD', ARGV[5] .. 'rep:' .. e['decode_url'], ARGV[3], ARGV[1])
+redis.call('HINCRBY', ARGV[5] .. 'pin', e['decode_url'], e['blocks'] or 0)
+if e['tenant'] then
+  redis.call('ZADD', ARGV[5] .. 'len:' .. e['tenant'], e['prefix_len'], ARGV[1])
+end
+return old
+"""
+
+
+def _entry(raw: bytes | str) -> Entry:
+    d = json.loads(raw)
+    e = Entry(bytes.fromhex(d["key"]), d["params"].encode(), d["decode_url"], d["engine_id"],
+              d["num_tokens"], d["expires_at"],
+              bytes.fromhex(d["tenant"]) if d.get("tenant") else None, d["prefix_len"],
+              d.get("request_id"), d.get("blocks", 0))
+    e.reserved = True
+    return e
+
+
+def _value(e: Entry, stored_ms: int) -> str:
+    d = {
+        "key": e.key.hex(), "params": e.params.decode(), "decode_url": e.decode_url,
+        "engine_id": e.engine_id, "num_tokens": e.num_tokens, "expires_at": e.expires_at,
+        "prefix_len": e.prefix_len, "request_id": e.request_id, "blocks": e.blocks,
+        "stored_ms": stored_ms,
+    }
+    if e.tenant is not None:  # absent, not null: Lua's cjson null is truthy
+        d["tenant"] = e.tenant.hex()
+    return json.dumps(d, separators=(",", ":"))
+
+
+class RedisStore:
+    def __init__(self, client: Any, ttl_seconds: float, max_entries: int, on_evict: EvictHook,
+                 prefix: str = "bidirkv:", clock: Any = time.time,
+                 on_error: Any = None) -> None:
+        self.r = client
+        self.ttl = ttl_seconds
+        self.max_entries = max_entries
+        self.prefix = prefix
+        self._on_evict = on_evict
+        self._on_error = on_error or (lambda op: None)
+        self._clock = clock
+        self._take = client.register_script(_TAKE)
+        self._put = client.register_script(_PUT)
+        self.owner: str | None = None
+        self._available = True
+
+    @classmethod
+    def from_url(cls, url: str, password: str | None, ttl_seconds: float, max_entries: int,
+                 on_evict: EvictHook, **kw: Any) -> RedisStore:
+        import redis.asyncio as redis
+
+        client = redis.Redis.from_url(url, password=password or None, socket_timeout=1.0,
+                                      socket_connect_timeout=1.0, health_check_interval=5)
+        return cls(client, ttl_seconds, max_entries, on_evict, **kw)
+
+    @property
+    def available(self) -> bool:
+        return self._available
+
+    def configure(self, ttl_seconds: float, max_entries: int) -> None:
+        self.ttl, self.max_entries = ttl_seconds, max_entries
+
+    # -- plumbing ---------------------------------------------------------------------
+    def _k(self, name: str) -> str:
+        return self.prefix + name
+
+    async def _call(self, op: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        import redis
+
+        try:
+            out = await fn(*args, **kw)
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            self._available = False
+            self._on_error(op)
+            raise StoreUnavailable(f"handle store {op}: {exc}") from None
+        self._available = True
+        return out
+
+    async def start(self) -> None:
+        """The shared owner id (created by the first router that asks)."""
+        await self._call("owner", self.r.set, self._k("owner"),
+                         f"store-{secrets.token_hex(8)}", nx=True)
+        raw = await self._call("owner", self.r.get, self._k("owner"))
+        self.owner = raw.decode() if isinstance(raw, bytes) else raw
+
+    async def close(self) -> None:
+        await self.r.aclose()
+
+    async def _take_key(self, keyhex: str) -> Entry | None:
+        raw = await self._call("take", self._take, keys=[self._k("h:" + keyhex),
+                                                          self._k("order")],
+                               args=[keyhex, self.prefix])
+        return _entry(raw) if raw else None
+
+    def _evicted(self, reason: str, entries: list[Entry]) -> None:
+        if entries:
+            self._on_evict(reason, entries)
+
+    # -- the reservation protocol -------------------------------------------------------
+    async def lookup(self, key: bytes) -> tuple[str, Entry | None]:
+        entry = await self._take_key(key.hex())
+        if entry is None:
+            return MISS, None
+        if entry.expires_at <= self._clock():
+            self._evicted("ttl", [entry])
+            return EXPIRED, None
+        return HIT, entry
+
+    async def lookup_prefix(self, tenant: bytes, text: str, key_of: PrefixKeys
+                            ) -> tuple[str, Entry | None]:
+        found = await self._call("prefix", self.r.zrangebyscore, self._k("len:" + tenant.hex()),
+                                 0, len(text), withscores=True)
+        by_len: dict[int, set[str]] = {}
+        for member, score in found:
+            m = member.decode() if isinstance(member, bytes) else member
+            by_len.setdefault(int(score), set()).add(m)
+        outcome = MISS
+        for length, key in key_of(text, sorted(by_len)):
+            if key.hex() in by_len.get(length, ()):
+                status, entry = await self.lookup(key)
+                if status == HIT:
+                    return HIT, entry
+                if status == EXPIRED:
+                    outcome = EXPIRED
+        return outcome, None
+
+    async def _store(self, entry: Entry, only_if_absent: bool) -> Entry | None:
+        now_ms = int(self._clock() * 1000)
+        left_ms = max(1, int((entry.expires_at - self._clock()) * 1000))
+        keyhex = entry.key.hex()
+        old = await self._call(
+            "put", self._put, keys=[self._k("h:" + keyhex), self._k("order")],
+            args=[keyhex, _value(entry, now_ms), now_ms, left_ms + SAFETY_TTL_MS, self.prefix,
+                  "1" if only_if_absent else "0"])
+        return _entry(old) if old else None
+
+    async def put(self, key: bytes, params: bytes, decode_url: str, engine_id: str | None,
+                  num_tokens: int, *, tenant: bytes | None = None, prefix_len: int = 0,
+                  request_id: str | None = None, blocks: int = 0) -> None:
+        entry = Entry(key, params, decode_url, engine_id, num_tokens,
+                      self._clock() + self.ttl, tenant, prefix_len, request_id, blocks)
+        old = await self._store(entry, only_if_absent=False)
+        if old is not None:
+            self._evicted("replaced", [old])
+        await self._trim()
+
+    async def release(self, entry: Entry) -> None:
+        """P was never asked: back in the store, unless a newer handle took its place."""
+        if entry.expires_at <= self._clock():
+            self._evicted("ttl", [entry])
+            return
+        newer = await self._store(entry, only_if_absent=True)
+        if newer is not None:
+            self._evicted("replaced", [entry])
+
+    async def consume(self, entry: Entry) -> None:
+        return None  # taken at lookup: nothing left in the store
+
+    async def discard(self, entry: Entry, reason: str) -> None:
+        self._evicted(reason, [entry])
+
+    def forget(self, entry: Entry, reason: str) -> None:
+        self._evicted(reason, [entry])  # taken at lookup: only the blocks remain
+
+    async def end(self, key: bytes) -> bool:
+        entry = await self._take_key(key.hex())
+        if entry is None:
+            return False
+        self._evicted("ended", [entry])
+        return True
+
+    # -- bulk ------------------------------------------------------------------------------
+    async def _take_members(self, members: list[Any]) -> list[Entry]:
+        out = []
+        for m in members:
+            e = await self._take_key(m.decode() if isinstance(m, bytes) else m)
+            if e is not None:
+                out.append(e)
+        return out
+
+    async def _trim(self) -> None:
+        over = await self._call("count", self.r.zcard, self._k("order")) - self.max_entries
+        if over > 0:
+            members = await self._call("lru", self.r.zrange, self._k("order"), 0, over - 1)
+            self._evicted("lru", await self._take_members(members))
+
+    async def trim_replica(self, decode_url: str, max_blocks: int,
+                           reason: str = "watermark") -> int:
+        doomed: list[Entry] = []
+        rep = self._k("rep:" + decode_url)
+        while await self.pinned(decode_url) > max_blocks:
+            members = await self._call("trim", self.r.zrange, rep, 0, 0)  # the oldest
+            if not members:
+                break
+            taken = await self._take_members(members)
+            if not taken:  # index entries whose values are gone
+                await self._call("trim", self.r.zrem, rep, *members)
+            doomed += taken
+        self._evicted(reason, doomed)
+        return len(doomed)
+
+    async def drop_replica(self, decode_url: str, reason: str,
+                           keep_engine_id: str | None = None) -> int:
+        rep = self._k("rep:" + decode_url)
+        members = await self._call("drop", self.r.zrange, rep, 0, -1)
+        doomed = []
+        for m in members:
+            keyhex = m.decode() if isinstance(m, bytes) else m
+            raw = await self._call("drop", self.r.get, self._k("h:" + keyhex))
+            if raw is None:
+                await self._call("drop", self.r.zrem, rep, m)
+                continue
+            if keep_engine_id is not None and json.loads(raw).get("engine_id") == keep_engine_id:
+                continue
+            e = await self._take_key(keyhex)
+            if e is not None:
+                doomed.append(e)
+        self._evicted(reason, doomed)
+        return len(doomed)
+
+    async def sweep(self) -> int:
+        """Entries past the TTL, taken out by whichever router gets to them first."""
+        cutoff = int((self._clock() - self.ttl) * 1000)
+        doomed: list[Entry] = []
+        while True:
+            members = await self._call("sweep", self.r.zrangebyscore, self._k("order"),
+                                       "-inf", cutoff, start=0, num=SCAN)
+            if not members:
+                break
+            taken = await self._take_members(members)
+            doomed += [e for e in taken if e.expires_at <= self._clock()]
+            for e in taken:  # stored with a longer TTL by another router's config
+                if e.expires_at > self._clock():
+                    await self._store(e, only_if_absent=True)
+            if len(members) < SCAN:
+                break
+        self._evicted("ttl", doomed)
+        return len(doomed)
+
+    async def pinned(self, decode_url: str) -> int:
+        raw = await self._call("pinned", self.r.hget, self._k("pin"), decode_url)
+        return max(0, int(raw)) if raw is not None else 0
+
+    async def count(self) -> int:
+        return int(await self._call("count", self.r.zcard, self._k("order")))

