@@ -252,6 +252,18 @@ async def _serve(app: web.Application, host: str, port: int) -> None:
         await running.stop()
 
 
+def _loop_factory() -> Any:
+    """uvloop's event loop when installed (a router dependency; measured in
+    benchmarks/router_bench.py), else asyncio's."""
+    if os.environ.get("BIDIRKV_ROUTER_LOOP", "uvloop") == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["router"]:
@@ -285,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     app = build_app(cfg, config_path=args.config, overrides=overrides, handle_key=key or None)
     try:
-        asyncio.run(_serve(app, args.host, args.port))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(_serve(app, args.host, args.port))
     except OSError as exc:
         print(f"bidir-kv router: cannot listen on {args.host}:{args.port}: {exc}",
               file=sys.stderr)

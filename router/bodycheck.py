@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -64,10 +65,16 @@ def _bad_string(value: Any, parts: list[Any]) -> str | None:
     return None
 
 
-def surrogate_problem(raw: bytes, body: Any) -> str | None:
-    """Where a string of the parsed body is not valid Unicode text (None: nowhere)."""
+def surrogate_problem(raw: bytes) -> str | None:
+    """Where a string of the body is not valid Unicode text (None: nowhere). Rare, so the
+    body is parsed again here (by the standard library, which keeps lone surrogates where
+    orjson refuses the whole body) only when it has a surrogate escape at all."""
     if not _SURROGATE_ESCAPE.search(raw):
         return None
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None  # the main parser says what is wrong
     where = _bad_string(body, [])
     if where is None:
         return None

@@ -42,7 +42,10 @@ class Store(Protocol):
                             ) -> tuple[str, Entry | None]: ...
     async def put(self, key: bytes, params: bytes, decode_url: str, engine_id: str | None,
                   num_tokens: int, *, tenant: bytes | None = None, prefix_len: int = 0,
-                  request_id: str | None = None, blocks: int = 0) -> None: ...
+                  request_id: str | None = None, blocks: int = 0,
+                  max_pinned: int | None = None) -> None:
+        """Store; then keep the LRU bound and, given `max_pinned`, the replica's watermark."""
+        ...
     async def release(self, entry: Entry) -> None: ...
     async def consume(self, entry: Entry) -> None: ...
     async def discard(self, entry: Entry, reason: str) -> None: ...
@@ -98,9 +101,12 @@ class InProcessStore:
 
     async def put(self, key: bytes, params: bytes, decode_url: str, engine_id: str | None,
                   num_tokens: int, *, tenant: bytes | None = None, prefix_len: int = 0,
-                  request_id: str | None = None, blocks: int = 0) -> None:
+                  request_id: str | None = None, blocks: int = 0,
+                  max_pinned: int | None = None) -> None:
         self.local.put(key, params, decode_url, engine_id, num_tokens, tenant=tenant,
                        prefix_len=prefix_len, request_id=request_id, blocks=blocks)
+        if max_pinned is not None:
+            self.local.trim_replica(decode_url, max_pinned)
 
     async def release(self, entry: Entry) -> None:
         self.local.release(entry)

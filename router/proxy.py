@@ -339,12 +339,16 @@ class Router:
         if released:
             self.metrics.releases_sent.labels(result).inc(released)
 
+    def max_pinned(self, url: str) -> int | None:
+        """Blocks this router's handles may pin on a replica (None: capacity unknown)."""
+        total = self.residency.capacity(url)
+        return None if total is None else int(self.cfg.retention_watermark * total)
+
     async def keep_under_watermark(self, url: str) -> None:
         """Drop the replica's oldest handles while they pin more than the watermark."""
-        total = self.residency.capacity(url)
-        if total is not None:
-            await self._quietly(
-                self.store.trim_replica(url, int(self.cfg.retention_watermark * total)))
+        limit = self.max_pinned(url)
+        if limit is not None:
+            await self._quietly(self.store.trim_replica(url, limit))
 
     def _export_health(self, b: Backend) -> None:
         self.metrics.backend_healthy.labels(b.role, b.url).set(1 if b.healthy else 0)
@@ -839,12 +843,10 @@ class Router:
         try:
             await self.store.put(key, dumps(kv), d.url, engine, n, tenant=tenant,
                                  prefix_len=prefix_len, request_id=rid,
-                                 blocks=handle_blocks(kv))
+                                 blocks=handle_blocks(kv), max_pinned=self.max_pinned(d.url))
         except StoreUnavailable:
             if rid is not None:  # not kept anywhere: D frees the blocks now
                 self.residency.release_ids(d.url, [rid])
-            return
-        await self.keep_under_watermark(d.url)
 
     async def end_conversation(self, tenant: bytes, conversation_id: str) -> bool:
         """DELETE /v1/conversations/{id}: drop the handle, D frees its blocks now."""

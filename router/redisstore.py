@@ -30,6 +30,7 @@ from .handlestore import EvictHook, PrefixKeys, StoreUnavailable
 from .store import EXPIRED, HIT, MISS, Entry
 
 SAFETY_TTL_MS = 60_000
+POOL = 64
 SCAN = 200
 
 _TAKE = """
@@ -55,7 +56,7 @@ if old then
   redis.call('HINCRBY', ARGV[5] .. 'pin', o['decode_url'], -(o['blocks'] or 0))
   if o['tenant'] then redis.call('ZREM', ARGV[5] .. 'len:' .. o['tenant'], ARGV[1]) end
 end
-if ARGV[6] == '1' and old then return old end
+if ARGV[6] == '1' and old then return {old, 0, 0} end
 local e = cjson.decode(ARGV[2])
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[4])
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
@@ -64,7 +65,9 @@ redis.call('HINCRBY', ARGV[5] .. 'pin', e['decode_url'], e['blocks'] or 0)
 if e['tenant'] then
   redis.call('ZADD', ARGV[5] .. 'len:' .. e['tenant'], e['prefix_len'], ARGV[1])
 end
-return old
+-- What the caller checks its bounds against, in the same round trip.
+return {old, redis.call('ZCARD', KEYS[2]),
+        tonumber(redis.call('HGET', ARGV[5] .. 'pin', e['decode_url']))}
 """
 
 
@@ -111,9 +114,12 @@ class RedisStore:
                  on_evict: EvictHook, **kw: Any) -> RedisStore:
         import redis.asyncio as redis
 
-        client = redis.Redis.from_url(url, password=password or None, socket_timeout=1.0,
-                                      socket_connect_timeout=1.0, health_check_interval=5)
-        return cls(client, ttl_seconds, max_entries, on_evict, **kw)
+        # A bounded pool that waits for a free connection: under a burst, requests queue
+        # for a moment instead of failing with "too many connections".
+        pool = redis.BlockingConnectionPool.from_url(
+            url, password=password or None, max_connections=POOL, timeout=1.0,
+            socket_timeout=1.0, socket_connect_timeout=1.0, health_check_interval=5)
+        return cls(redis.Redis(connection_pool=pool), ttl_seconds, max_entries, on_evict, **kw)
 
     @property
     def available(self) -> bool:
@@ -186,32 +192,38 @@ class RedisStore:
                     outcome = EXPIRED
         return outcome, None
 
-    async def _store(self, entry: Entry, only_if_absent: bool) -> Entry | None:
+    async def _store(self, entry: Entry, only_if_absent: bool
+                     ) -> tuple[Entry | None, int, int]:
+        """(the entry that was there, entries stored, blocks pinned on its replica)."""
         now_ms = int(self._clock() * 1000)
         left_ms = max(1, int((entry.expires_at - self._clock()) * 1000))
         keyhex = entry.key.hex()
-        old = await self._call(
+        old, count, pinned = await self._call(
             "put", self._put, keys=[self._k("h:" + keyhex), self._k("order")],
             args=[keyhex, _value(entry, now_ms), now_ms, left_ms + SAFETY_TTL_MS, self.prefix,
                   "1" if only_if_absent else "0"])
-        return _entry(old) if old else None
+        return (_entry(old) if old else None), int(count or 0), int(pinned or 0)
 
     async def put(self, key: bytes, params: bytes, decode_url: str, engine_id: str | None,
                   num_tokens: int, *, tenant: bytes | None = None, prefix_len: int = 0,
-                  request_id: str | None = None, blocks: int = 0) -> None:
+                  request_id: str | None = None, blocks: int = 0,
+                  max_pinned: int | None = None) -> None:
         entry = Entry(key, params, decode_url, engine_id, num_tokens,
                       self._clock() + self.ttl, tenant, prefix_len, request_id, blocks)
-        old = await self._store(entry, only_if_absent=False)
+        old, count, pinned = await self._store(entry, only_if_absent=False)
         if old is not None:
             self._evicted("replaced", [old])
-        await self._trim()
+        if count > self.max_entries:
+            await self._trim()
+        if max_pinned is not None and pinned > max_pinned:
+            await self.trim_replica(decode_url, max_pinned)
 
     async def release(self, entry: Entry) -> None:
         """P was never asked: back in the store, unless a newer handle took its place."""
         if entry.expires_at <= self._clock():
             self._evicted("ttl", [entry])
             return
-        newer = await self._store(entry, only_if_absent=True)
+        newer, _, _ = await self._store(entry, only_if_absent=True)
         if newer is not None:
             self._evicted("replaced", [entry])
 

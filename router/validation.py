@@ -109,14 +109,12 @@ def parse_request(raw: bytes, kind: str, header_conversation_id: str | None,
     Consumed here and never forwarded upstream: `conversation_id` (ours) and
     `kv_transfer_params` (only the router may tell engines where KV lives).
     """
-    if problem := nesting_problem(raw):
+    if problem := nesting_problem(raw) or surrogate_problem(raw):
         raise ClientError(400, problem)
     try:
         body = loads(raw)
     except (ValueError, RecursionError) as exc:
         raise ClientError(400, f"request body is not valid JSON: {exc}") from None
-    if problem := surrogate_problem(raw, body):
-        raise ClientError(400, problem)
     if not isinstance(body, dict):
         raise ClientError(400, f"request body must be a JSON object, got {type(body).__name__}")
     if kind == CHAT:

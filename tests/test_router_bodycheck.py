@@ -37,8 +37,8 @@ def test_a_huge_deep_body_is_refused_quickly():
 
 def test_lone_surrogates_are_found_with_their_path():
     raw = b'{"messages":[{"role":"user","content":"a\\ud800b"}]}'
-    assert surrogate_problem(raw, json.loads(raw)).startswith("messages[0].content:")
+    assert surrogate_problem(raw).startswith("messages[0].content:")
     pair = b'{"messages":[{"role":"user","content":"\\ud83d\\ude00"}]}'
-    assert surrogate_problem(pair, json.loads(pair)) is None
+    assert surrogate_problem(pair) is None
     key = b'{"\\udfff":1}'
-    assert surrogate_problem(key, json.loads(key)).startswith("<key>")
+    assert surrogate_problem(key).startswith("<key>")
