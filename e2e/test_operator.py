@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from bidirkv.operator.kube import KINDS, ApiError
@@ -196,11 +194,20 @@ async def test_restart_with_nothing_changed_writes_nothing(minimal, example):
             await client.call("POST", di_path("default"), resource(example))
             await _converged(client, controller)
             await _converged(client, controller, "qwen3-32b", "default")
+        expected = {(kind, ns, f"{name}-{comp}") for ns, name in (("ns1", "tiny"),
+                                                                    ("default", "qwen3-32b"))
+                    for kind, comp in CHILDREN}
         server.requests.clear()
         async with running_operator(client) as controller:
-            await asyncio.sleep(1.0)  # watches list everything, reconciles run
+            # The proof that it had every chance to write: both resources reconciled
+            # after every child reached its caches.
+            await eventually(lambda: expected <= set(controller.controller.children),
+                             what="every child in the new operator's caches")
+            seen = controller.reconciles
+            for uid in list(controller.controller.owners):
+                controller.loop.call_soon_threadsafe(controller.controller.schedule, uid, 0)
+            await eventually(lambda: controller.reconciles >= seen + 2, what="two reconciles")
             await controller.idle()
-            assert controller.reconciles >= 2
         assert [r for r in server.writes() if r.resource != "events"] == []
         assert server.writes() == []
 
@@ -257,7 +264,10 @@ async def test_delete_leaves_children_to_the_garbage_collector(minimal):
         server.requests.clear()
         await client.call("DELETE", di_path("ns1", "tiny"))
         await eventually(lambda: _none_left(client), what="children collected")
-        await asyncio.sleep(0.3)
+        # The proof that it saw everything go: the deletion processed, every child's
+        # DELETED event in its caches.
+        await eventually(lambda: not ctl.controller.owners and not any(
+            k[1] == "ns1" for k in ctl.controller.children), what="deletions seen")
         await ctl.idle()
         # The operator wrote nothing while its resource went away (no re-creation).
         assert [r for r in server.writes() if r.verb != "delete"] == []
