@@ -21,11 +21,11 @@ index entry behind the routers' backs.
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from typing import Any
 
+from .codec import dumps, loads
 from .handlestore import EvictHook, PrefixKeys, StoreUnavailable
 from .store import EXPIRED, HIT, MISS, Entry
 
@@ -72,7 +72,7 @@ return {old, redis.call('ZCARD', KEYS[2]),
 
 
 def _entry(raw: bytes | str) -> Entry:
-    d = json.loads(raw)
+    d = loads(raw)
     e = Entry(bytes.fromhex(d["key"]), d["params"].encode(), d["decode_url"], d["engine_id"],
               d["num_tokens"], d["expires_at"],
               bytes.fromhex(d["tenant"]) if d.get("tenant") else None, d["prefix_len"],
@@ -81,7 +81,7 @@ def _entry(raw: bytes | str) -> Entry:
     return e
 
 
-def _value(e: Entry, stored_ms: int) -> str:
+def _value(e: Entry, stored_ms: int) -> bytes:
     d = {
         "key": e.key.hex(), "params": e.params.decode(), "decode_url": e.decode_url,
         "engine_id": e.engine_id, "num_tokens": e.num_tokens, "expires_at": e.expires_at,
@@ -90,7 +90,7 @@ def _value(e: Entry, stored_ms: int) -> str:
     }
     if e.tenant is not None:  # absent, not null: Lua's cjson null is truthy
         d["tenant"] = e.tenant.hex()
-    return json.dumps(d, separators=(",", ":"))
+    return dumps(d)
 
 
 class RedisStore:
@@ -284,7 +284,7 @@ class RedisStore:
             if raw is None:
                 await self._call("drop", self.r.zrem, rep, m)
                 continue
-            if keep_engine_id is not None and json.loads(raw).get("engine_id") == keep_engine_id:
+            if keep_engine_id is not None and loads(raw).get("engine_id") == keep_engine_id:
                 continue
             e = await self._take_key(keyhex)
             if e is not None:

@@ -85,6 +85,9 @@ def test_network_policies_isolate_the_engines(minimal):
     assert http["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == \
         "router"
     assert http["from"][1] == {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}
+    for version in KUBE_VERSIONS:
+        for name in ("tiny-engines", "tiny-router"):
+            assert schema_errors(objs[("NetworkPolicy", name)], version) == []
     router = objs[("NetworkPolicy", "tiny-router")]["spec"]["ingress"]
     assert router == [{"ports": [{"protocol": "TCP", "port": 8000}],
                        "from": [{"podSelector": {"matchLabels": {"role": "agent"}}}]}]
