@@ -60,6 +60,11 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -225,10 +230,14 @@ async def throughput(client: Client, mode: str, conversations: int, stream: bool
             history = history[-6:] + [{"role": "assistant", "content": "ok"},
                                       {"role": "user", "content": f"turn {turns}"}]
 
-    t0 = time.monotonic()
+    pid = client.stack.router_pid
+    cpu0, t0 = cpu_seconds(pid), time.monotonic()
     await asyncio.gather(*(worker(i) for i in range(conversations)))
     elapsed = time.monotonic() - t0
-    return {"req_per_s": done / elapsed, "requests": done, "errors": errors}
+    # How busy the router's own core was: 100 % means the router is the limit.
+    busy = (cpu_seconds(pid) - cpu0) / elapsed
+    return {"req_per_s": done / elapsed, "requests": done, "errors": errors,
+            "router_cpu": busy if mode == "router" else None}
 
 
 async def fill_rss(stack: Stack, handles: int) -> dict[str, float]:
@@ -278,10 +287,11 @@ def report(result: dict[str, Any]) -> str:
     lines.append(f"added by the router: p50 {t['router']['p50_ms'] - t['direct']['p50_ms']:.2f}"
                  f" ms, p99 {t['router']['p99_ms'] - t['direct']['p99_ms']:.2f} ms")
     lines += ["", "Throughput (req/s)",
-              f"{'mode':<12}{'conv':>6}{'stream':>8}{'req/s':>10}{'errors':>8}"]
+              f"{'mode':<12}{'conv':>6}{'stream':>8}{'req/s':>10}{'errors':>8}{'router cpu':>12}"]
     for r in result["throughput"]:
+        busy = "" if r.get("router_cpu") is None else f"{100 * r['router_cpu']:.0f} %"
         lines.append(f"{r['mode']:<12}{r['conversations']:>6}{str(r['stream']):>8}"
-                     f"{r['req_per_s']:>10.0f}{r['errors']:>8}")
+                     f"{r['req_per_s']:>10.0f}{r['errors']:>8}{busy:>12}")
     m = result["memory"]
     lines += ["", f"Router RSS: {m['rss_before_mb']:.0f} MB empty, {m['rss_after_mb']:.0f} MB "
               f"with {m['handles']} handles (64 blocks each)"]
