@@ -71,6 +71,41 @@ return {old, redis.call('ZCARD', KEYS[2]),
 """
 
 
+# Take the oldest entries of one index (a replica's, or `order` for the LRU bound) while
+# a bound is exceeded, in one round trip. ARGV: prefix, index suffix, kind ('pin' with
+# the replica url and the most blocks, or 'count' with the most entries), bound, limit.
+_TRIM = """
+local p, index, kind, bound, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[5]),
+  tonumber(ARGV[6])
+local url = ARGV[4]
+local function over()
+  if kind == 'pin' then
+    return tonumber(redis.call('HGET', p .. 'pin', url) or '0') > bound
+  end
+  return redis.call('ZCARD', p .. 'order') > bound
+end
+local out = {}
+while #out < limit and over() do
+  local m = redis.call('ZRANGE', p .. index, 0, 0)
+  if #m == 0 then break end
+  local k = m[1]
+  local v = redis.call('GET', p .. 'h:' .. k)
+  redis.call('ZREM', p .. index, k)
+  redis.call('ZREM', p .. 'order', k)
+  if v then
+    local e = cjson.decode(v)
+    redis.call('DEL', p .. 'h:' .. k)
+    redis.call('ZREM', p .. 'rep:' .. e['decode_url'], k)
+    redis.call('HINCRBY', p .. 'pin', e['decode_url'], -(e['blocks'] or 0))
+    if e['tenant'] then redis.call('ZREM', p .. 'len:' .. e['tenant'], k) end
+    out[#out + 1] = v
+  end
+end
+return out
+"""
+TRIM_LIMIT = 1000
+
+
 def _entry(raw: bytes | str) -> Entry:
     d = loads(raw)
     e = Entry(bytes.fromhex(d["key"]), d["params"].encode(), d["decode_url"], d["engine_id"],
@@ -106,6 +141,7 @@ class RedisStore:
         self._clock = clock
         self._take = client.register_script(_TAKE)
         self._put = client.register_script(_PUT)
+        self._trim_script = client.register_script(_TRIM)
         self.owner: str | None = None
         self._available = True
 
@@ -252,24 +288,17 @@ class RedisStore:
                 out.append(e)
         return out
 
+    async def _trim_index(self, index: str, kind: str, url: str, bound: int) -> list[Entry]:
+        raw = await self._call("trim", self._trim_script, keys=[],
+                               args=[self.prefix, index, kind, url, bound, TRIM_LIMIT])
+        return [_entry(v) for v in raw or ()]
+
     async def _trim(self) -> None:
-        over = await self._call("count", self.r.zcard, self._k("order")) - self.max_entries
-        if over > 0:
-            members = await self._call("lru", self.r.zrange, self._k("order"), 0, over - 1)
-            self._evicted("lru", await self._take_members(members))
+        self._evicted("lru", await self._trim_index("order", "count", "", self.max_entries))
 
     async def trim_replica(self, decode_url: str, max_blocks: int,
                            reason: str = "watermark") -> int:
-        doomed: list[Entry] = []
-        rep = self._k("rep:" + decode_url)
-        while await self.pinned(decode_url) > max_blocks:
-            members = await self._call("trim", self.r.zrange, rep, 0, 0)  # the oldest
-            if not members:
-                break
-            taken = await self._take_members(members)
-            if not taken:  # index entries whose values are gone
-                await self._call("trim", self.r.zrem, rep, *members)
-            doomed += taken
+        doomed = await self._trim_index("rep:" + decode_url, "pin", decode_url, max_blocks)
         self._evicted(reason, doomed)
         return len(doomed)
 
