@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable
 
 from . import patch_cpu, patch_idle, patch_residency, patch_reuse, patch_stream
-from .patching import SUPPORTED_VLLM, Skip, Target, target_problems, vllm_supported, when_imported
+from .patching import Skip, Target, vllm_supported, when_imported
 from .settings import Resolved, Settings
 
 log = logging.getLogger("vllm.bidirkv")
@@ -47,21 +47,6 @@ def _version() -> str:
     import vllm
 
     return getattr(vllm, "__version__", "?")
-
-
-def startup_problems(env: dict[str, str] | os._Environ) -> list[str]:
-    """Why a server with this plugin must not start (the launcher's check; empty: fine)."""
-    problems = []
-    version = _version()
-    if not vllm_supported(version):
-        problems.append(f"vLLM {version} is not a release bidir-kv was written for "
-                        f"({', '.join(v + 'x' for v in SUPPORTED_VLLM)})")
-    if not Settings.from_env(env).handle_keys:
-        problems.append("BIDIRKV_HANDLE_KEY is not set: KV handles cannot be authenticated "
-                        "(the operator sets it from the resource's Secret; by hand use the "
-                        "same random value on every engine, e.g. `openssl rand -hex 32`)")
-    problems += [f"vLLM {version}: cannot patch {p}" for p in target_problems(REQUIRED_TARGETS)]
-    return problems
 
 
 def _guarded(what: str, install: Callable[[], list[str]], required: bool = True

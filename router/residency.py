@@ -85,7 +85,10 @@ class Residency:
         return n
 
     def release_ids(self, url: str, request_ids: list[str]) -> int:
-        self.replica(url).pending.extend(request_ids)
+        r = self.replica(url)
+        if not r.supported:
+            return 0  # nobody to tell: a replica without the route frees by vLLM's TTL
+        r.pending.extend(request_ids)
         if request_ids:
             self._wake.set()
         return len(request_ids)
