@@ -1,0 +1,294 @@
+"""The prefill leg and the decode leg, with their retries and error answers.
+
+Part of `Router` (router/proxy.py), which holds the state these methods use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from bidirkv.proof import make_proof
+
+from .backends import PREFILL, Backend
+from .codec import dumps, loads
+from .reuse import reuse_report
+from .selection import least_outstanding
+from .sse import DONE, PARAMS, MessageCollector, SSEFilter, error_event
+from .upstream import (
+    JSON_TYPE,
+    PARAMS_MARKER,
+    PATHS,
+    UPSTREAM_FAILURES,
+    Turn,
+    Unavailable,
+    UpstreamFailure,
+    classify,
+    decode_body,
+    json_error,
+    json_response,
+    prefill_body,
+)
+from .validation import CHAT, error_body
+
+log = logging.getLogger("bidirkv.router")
+
+
+class Legs:
+    """The prefill leg and the decode leg, with their retries and error answers."""
+
+    def _unavailable(self, role: str) -> web.Response:
+        retry = str(max(1, math.ceil(self.cfg.health_check_interval_seconds)))
+        return json_error(503, f"no healthy {role} engine; retry later", "service_unavailable",
+                          headers={"Retry-After": retry})
+
+    def _failure(self, f: UpstreamFailure, rid: str) -> web.Response:
+        if f.kind == "timeout":
+            return json_error(504, f"{f.leg} engine timed out (request {rid})", "upstream_timeout")
+        what = f"HTTP {f.status}" if f.kind == "status" else f.kind
+        return json_error(502, f"{f.leg} engine failed: {what} (request {rid})", "upstream_error")
+
+    def _outcome_of(self, f: UpstreamFailure) -> str:
+        return "timeout" if f.kind == "timeout" else "upstream_error"
+
+    def _headers(self, rid: str, auth: str | None) -> dict[str, str]:
+        h = {"Content-Type": JSON_TYPE, "X-Request-Id": rid}
+        if auth:
+            h["Authorization"] = auth
+        return h
+
+    async def _prefill_leg(self, turn: Turn, rid: str) -> tuple[Backend, dict[str, Any]]:
+        assert self.session is not None
+        tried: list[Backend] = []
+        last: UpstreamFailure | None = None
+        for attempt in range(2):
+            p = least_outstanding(self.prefill.backends, self.prefill.next_start(), tried)
+            if p is None:
+                if last is not None:
+                    raise last
+                raise Unavailable(PREFILL)
+            entry = turn.entry
+            handle = loads(entry.params) if entry is not None else None
+            payload = dumps(prefill_body(turn.body, handle))
+            t = time.perf_counter()
+            p.outstanding += 1
+            turn.asked_prefill = True
+            try:
+                data = await self._post_prefill(p, PATHS[turn.kind], payload, rid, turn.auth)
+            except asyncio.CancelledError:
+                if entry is not None:
+                    # P was asked and may have read D's blocks: not safe to hand out again.
+                    self.store.forget(entry, "cancelled")
+                    turn.entry = None
+                raise
+            except UpstreamFailure as f:
+                self.metrics.observe_leg("prefill", "error", time.perf_counter() - t)
+                last = f
+                if entry is not None:
+                    # Spent or poisoned: see the module docstring. Retry as a miss.
+                    await self._quietly(self.store.discard(entry, "reuse_failed"))
+                    turn.entry = None
+                    turn.reuse = "dropped"
+                    if f.kind == "connect":
+                        self.set_health(p, False, f.detail)
+                        tried.append(p)
+                    self.metrics.retries.labels("prefill_reuse_failed").inc()
+                    log.warning("prefill with handle failed (%s); retrying without rid=%s "
+                                "conv=%s prefill=%s", f.detail or f.kind, rid, turn.conv, p.url)
+                    continue
+                if f.client_error:
+                    raise
+                if f.backend_down:
+                    self.set_health(p, False, f.detail or f"HTTP {f.status}")
+                tried.append(p)
+                log.warning("prefill failed (%s) rid=%s conv=%s prefill=%s",
+                            f.detail or f"HTTP {f.status}", rid, turn.conv, p.url)
+                if attempt == 0:
+                    self.metrics.retries.labels("prefill_failed").inc()
+                continue
+            finally:
+                p.outstanding -= 1
+            self.metrics.observe_leg("prefill", "ok", time.perf_counter() - t)
+            await self._account_reuse(turn, data)
+            return p, data
+        assert last is not None
+        raise last
+
+    async def _account_reuse(self, turn: Turn, data: dict[str, Any]) -> None:
+        report = reuse_report(data)
+        entry = turn.entry
+        if entry is not None:
+            await self._quietly(self.store.consume(entry))
+            turn.entry = None
+            if entry.num_tokens >= self.cfg.kv_recompute_threshold:
+                self.metrics.tokens_offered.inc(entry.num_tokens)
+            if report is not None and report.partial:
+                turn.reuse = "verified-partial"
+            if report is not None and report.reused_tokens:
+                self.metrics.tokens_reused.labels(report.source).inc(report.reused_tokens)
+
+    async def _post_prefill(self, p: Backend, path: str, payload: bytes, rid: str,
+                            auth: str | None) -> dict[str, Any]:
+        assert self.session is not None
+        try:
+            async with self.session.post(p.url + path, data=payload,
+                                         headers=self._headers(rid, auth),
+                                         timeout=self._t_prefill) as r:
+                body = await r.read()
+                status = r.status
+        except UPSTREAM_FAILURES as exc:
+            kind, detail = classify(exc)
+            raise UpstreamFailure("prefill", p, kind, detail=detail) from None
+        if status != 200:
+            raise UpstreamFailure("prefill", p, "status", status, body, f"HTTP {status}")
+        try:
+            data = loads(body)
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise UpstreamFailure("prefill", p, "protocol", detail="reply is not a JSON object")
+        return data
+
+    async def _decode_leg(self, request: web.Request, turn: Turn, p: Backend,
+                          p_body: dict[str, Any], d: Backend, rid: str
+                          ) -> tuple[web.StreamResponse, str]:
+        """The response and its outcome; UpstreamFailure when D failed before the client
+        got a byte (the caller may retry elsewhere)."""
+        assert self.session is not None
+        owner = proof = None
+        if self.cfg.bidirectional:
+            owner = self.residency.owner
+            proof = make_proof(self.handle_key) if self.handle_key else None
+        payload = dumps(decode_body(turn.body, p_body.get(PARAMS), owner, proof))
+        t = time.perf_counter()
+        d.outstanding += 1
+        resp: aiohttp.ClientResponse | None = None
+        try:
+            try:
+                resp = await self.session.post(d.url + PATHS[turn.kind], data=payload,
+                                               headers=self._headers(rid, turn.auth),
+                                               timeout=self._t_decode)
+                if resp.status != 200:
+                    body = await resp.read()
+                    raise UpstreamFailure("decode", d, "status", resp.status, body,
+                                          f"HTTP {resp.status}")
+                if not turn.stream:
+                    body = await resp.read()
+                    return await self._finish_json(turn, d, body, t), "ok"
+                first = await resp.content.readany()
+                if not first:
+                    raise UpstreamFailure("decode", d, "protocol",
+                                          detail="stream ended before any data")
+            except UPSTREAM_FAILURES as exc:
+                kind, detail = classify(exc)
+                f = UpstreamFailure("decode", d, kind, detail=detail)
+                return self._decode_failed(f, t)
+            except UpstreamFailure as f:
+                return self._decode_failed(f, t)
+            return await self._relay(request, turn, d, resp, first, t)
+        finally:
+            d.outstanding -= 1
+            if resp is not None:
+                resp.close()
+
+    def _decode_failed(self, f: UpstreamFailure, t: float) -> tuple[web.StreamResponse, str]:
+        self.metrics.observe_leg("decode", "error", time.perf_counter() - t)
+        if f.client_error:
+            return json_response(f.status or 400, f.body or error_body(
+                f"decode engine rejected the request: HTTP {f.status}",
+                "invalid_request_error")), "upstream_client_error"
+        if f.backend_down:
+            self.set_health(f.backend, False, f.detail or f"HTTP {f.status}")
+        raise f
+
+    async def _finish_json(self, turn: Turn, d: Backend, body: bytes, t: float
+                           ) -> web.Response:
+        collector = MessageCollector(turn.kind == CHAT) if turn.collects else None
+        if collector is not None or PARAMS_MARKER in body:
+            try:
+                obj = loads(body)
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict):
+                params = obj.pop(PARAMS, None)
+                if collector is not None:
+                    collector.feed_response(obj)
+                if isinstance(params, dict):
+                    await self._store_handle(turn, d, params, collector)
+                body = dumps(obj)
+        now = time.perf_counter()
+        self.metrics.observe_ttft(turn.kind, False, now - turn.t0)
+        self.metrics.observe_leg("decode", "ok", now - t)
+        return json_response(200, body, {"X-Request-Id": turn.rid})
+
+    async def _relay(self, request: web.Request, turn: Turn, d: Backend,
+                     resp: aiohttp.ClientResponse, first: bytes, t: float
+                     ) -> tuple[web.StreamResponse, str]:
+        collector = MessageCollector(turn.kind == CHAT) if turn.collects else None
+        filt = SSEFilter(collector)
+        out = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Request-Id": turn.rid,
+        })
+        done = False
+        try:
+            await out.prepare(request)
+            chunk = filt.feed(first)
+            stored = await self._maybe_store(turn, d, filt, collector, False)
+            if chunk:
+                await out.write(chunk)
+                done = chunk.endswith(DONE)
+            self.metrics.observe_ttft(turn.kind, True, time.perf_counter() - turn.t0)
+            while True:
+                try:
+                    data = await resp.content.readany()
+                except UPSTREAM_FAILURES as exc:
+                    kind, detail = classify(exc)
+                    self.metrics.observe_leg("decode", "error", time.perf_counter() - t)
+                    log.warning("decode stream broke (%s) rid=%s conv=%s decode=%s", detail,
+                                turn.rid, turn.conv, d.url)
+                    if kind == "connect":
+                        self.set_health(d, False, detail)
+                    await self._end_with_error(out, f"decode engine stream {detail}")
+                    return out, "stream_error"
+                chunk = filt.feed(data) if data else filt.finish()
+                # Stored before the client can see [DONE]: its next turn may come at once.
+                stored = await self._maybe_store(turn, d, filt, collector, stored)
+                if chunk:
+                    await out.write(chunk)
+                    done = done or chunk.endswith(DONE)
+                if not data:
+                    break
+        except ConnectionError:
+            # The client left; the finally of the caller closes D's stream.
+            log.debug("client disconnected rid=%s conv=%s", turn.rid, turn.conv)
+            return out, "cancelled"
+        if not done:
+            log.warning("decode stream ended without [DONE] rid=%s conv=%s decode=%s",
+                        turn.rid, turn.conv, d.url)
+            await self._end_with_error(out, "decode engine stream ended early")
+            return out, "stream_error"
+        self.metrics.observe_leg("decode", "ok", time.perf_counter() - t)
+        with contextlib.suppress(ConnectionError):
+            await out.write_eof()
+        return out, "ok"
+
+    async def _maybe_store(self, turn: Turn, d: Backend, filt: SSEFilter,
+                     collector: MessageCollector | None, stored: bool) -> bool:
+        if stored or filt.params is None:
+            return stored
+        await self._store_handle(turn, d, filt.params, collector)
+        return True
+
+    async def _end_with_error(self, out: web.StreamResponse, message: str) -> None:
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await out.write(error_event(message) + DONE)
+            await out.write_eof()
