@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from .roleconfig import ROLES
+from bidirkv.roleconfig import ROLES
 
 UNROUTABLE = {"", "0.0.0.0", "::", "[::]"}
 EXPECTED_KV_ROLES = {"prefill": {"kv_producer", "kv_both"}, "decode": {"kv_consumer", "kv_both"}}

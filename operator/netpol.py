@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bidirkv.connector.roleconfig import ENGINE_PORT, ROLES
+from bidirkv.roleconfig import ENGINE_PORT, ROLES
 
 from . import spec as api
 

@@ -11,7 +11,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from bidirkv.connector.roleconfig import ENGINE_PORT, ROLES, build_role_config, kv_fingerprint
+from bidirkv.roleconfig import (
+    ENGINE_PORT,
+    ROLES,
+    RoleConfigError,
+    build_role_config,
+    kv_fingerprint,
+)
 
 from . import spec as api
 from .crd import MAX_NAME_LENGTH
@@ -141,7 +147,10 @@ def engine_pod_template(
     owner: Owner, spec: api.DisaggregatedInferenceSpec, role: str
 ) -> dict[str, Any]:
     role_spec = getattr(spec, role)
-    rc = build_role_config(spec, role)
+    try:
+        rc = build_role_config(spec, role)
+    except RoleConfigError as exc:
+        raise api.SpecError(str(exc)) from None
     container: dict[str, Any] = {
         "name": "vllm",
         "image": spec.engine.image,

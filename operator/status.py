@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bidirkv.connector.roleconfig import ROLES, kv_fingerprint
+from bidirkv.roleconfig import ROLES, kv_fingerprint
 
 from . import spec as api
 from .render import Owner, child_name, router_url, selector_string

@@ -3,8 +3,8 @@ import json
 import pytest
 
 from bidirkv.connector.launcher import main, preflight_errors
-from bidirkv.connector.roleconfig import build_role_config
 from bidirkv.operator.spec import parse_spec
+from bidirkv.roleconfig import build_role_config
 
 
 def rendered(spec_dict, role):

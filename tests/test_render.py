@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from bidirkv.connector.roleconfig import build_role_config, kv_fingerprint
 from bidirkv.operator.render import render_resource
 from bidirkv.operator.spec import SpecError, parse_spec
+from bidirkv.roleconfig import build_role_config, kv_fingerprint
 from bidirkv.testing.schemas import KUBE_VERSIONS, schema_errors
 
 

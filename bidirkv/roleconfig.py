@@ -1,7 +1,10 @@
 """vLLM arguments, environment and kv-transfer config of one role, from a spec.
 
 The one place these are built: the operator puts them in pod templates and the local
-stack runs them as processes, so a laptop and a cluster get the same settings.
+stack runs them as processes, so a laptop and a cluster get the same settings. Owned by
+neither side: the operator and the engine side (connector/) import it, it imports
+neither (the spec's type is only named for the type checker), so dependencies run one
+way (tests/test_import_graph.py).
 """
 
 from __future__ import annotations
@@ -9,9 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from bidirkv.operator.spec import DisaggregatedInferenceSpec, SpecError
+if TYPE_CHECKING:
+    from bidirkv.operator.spec import DisaggregatedInferenceSpec
 
 ROLES = ("prefill", "decode")
 ENGINE_PORT = 8000
@@ -36,6 +40,11 @@ MANAGED_ARGS = (
 MANAGED_ENV_PREFIXES = (
     "VLLM_NIXL_SIDE_CHANNEL_", "FI_", "VLLM_PLUGINS", "BIDIRKV_HANDLE_KEY",
 )
+
+
+class RoleConfigError(ValueError):
+    """A spec this module cannot turn into a server's configuration (the message names
+    the field); the operator reports it as an invalid spec."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +112,7 @@ def build_role_config(spec: DisaggregatedInferenceSpec, role: str) -> RoleConfig
         raise ValueError(f"role {role!r}: must be one of {', '.join(ROLES)}")
     errors = extra_args_errors(spec)
     if errors:
-        raise SpecError("; ".join(errors))
+        raise RoleConfigError("; ".join(errors))
     role_spec = getattr(spec, role)
     kvt = kv_transfer_config(spec, role)
     args = [
