@@ -42,6 +42,21 @@ MANAGED_ENV_PREFIXES = (
 )
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a server listens and how peers reach it. In a pod: every address, the engine
+    port and, for NIXL's side channel, the pod IP (downward API); the local stack gives
+    each process the loopback address and ports of its own."""
+
+    bind_host: str = "0.0.0.0"
+    http_port: int = ENGINE_PORT
+    side_channel_host: str | None = None  # None: the pod IP
+    side_channel_port: int | None = None  # None: spec.kvTransfer.sideChannelPort
+
+
+POD = Placement()
+
+
 class RoleConfigError(ValueError):
     """A spec this module cannot turn into a server's configuration (the message names
     the field); the operator reports it as an invalid spec."""
@@ -107,7 +122,8 @@ def _env(name: str, value: str | dict[str, Any]) -> dict[str, Any]:
     return {"name": name, **(value if isinstance(value, dict) else {"value": value})}
 
 
-def build_role_config(spec: DisaggregatedInferenceSpec, role: str) -> RoleConfig:
+def build_role_config(spec: DisaggregatedInferenceSpec, role: str,
+                      placement: Placement = POD) -> RoleConfig:
     if role not in ROLES:
         raise ValueError(f"role {role!r}: must be one of {', '.join(ROLES)}")
     errors = extra_args_errors(spec)
@@ -118,8 +134,8 @@ def build_role_config(spec: DisaggregatedInferenceSpec, role: str) -> RoleConfig
     args = [
         "--model", spec.model.name,
         "--served-model-name", spec.model.served_name or spec.model.name,
-        "--host", "0.0.0.0",
-        "--port", str(ENGINE_PORT),
+        "--host", placement.bind_host,
+        "--port", str(placement.http_port),
         "--tensor-parallel-size", str(role_spec.tensor_parallel_size),
         "--dtype", spec.model.dtype,
     ]
@@ -132,9 +148,10 @@ def build_role_config(spec: DisaggregatedInferenceSpec, role: str) -> RoleConfig
     args += ["--kv-transfer-config", json.dumps(kvt, sort_keys=True, separators=(",", ":"))]
     args += list(spec.engine.extra_args)
 
+    nixl_port = placement.side_channel_port or spec.kv_transfer.side_channel_port
     env = [
-        _env("VLLM_NIXL_SIDE_CHANNEL_HOST", POD_IP),
-        _env("VLLM_NIXL_SIDE_CHANNEL_PORT", str(spec.kv_transfer.side_channel_port)),
+        _env("VLLM_NIXL_SIDE_CHANNEL_HOST", placement.side_channel_host or POD_IP),
+        _env("VLLM_NIXL_SIDE_CHANNEL_PORT", str(nixl_port)),
         _env("BIDIRKV_ROLE", role),
         # Endpoint plugins load only when named here; the general plugin is named too, as
         # the list is an allowlist for every plugin group.
@@ -162,7 +179,7 @@ def build_role_config(spec: DisaggregatedInferenceSpec, role: str) -> RoleConfig
         args=args,
         env=env,
         kv_transfer_config=kvt,
-        ports={"http": ENGINE_PORT, "nixl": spec.kv_transfer.side_channel_port},
+        ports={"http": placement.http_port, "nixl": nixl_port},
     )
 
 

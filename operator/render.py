@@ -13,7 +13,9 @@ from typing import Any
 
 from bidirkv.roleconfig import (
     ENGINE_PORT,
+    POD,
     ROLES,
+    Placement,
     RoleConfigError,
     build_role_config,
     kv_fingerprint,
@@ -144,11 +146,11 @@ def _http_probe(path: str, period: int, failures: int, timeout: int) -> dict[str
 
 
 def engine_pod_template(
-    owner: Owner, spec: api.DisaggregatedInferenceSpec, role: str
+    owner: Owner, spec: api.DisaggregatedInferenceSpec, role: str, placement: Placement = POD
 ) -> dict[str, Any]:
     role_spec = getattr(spec, role)
     try:
-        rc = build_role_config(spec, role)
+        rc = build_role_config(spec, role, placement)
     except RoleConfigError as exc:
         raise api.SpecError(str(exc)) from None
     container: dict[str, Any] = {
@@ -208,7 +210,7 @@ def engine_pod_template(
 
 
 def engine_statefulset(
-    owner: Owner, spec: api.DisaggregatedInferenceSpec, role: str
+    owner: Owner, spec: api.DisaggregatedInferenceSpec, role: str, placement: Placement = POD
 ) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
@@ -220,7 +222,7 @@ def engine_statefulset(
             # Engines load independently; ordered start would serialise model loads.
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector_labels(owner, role)},
-            "template": engine_pod_template(owner, spec, role),
+            "template": engine_pod_template(owner, spec, role, placement),
         },
     }
 
@@ -295,18 +297,28 @@ def _store_password_env(spec: api.DisaggregatedInferenceSpec) -> list[dict[str, 
              "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
 
 
-def router_deployment(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dict[str, Any]:
+@dataclass(frozen=True)
+class RouterPlacement:
+    """Where the router reads its config and listens (the local stack gives its own)."""
+
+    config_path: str = f"{ROUTER_CONFIG_DIR}/{ROUTER_CONFIG_KEY}"
+    bind_host: str = "0.0.0.0"
+    port: int = ROUTER_CONTAINER_PORT
+
+
+def router_deployment(owner: Owner, spec: api.DisaggregatedInferenceSpec,
+                      placement: RouterPlacement = RouterPlacement()) -> dict[str, Any]:
     container = {
         "name": "router",
         "image": spec.router.image,
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["bidir-kv", "router"],
         "args": [
-            "--config", f"{ROUTER_CONFIG_DIR}/{ROUTER_CONFIG_KEY}",
-            "--host", "0.0.0.0",
-            "--port", str(ROUTER_CONTAINER_PORT),
+            "--config", placement.config_path,
+            "--host", placement.bind_host,
+            "--port", str(placement.port),
         ],
-        "ports": [{"name": "http", "containerPort": ROUTER_CONTAINER_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": placement.port, "protocol": "TCP"}],
         # The key signs the router's proof on decode legs (bidirkv/proof.py).
         "env": key_env(owner.name) + _store_password_env(spec),
         "readinessProbe": _http_probe("/ready", 5, 2, 3),

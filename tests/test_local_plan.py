@@ -173,3 +173,21 @@ def test_process_env_keeps_the_host_but_not_its_engine_variables():
     assert env == {"PATH": "/bin", "HOME": "/root", "UCX_TLS": "tcp,self,sm",
                    "BIDIRKV_ROLE": "prefill"}
     assert all(k.startswith(ENGINE_ENV_PREFIXES) for k in set(base) - set(env))
+
+
+def test_local_addresses_come_from_render_itself(spec, tmp_path):
+    """The local stack runs render's output for a local placement, unedited."""
+    from bidirkv.local.engines import LocalPorts, rendered_container
+
+    plan = plan_stack(spec, [9000, 9001, 9002, 9003, 9004], tmp_path)
+    for server in plan.engines:
+        c = rendered_container(spec, server.role, LocalPorts(server.http_port,
+                                                             server.nixl_port))
+        assert server.argv[len(c["command"]):] == c["args"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+        assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(server.nixl_port)
+        assert c["ports"] == [{"name": "http", "containerPort": server.http_port,
+                               "protocol": "TCP"},
+                              {"name": "nixl", "containerPort": server.nixl_port,
+                               "protocol": "TCP"}]

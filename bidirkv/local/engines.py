@@ -1,8 +1,9 @@
 """The engine containers the operator renders, as local processes.
 
-The container's command, args and env come from the same render as a cluster's pods;
-only what a pod gets from Kubernetes is mapped: the pod IP becomes 127.0.0.1 and each
-server gets its own HTTP and NIXL side-channel port, since all share one host.
+The container's command, args and env come from the same render as a cluster's pods,
+given a local placement (render's own parameter): the loopback address and each
+server's own HTTP and NIXL side-channel ports, since all share one host. What a pod
+gets from Kubernetes at run time (a Secret) is mapped here.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from bidirkv.operator.handlekey import CURRENT, new_key, secret_name
 from bidirkv.operator.render import Owner, engine_statefulset, router_config
 from bidirkv.operator.spec import DisaggregatedInferenceSpec
+from bidirkv.roleconfig import POD, Placement
 
 LOOPBACK = "127.0.0.1"
 LOCAL_OWNER = Owner(name="local", namespace="local", uid="local")
@@ -36,30 +38,26 @@ class LocalPorts:
     nixl: int
 
 
-def rendered_container(spec: DisaggregatedInferenceSpec, role: str) -> dict[str, Any]:
-    sts = engine_statefulset(LOCAL_OWNER, spec, role)
+def placement(ports: LocalPorts) -> Placement:
+    return Placement(bind_host=LOOPBACK, http_port=ports.http, side_channel_host=LOOPBACK,
+                     side_channel_port=ports.nixl)
+
+
+def rendered_container(spec: DisaggregatedInferenceSpec, role: str,
+                       ports: LocalPorts | None = None) -> dict[str, Any]:
+    """The engine container as rendered for a pod, or (with `ports`) for this machine."""
+    sts = engine_statefulset(LOCAL_OWNER, spec, role,
+                             placement(ports) if ports is not None else POD)
     return sts["spec"]["template"]["spec"]["containers"][0]
 
 
-def _local_args(args: list[str], ports: LocalPorts) -> list[str]:
-    out = list(args)
-    for flag, value in (("--host", LOOPBACK), ("--port", str(ports.http))):
-        out[out.index(flag) + 1] = value
-    return out
-
-
-def local_env(env: list[dict[str, Any]], secrets: LocalSecrets,
-              ports: LocalPorts | None = None) -> dict[str, str]:
-    """A container's env for a local process: the pod IP is the loopback address and
-    secretKeyRef reads `secrets`."""
+def local_env(env: list[dict[str, Any]], secrets: LocalSecrets) -> dict[str, str]:
+    """A container's env for a local process: secretKeyRef reads `secrets`."""
     out: dict[str, str] = {}
     for var in env:
         source = var.get("valueFrom") or {}
-        ref = source.get("fieldRef", {}).get("fieldPath")
         secret = source.get("secretKeyRef")
-        if ref == "status.podIP":
-            out[var["name"]] = LOOPBACK
-        elif "value" in var:
+        if "value" in var:
             out[var["name"]] = var["value"]
         elif secret is not None:
             value = secrets.get(secret.get("name"), {}).get(secret.get("key"))
@@ -70,8 +68,6 @@ def local_env(env: list[dict[str, Any]], secrets: LocalSecrets,
                                  f"{secret.get('name')} key {secret.get('key')}")
         else:
             raise ValueError(f"env {var['name']}: cannot map {var} to a local process")
-    if ports is not None:
-        out["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports.nixl)
     return out
 
 
@@ -85,11 +81,11 @@ def engine_process(
     spec: DisaggregatedInferenceSpec, role: str, ports: LocalPorts, secrets: LocalSecrets
 ) -> tuple[list[str], dict[str, str]]:
     """argv and environment additions that run one rendered engine container locally."""
-    c = rendered_container(spec, role)
+    c = rendered_container(spec, role, ports)
     command = list(c["command"])
     if command[0] == "bidir-kv":
         command[0] = bidirkv_command()
-    return command + _local_args(c["args"], ports), local_env(c["env"], secrets, ports)
+    return command + c["args"], local_env(c["env"], secrets)
 
 
 def local_router_config(

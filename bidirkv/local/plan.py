@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from bidirkv.operator.render import router_deployment
+from bidirkv.operator.render import RouterPlacement, router_deployment
 from bidirkv.operator.spec import KIND, DisaggregatedInferenceSpec, SpecError, parse_spec
 
 from .engines import (
@@ -142,17 +142,14 @@ def ports_needed(spec: DisaggregatedInferenceSpec) -> list[str]:
 
 def router_process(config_path: pathlib.Path, port: int, spec: DisaggregatedInferenceSpec,
                    secrets: LocalSecrets) -> tuple[list[str], dict[str, str]]:
-    """The rendered router container's command and env, with its ConfigMap file, port and
-    Secret mapped."""
-    c = router_deployment(LOCAL_OWNER, spec)["spec"]["template"]["spec"]["containers"][0]
+    """The router container rendered for this machine (its config file, the loopback
+    address, its own port) as a command and env."""
+    where = RouterPlacement(config_path=str(config_path), bind_host=LOOPBACK, port=port)
+    c = router_deployment(LOCAL_OWNER, spec, where)["spec"]["template"]["spec"]["containers"][0]
     command = list(c["command"])
     if command[0] == "bidir-kv":
         command[0] = _bidirkv_command()
-    args = list(c["args"])
-    for flag, value in (("--config", str(config_path)), ("--host", LOOPBACK),
-                        ("--port", str(port))):
-        args[args.index(flag) + 1] = value
-    return command + args, local_env(c.get("env", []), secrets)
+    return command + list(c["args"]), local_env(c.get("env", []), secrets)
 
 
 def plan_stack(spec: DisaggregatedInferenceSpec, ports: list[int],
