@@ -19,7 +19,7 @@ from bidirkv.proof import make_proof
 
 from .backends import PREFILL, Backend
 from .codec import dumps, loads
-from .reuse import reuse_report
+from .reusereport import reuse_report
 from .selection import least_outstanding
 from .sse import DONE, PARAMS, MessageCollector, SSEFilter, error_event
 from .upstream import (

@@ -1,11 +1,14 @@
 """Decode handles: D's `kv_transfer_params` kept per conversation until the next turn.
 
 A handle points at blocks D pins for `decoder_kv_blocks_ttl`; it is worth something only
-until then, and only once (P's read frees them on D). So the store is a TTL + LRU map
-with a reservation step: `lookup` reserves an entry for one request, which then either
-`consume`s it (P read it), `discard`s it (the read failed; the blocks are in an unknown
-state) or `release`s it (P was never asked). A reserved entry is invisible to other
-lookups, so two concurrent turns of one conversation never send the same handle twice.
+until then, and only once (P's read frees them on D). So the store is a TTL map bounded
+by evicting the oldest stored entry first (a conversation's entry is replaced by every
+turn, so "oldest stored" is "least recently active"; a lookup does not refresh it, as a
+hit is spent at once), with a reservation step: `lookup` reserves an entry for one
+request, which then either `consume`s it (P read it), `discard`s it (the read failed;
+the blocks are in an unknown state) or `release`s it (P was never asked). A reserved
+entry is invisible to other lookups, so two concurrent turns of one conversation never
+send the same handle twice.
 
 Params are stored as compact JSON bytes, not dicts: block id lists of big ints cost ~36
 bytes per id as Python objects, ~5 as text, and 100k handles must fit in a small pod.

@@ -1,4 +1,5 @@
 """What P says about a reuse turn: the hook where reuse accounting reads P's reply.
+(P's side of a reuse turn, which writes this report, is connector/reuse.py.)
 
 P's answer may carry a report, written by the connector plugin into P's
 `kv_transfer_params` (or at the top level of P's body) as
