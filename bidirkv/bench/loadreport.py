@@ -101,7 +101,7 @@ def comparison_text(docs: Mapping[str, Mapping[str, Any]]) -> str:
 def ttft_over_time_plot(docs: Mapping[str, Mapping[str, Any]], path: pathlib.Path,
                         title: str) -> pathlib.Path:
     """Each request's TTFT at the time it was sent, one series per run; failures as x."""
-    from .plots import _pyplot
+    from .plots import _pyplot, save
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -120,8 +120,4 @@ def ttft_over_time_plot(docs: Mapping[str, Mapping[str, Any]], path: pathlib.Pat
     ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(plt, fig, path)

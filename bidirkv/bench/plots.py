@@ -21,6 +21,15 @@ def _pyplot():
     return plt
 
 
+def save(plt, fig, path: pathlib.Path) -> pathlib.Path:
+    """Lay out, write (creating the folder) and close a figure."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _ms(v: float | None) -> float:
     return (v or 0.0) * 1000
 
@@ -43,11 +52,7 @@ def ttft_plot(rows: Sequence[Mapping[str, Any]], path: pathlib.Path, title: str)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(plt, fig, path)
 
 
 def prefill_plot(rows: Sequence[Mapping[str, Any]], path: pathlib.Path, title: str
@@ -83,8 +88,4 @@ def prefill_plot(rows: Sequence[Mapping[str, Any]], path: pathlib.Path, title: s
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(plt, fig, path)
