@@ -32,6 +32,7 @@ import functools
 import itertools
 import logging
 import threading
+import time
 from typing import Any
 
 from . import lease
@@ -153,8 +154,6 @@ def _schedule(orig):
 
 
 def _yield(sched: Any, res: Residency) -> None:
-    import time
-
     now = time.monotonic()
     if now >= sched.__dict__.get("_bidirkv_owner_check", 0.0):
         sched.__dict__["_bidirkv_owner_check"] = now + OWNER_CHECK_S

@@ -68,12 +68,17 @@ class Residency:
     grants: int = 0
     refusals: Counter = field(default_factory=Counter)  # reason -> grants refused
     _pending: list[str] = field(default_factory=list)
+    # Running totals: the scheduler reads them before every step, so no step walks
+    # `held`. Kept = held or granted (pinned until something frees them).
+    _kept: int = 0
+    _releasing: int = 0
 
     # -- engine thread: lifecycle ---------------------------------------------------------
     def retain(self, req_id: str, blocks: int, owner: str | None, deadline: float) -> None:
         now = self.clock()
         with self.lock:
             self.held[req_id] = Held(req_id, blocks, owner, deadline)
+            self._kept += blocks
             if owner is not None and owner not in self.owners:
                 self.owners[owner] = now + self.owner_lease_s
 
@@ -85,11 +90,11 @@ class Residency:
                 if h is None:
                     continue
                 if h.state == RELEASING:
+                    self._releasing -= h.blocks
                     self.freed["released"] += 1
-                elif h.state == GRANTED:
-                    self.freed["read"] += 1
                 else:
-                    self.freed["expired"] += 1
+                    self._kept -= h.blocks
+                    self.freed["read" if h.state == GRANTED else "expired"] += 1
 
     def take_pending(self) -> list[str]:
         """Releases decided since the last call, for vLLM to free now."""
@@ -103,6 +108,8 @@ class Residency:
         if h.state != HELD:
             return 0
         h.state, h.cause = RELEASING, cause
+        self._kept -= h.blocks
+        self._releasing += h.blocks
         self.released[cause] += 1
         self._pending.append(h.req_id)
         return h.blocks
@@ -168,10 +175,10 @@ class Residency:
     # -- views -----------------------------------------------------------------------------
     def kept_blocks(self) -> int:
         """Blocks held or granted: what retention pins until something frees it."""
-        return sum(h.blocks for h in self.held.values() if h.state != RELEASING)
+        return self._kept
 
     def releasing_blocks(self) -> int:
-        return sum(h.blocks for h in self.held.values() if h.state == RELEASING)
+        return self._releasing
 
     def stats(self) -> dict:
         with self.lock:

@@ -92,6 +92,7 @@ def test_freed_requests_are_counted_by_how_they_went():
     st = res.stats()
     assert st["freed"] == {"read": 1, "released": 1, "expired": 1}
     assert st["retainedRequests"] == 0
+    assert res.kept_blocks() == res.releasing_blocks() == 0  # the running totals agree
 
 
 def test_a_grant_and_a_release_race_one_wins():
