@@ -1,10 +1,14 @@
 import copy
 import pathlib
+import sys
 
 import pytest
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parent
+# The test API server (tests/kubeapi) is test code, not part of the product package; the
+# e2e suites and benchmarks import it as `kubeapi`.
+sys.path.insert(0, str(ROOT / "tests"))
 
 
 @pytest.fixture

@@ -21,9 +21,10 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# The test API server lives with the tests (tests/kubeapi), outside the product package.
+sys.path.insert(0, str(ROOT / "tests"))
 
-from bidirkv.testing.operatorenv import api_server, di_path, running_operator  # noqa: E402
+from kubeapi.operatorenv import api_server, di_path, running_operator  # noqa: E402
 
 CHILDREN = 9
 

@@ -42,12 +42,24 @@ def step(text: str) -> None:
     print(f"\n==> {text}", flush=True)
 
 
+def _use_test_api_server() -> None:
+    """The control-plane phase runs the operator against the repository's test API server
+    (tests/kubeapi), which the installed package does not carry."""
+    tests = pathlib.Path(__file__).resolve().parents[1] / "tests"
+    if not (tests / "kubeapi").is_dir():
+        raise SystemExit("the demo runs from a clone of the repository: its control-plane "
+                         f"phase needs the test API server in {tests / 'kubeapi'}")
+    if str(tests) not in sys.path:
+        sys.path.insert(0, str(tests))
+
+
 # -- 1. control plane --------------------------------------------------------------------
 async def control_plane(spec_path: pathlib.Path) -> None:
     import yaml
 
     from bidirkv.operator import printer
-    from bidirkv.testing.operatorenv import (
+    _use_test_api_server()
+    from kubeapi.operatorenv import (
         api_server,
         di_path,
         eventually,

@@ -40,8 +40,8 @@ from bidirkv.operator.controller import Controller
 from bidirkv.operator.crd import build_crd
 from bidirkv.operator.kube import KubeClient
 from bidirkv.operator.main import load_configuration, operator_options, run_operator
-from bidirkv.testing.kubeapi import KubeAPIServer, Request, running_kubeapi
-from bidirkv.testing.kubepatch import MERGE_PATCH
+from kubeapi.patch import MERGE_PATCH
+from kubeapi.server import KubeAPIServer, Request, running_kubeapi
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "bidir-kv"

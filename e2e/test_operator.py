@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from bidirkv.operator.kube import KINDS, ApiError
-from bidirkv.testing.operatorenv import api_server, di_path, eventually, resource, running_operator
-from bidirkv.testing.schemas import KUBE_VERSIONS, schema_errors
+from kubeapi.operatorenv import api_server, di_path, eventually, resource, running_operator
+from kubeapi.schemas import KUBE_VERSIONS, schema_errors
 
 CHILDREN = [
     ("Service", "prefill"), ("StatefulSet", "prefill"), ("PodDisruptionBudget", "prefill"),

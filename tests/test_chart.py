@@ -22,9 +22,9 @@ from bidirkv.cli import main as cli_main
 from bidirkv.operator.crd import build_crd, crd_yaml
 from bidirkv.operator.main import resolve_priority
 from bidirkv.operator.render import render_resource
-from bidirkv.testing.crdschema import validate_crd, validate_custom_resource
-from bidirkv.testing.kubeapi import running_kubeapi
-from bidirkv.testing.schemas import KUBE_VERSIONS, schema_errors
+from kubeapi.crdschema import validate_crd, validate_custom_resource
+from kubeapi.schemas import KUBE_VERSIONS, schema_errors
+from kubeapi.server import running_kubeapi
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "bidir-kv"

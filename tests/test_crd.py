@@ -122,7 +122,7 @@ BAD_SPECS = [
 
 
 def _crd_validate(spec, name="x"):
-    from bidirkv.testing.crdschema import validate_custom_resource
+    from kubeapi.crdschema import validate_custom_resource
 
     obj = {"apiVersion": "bidirkv.io/v1alpha1", "kind": "DisaggregatedInference",
            "metadata": {"name": name, "namespace": "default"}, "spec": spec}
@@ -160,6 +160,6 @@ def test_crd_refuses_a_long_name():
 
 
 def test_crd_rules_compile():
-    from bidirkv.testing.crdschema import validate_crd
+    from kubeapi.crdschema import validate_crd
 
     assert validate_crd(build_crd()) == []

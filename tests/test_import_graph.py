@@ -101,3 +101,19 @@ def test_no_cycle_between_the_packages():
     for node in sorted(g):
         if node not in seen:
             walk(node, [])
+
+
+def test_the_test_api_server_is_not_in_the_product():
+    """tests/kubeapi is test code: no product module imports it at module level, and the
+    package list of the wheel does not name it (`make demo` borrows it from the clone)."""
+    import tomllib
+
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]
+    assert not [p for p in packages if "testing" in p or "kubeapi" in p]
+    for name, path in modules().items():
+        top = [n for n in ast.parse(path.read_text()).body
+               if isinstance(n, ast.Import | ast.ImportFrom)]
+        mods = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
+        mods |= {n.module or "" for n in top if isinstance(n, ast.ImportFrom)}
+        assert not any(m.split(".")[0] == "kubeapi" for m in mods), name

@@ -17,9 +17,9 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from bidirkv.testing.crdschema import validate_custom_resource
-from bidirkv.testing.kubeapi import KubeAPIServer, Request, running_kubeapi
-from bidirkv.testing.kubepatch import strategic_merge_patch
+from kubeapi.crdschema import validate_custom_resource
+from kubeapi.patch import strategic_merge_patch
+from kubeapi.server import KubeAPIServer, Request, running_kubeapi
 
 GROUP, VERSION, PLURAL, KIND = "testing.bidirkv.io", "v1", "widgets", "Widget"
 

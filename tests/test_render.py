@@ -6,7 +6,7 @@ import pytest
 from bidirkv.operator.render import render_resource
 from bidirkv.operator.spec import SpecError, parse_spec
 from bidirkv.roleconfig import build_role_config, kv_fingerprint
-from bidirkv.testing.schemas import KUBE_VERSIONS, schema_errors
+from kubeapi.schemas import KUBE_VERSIONS, schema_errors
 
 
 def by_kind_name(objs):

@@ -38,7 +38,7 @@ from bidirkv.operator.crd import build_crd
 from bidirkv.operator.kube import ApiError
 from bidirkv.operator.kube import request as api_request
 from bidirkv.operator.render import render_resource
-from bidirkv.testing.crdschema import validate_custom_resource
+from kubeapi.crdschema import validate_custom_resource
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "bidir-kv"
