@@ -172,8 +172,8 @@ def build_role_config(spec: DisaggregatedInferenceSpec, role: str,
             _env("FI_EFA_USE_HUGE_PAGE", "1" if spec.efa.hugepages_2mi else "0"),
         ]
     # Role entries come last so they win over engine-wide ones of the same name.
-    extra = {e.name: e.value for e in [*spec.engine.extra_env, *role_spec.extra_env]}
-    env += [_env(name, value) for name, value in extra.items()]
+    extra = {e.name: e.as_env() for e in [*spec.engine.extra_env, *role_spec.extra_env]}
+    env += list(extra.values())
     return RoleConfig(
         role=role,
         args=args,

@@ -40,10 +40,21 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
         branches = [b for b in any_of if b.get("type") != "null"]
         types = {b.get("type") for b in branches}
         if len(branches) == 1:
-            node = {**_structural(branches[0], defs), **node}
-        elif types == {"integer", "string"}:
-            # Kubernetes quantities: int-or-string; the pattern is checked by the operator.
+            # The branch is structural already; processing it again would lose the optional
+            # markers of its own fields.
+            outer = {k: v for k, v in node.items() if k not in _DROP}
+            node = {**_structural(branches[0], defs), **outer}
+            if node.get("default", 0) is None:
+                del node["default"]
+                node[_OPTIONAL] = True
+            return node
+        if types == {"integer", "string"}:
+            # Kubernetes quantities: int-or-string, the string form with the API server's
+            # own quantity grammar (the pattern applies to strings only).
             node["x-kubernetes-int-or-string"] = True
+            pattern = next((b["pattern"] for b in branches if "pattern" in b), None)
+            if pattern:
+                node["pattern"] = pattern
         else:
             raise ValueError(f"cannot express anyOf {any_of} in a structural schema")
         if node.get("default", 0) is None:
@@ -79,8 +90,6 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             ):
                 prop["default"] = {}
             prop.pop(_OPTIONAL, None)
-    if "pattern" in out and out.get("x-kubernetes-int-or-string"):
-        del out["pattern"]
     return out
 
 

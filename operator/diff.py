@@ -1,8 +1,9 @@
 """Compare a rendered child with what the API server holds, and build the replacement.
 
 The API server adds defaults and allocated values (clusterIP, nodePorts, defaulted
-probe fields, ...) to what we wrote, so "unchanged" means: every field we render is
-present with the same value. Anything else (a hand edit, a knob change) is replaced.
+probe fields, ...) to what we wrote, canonicalises quantities and drops empty values, so
+"unchanged" means: every field we render is present with the same value as the server
+keeps it. Anything else (a hand edit, a knob change) is replaced.
 """
 
 from __future__ import annotations
@@ -10,32 +11,55 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from kubernetes.utils import parse_quantity
+
 # Service fields the API server allocates; a replace without them would reallocate
 # (or be refused, clusterIP being immutable).
 _SERVICE_ALLOCATED = ("clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy",
                       "healthCheckNodePort")
 
 
-def _scalar_equal(want: Any, have: Any) -> bool:
-    if want == have and type(want) is type(have):
-        return True
-    # Quantities written as numbers come back as strings ("16" for 16).
-    if isinstance(want, int | float) and not isinstance(want, bool) and isinstance(have, str):
-        return str(want) == have
-    return False
+# Fields whose values are quantities: the API server stores them canonicalised ("0.5" ->
+# "500m", "1024Mi" -> "1Gi"), so they are compared by value. Maps of quantities by their
+# field name, single quantities by theirs.
+_QUANTITY_MAPS = ("requests", "limits", "overhead")
+_QUANTITY_FIELDS = ("sizeLimit",)
 
 
-def is_subset(want: Any, have: Any) -> bool:
-    """True when every field of `want` is in `have` with an equal value (lists pairwise)."""
+def _quantity_equal(want: Any, have: Any) -> bool:
+    try:
+        return parse_quantity(want) == parse_quantity(have)
+    except (ValueError, TypeError, ArithmeticError):
+        return False
+
+
+def _zero(value: Any) -> bool:
+    # Go's omitempty drops these on the way out: absent on the server means "as written".
+    return value is None or value == "" or value is False or value == [] or value == {}
+
+
+def is_subset(want: Any, have: Any, key: str = "") -> bool:
+    """True when every field of `want` is in `have` with an equal value (lists pairwise),
+    where equal is what the API server keeps: quantities by value, zero values may be
+    absent. `key` is the field `want` is the value of."""
     if isinstance(want, dict):
         if not isinstance(have, dict):
             return False
-        return all(k in have and is_subset(v, have[k]) for k, v in want.items())
+        in_map = key in _QUANTITY_MAPS
+        return all(_field_matches(k, v, have, in_map) for k, v in want.items())
     if isinstance(want, list):
         if not isinstance(have, list) or len(want) != len(have):
             return False
         return all(is_subset(w, h) for w, h in zip(want, have, strict=True))
-    return _scalar_equal(want, have)
+    return want == have and type(want) is type(have)
+
+
+def _field_matches(k: str, v: Any, have: dict[str, Any], in_quantity_map: bool) -> bool:
+    if k not in have:
+        return _zero(v)
+    if (in_quantity_map or k in _QUANTITY_FIELDS) and not isinstance(v, dict | list | bool):
+        return _quantity_equal(v, have[k])
+    return is_subset(v, have[k], k)
 
 
 def differs(desired: dict[str, Any], actual: dict[str, Any]) -> bool:

@@ -87,8 +87,25 @@ GOOD_SPECS = [
      "prefill": {"efaDevices": 2, "resources": {"requests": {"memory": "1Gi"}}},
      "decode": {"efaDevices": 8, "resources": {"requests": {"cpu": 4}},
                 "tolerations": [{"key": "gpu", "operator": "Exists"}]}},
+    # An optional object inside an optional object stays absent (no `{}` default that
+    # would then miss its required fields).
+    {"model": {"name": "m"}, "router": {"handleStore": {"url": "redis://v:6379/0"}}},
+    {"model": {"name": "m"},
+     "engine": {"modelCache": {"hostPath": {"path": "/nvme"}},
+                "extraEnv": [{"name": "HF_TOKEN",
+                              "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}}],
+                "imagePullSecrets": [{"name": "ecr"}], "podLabels": {"team": "ml"},
+                "extraVolumes": [{"name": "x", "emptyDir": {"medium": "Memory"}}],
+                "extraVolumeMounts": [{"name": "x", "mountPath": "/x"}]},
+     "decode": {"modelCache": {"emptyDir": {"sizeLimit": "1e11"}},
+                "resources": {"requests": {"memory": ".5Gi", "cpu": "+1"}}}},
 ]
 BAD_SPECS = [
+    {"model": {"name": "m"}, "engine": {"modelCache": {"hostPath": {"path": "/a"},
+                                                       "emptyDir": {}}}},
+    {"model": {"name": "m"}, "decode": {"modelCache": {"mountPath": "/m"}}},
+    {"model": {"name": "m"}, "engine": {"modelCache": {"emptyDir": {"sizeLimit": "1K"}}}},
+    {"model": {"name": "m"}, "prefill": {"resources": {"requests": {"cpu": "1_000"}}}},
     {},
     {"model": {"name": ""}},
     {"model": {"name": "m", "dtype": "fp8"}},

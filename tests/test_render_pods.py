@@ -1,0 +1,184 @@
+"""Deployable models: model cache, env from Secrets, volumes and pod-level settings; and
+quantities as Kubernetes reads them."""
+
+import copy
+
+import pytest
+
+from bidirkv.operator.render import render_resource
+from bidirkv.operator.spec import SpecError, parse_spec
+from kubeapi.crdschema import validate_custom_resource
+from kubeapi.schemas import KUBE_VERSIONS, schema_errors
+
+
+def sts(objs, role):
+    return next(o for o in objs if o["kind"] == "StatefulSet"
+                and o["metadata"]["name"].endswith(role))
+
+
+def pod(objs, role):
+    return sts(objs, role)["spec"]["template"]
+
+
+def with_spec(doc, **engine):
+    doc = copy.deepcopy(doc)
+    doc["spec"].setdefault("engine", {}).update(engine)
+    return doc
+
+
+CACHES = [
+    ({"persistentVolumeClaim": {"claimName": "models"}},
+     {"persistentVolumeClaim": {"claimName": "models"}}),
+    ({"hostPath": {"path": "/opt/dlami/nvme/hf"}},
+     {"hostPath": {"path": "/opt/dlami/nvme/hf", "type": "DirectoryOrCreate"}}),
+    ({"emptyDir": {"sizeLimit": "200Gi"}, "mountPath": "/cache"},
+     {"emptyDir": {"sizeLimit": "200Gi"}}),
+]
+
+
+@pytest.mark.parametrize(("cache", "volume"), CACHES)
+def test_the_model_cache_is_mounted_where_vllm_downloads(minimal, cache, volume):
+    objs = render_resource(with_spec(minimal, modelCache=cache))
+    for role in ("prefill", "decode"):
+        spec = pod(objs, role)["spec"]
+        (vol,) = [v for v in spec["volumes"] if v["name"] == "model-cache"]
+        assert {k: v for k, v in vol.items() if k != "name"} == volume
+        c = spec["containers"][0]
+        path = cache.get("mountPath", "/root/.cache/huggingface")
+        assert {"name": "model-cache", "mountPath": path} in c["volumeMounts"]
+        assert {"name": "HF_HOME", "value": path} in c["env"]
+    for version in KUBE_VERSIONS:
+        for obj in objs:
+            assert schema_errors(obj, version) == []
+
+
+def test_a_role_cache_replaces_the_shared_one(minimal):
+    doc = with_spec(minimal, modelCache={"persistentVolumeClaim": {"claimName": "shared"}})
+    doc["spec"]["decode"] = {"modelCache": {"hostPath": {"path": "/nvme"}}}
+    objs = render_resource(doc)
+    volumes = {r: {v["name"]: v for v in pod(objs, r)["spec"]["volumes"]}
+               for r in ("prefill", "decode")}
+    assert volumes["prefill"]["model-cache"]["persistentVolumeClaim"]["claimName"] == "shared"
+    assert volumes["decode"]["model-cache"]["hostPath"]["path"] == "/nvme"
+
+
+def test_secrets_volumes_and_pod_settings_reach_the_engine_pods(example):
+    doc = with_spec(
+        example,
+        envFrom=[{"configMapRef": {"name": "vllm-tuning"}}],
+        imagePullSecrets=[{"name": "ecr"}],
+        serviceAccountName="vllm",
+        priorityClassName="inference-high",
+        podLabels={"team": "ml"},
+        podAnnotations={"prometheus.io/scrape": "true"},
+        extraVolumes=[{"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx-claim"}}],
+        extraVolumeMounts=[{"name": "fsx", "mountPath": "/fsx", "readOnly": True}],
+    )
+    objs = render_resource(doc)
+    template = pod(objs, "decode")
+    spec, c = template["spec"], template["spec"]["containers"][0]
+    hf = next(e for e in c["env"] if e["name"] == "HF_TOKEN")
+    assert hf == {"name": "HF_TOKEN",
+                  "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}
+    assert c["envFrom"] == [{"configMapRef": {"name": "vllm-tuning"}}]
+    assert spec["imagePullSecrets"] == [{"name": "ecr"}]
+    assert spec["serviceAccountName"] == "vllm" and spec["automountServiceAccountToken"] is False
+    assert spec["priorityClassName"] == "inference-high"
+    assert spec["terminationGracePeriodSeconds"] == 120
+    assert spec["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
+    assert "topologySpreadConstraints" not in pod(objs, "prefill")["spec"]
+    assert template["metadata"]["labels"]["team"] == "ml"
+    assert template["metadata"]["labels"]["app.kubernetes.io/component"] == "decode"
+    assert template["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert {"name": "fsx", "mountPath": "/fsx", "readOnly": True} in c["volumeMounts"]
+    for version in KUBE_VERSIONS:
+        for obj in objs:
+            assert schema_errors(obj, version) == []
+
+
+def test_existing_children_do_not_roll_when_the_new_fields_are_unset(minimal):
+    # The config hash of a spec without the new fields is what earlier versions wrote.
+    objs = render_resource(minimal)
+    ann = pod(objs, "decode")["metadata"]["annotations"]
+    assert list(ann) == ["bidirkv.io/config-hash"]
+    assert [v["name"] for v in pod(objs, "decode")["spec"]["volumes"]] == ["shm"]
+
+
+BAD = [
+    ({"modelCache": {"hostPath": {"path": "/a"}, "emptyDir": {}}},
+     "spec.engine.modelCache", "exactly one of persistentVolumeClaim, hostPath, emptyDir"),
+    ({"modelCache": {}}, "spec.engine.modelCache", "exactly one"),
+    ({"modelCache": {"hostPath": {"path": "relative"}}}, "spec.engine.modelCache.hostPath.path",
+     "pattern"),
+    ({"extraEnv": [{"name": "HF_TOKEN", "value": "x",
+                    "valueFrom": {"secretKeyRef": {"name": "a", "key": "b"}}}]},
+     "spec.engine.extraEnv.0", "not both"),
+    ({"extraEnv": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"nam": "a"}}}]},
+     "spec.engine.extraEnv.0.valueFrom", "not a valid EnvVarSource"),
+    ({"envFrom": [{"secretRef": {"name": "a"}, "bogus": 1}]}, "spec.engine.envFrom.0",
+     "bogus"),
+    ({"extraVolumes": [{"name": "shm", "emptyDir": {}}]}, "spec.engine",
+     "'shm' is a volume name the operator uses"),
+    ({"extraVolumes": [{"name": "a", "emptyDir": {}}],
+      "extraVolumeMounts": [{"name": "b", "mountPath": "/b"}]}, "spec.engine",
+     "'b' is not in extraVolumes"),
+    ({"extraVolumes": [{"hostPath": {"path": "/x"}}]}, "spec.engine.extraVolumes.0",
+     "name: Field required"),
+    ({"podLabels": {"app.kubernetes.io/component": "x"}}, "spec.engine.podLabels",
+     "managed by the operator"),
+    ({"podLabels": {"team": "bad value!"}}, "spec.engine.podLabels", "not a valid label value"),
+    ({"imagePullSecrets": [{"name": "Not_DNS"}]}, "spec.engine.imagePullSecrets.0.name",
+     "pattern"),
+    ({"terminationGracePeriodSeconds": -1}, "spec.engine.terminationGracePeriodSeconds",
+     "greater than or equal to 0"),
+]
+
+
+@pytest.mark.parametrize(("engine", "field", "message"), BAD)
+def test_bad_pod_settings_name_the_field(minimal, engine, field, message):
+    with pytest.raises(SpecError) as err:
+        parse_spec(with_spec(minimal, **engine)["spec"])
+    assert field in str(err.value) and message in str(err.value)
+
+
+def test_hf_home_beside_a_model_cache_is_refused(minimal):
+    doc = with_spec(minimal, modelCache={"emptyDir": {}},
+                    extraEnv=[{"name": "HF_HOME", "value": "/x"}])
+    with pytest.raises(SpecError, match=r"spec.engine.extraEnv\[0\].name: 'HF_HOME'"):
+        render_resource(doc)
+
+
+def test_a_mount_over_the_model_cache_is_refused(minimal):
+    doc = with_spec(minimal, modelCache={"emptyDir": {}, "mountPath": "/m"},
+                    extraVolumes=[{"name": "x", "emptyDir": {}}],
+                    extraVolumeMounts=[{"name": "x", "mountPath": "/m/"}])
+    with pytest.raises(SpecError, match="'/m' is mounted twice"):
+        render_resource(doc)
+
+
+@pytest.mark.parametrize("amount", ["1e3", ".5Gi", "100n", "+1", "0.5", "1024Mi", "5.",
+                                    "1.5E3", "2k", 8])
+def test_every_quantity_form_kubernetes_accepts_is_accepted(minimal, amount):
+    doc = copy.deepcopy(minimal)
+    doc["spec"]["prefill"] = {"resources": {"requests": {"cpu": amount}}}
+    spec = parse_spec(doc["spec"])
+    assert spec.prefill.resources.requests["cpu"] == amount
+    _, errors = validate_custom_resource_for(doc)
+    assert errors == []
+
+
+@pytest.mark.parametrize("amount", ["1K", "abc", "-1", "1e", "1.5.5", "Infinity", "1_000",
+                                    " 1", "1e1.5"])
+def test_what_kubernetes_refuses_is_refused_naming_the_field(minimal, amount):
+    doc = copy.deepcopy(minimal)
+    doc["spec"]["prefill"] = {"resources": {"limits": {"memory": amount}}}
+    with pytest.raises(SpecError) as err:
+        parse_spec(doc["spec"])
+    assert "spec.prefill.resources.limits.memory" in str(err.value)
+    assert repr(amount) in str(err.value)
+
+
+def validate_custom_resource_for(doc):
+    from bidirkv.operator.crd import build_crd
+
+    return validate_custom_resource(build_crd(), doc, None)
