@@ -9,9 +9,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from bidirkv.testing.crdschema import FieldError
-from bidirkv.testing.kubeerrors import bad_request
-from bidirkv.testing.kuberesources import NAMESPACES_KEY, ResourceType
+from kubeapi.crdschema import FieldError
+from kubeapi.defaults import apply_defaults
+from kubeapi.errors import bad_request
+from kubeapi.resources import NAMESPACES_KEY, ResourceType
 
 _SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _LABEL_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -139,8 +140,9 @@ def metadata_errors(rt: ResourceType, obj: dict, old: dict | None) -> list[Field
 
 def builtin_defaults(rt: ResourceType, obj: dict, old: dict | None,
                      allocate_ip: Callable[[], str]) -> None:
-    """The few built-in defaults tests tend to rely on (replicas for scale, service IPs/ports,
-    the namespace name label); other built-in defaulting is not modelled."""
+    """Built-in defaults: replicas for scale, service IPs/ports, the namespace name label, and
+    for the kinds the operator writes what defaults.py models (defaults, canonical
+    quantities, dropped empty values)."""
     if rt.key == NAMESPACES_KEY:
         labels = obj["metadata"].setdefault("labels", {})
         labels["kubernetes.io/metadata.name"] = obj["metadata"]["name"]
@@ -161,6 +163,10 @@ def builtin_defaults(rt: ResourceType, obj: dict, old: dict | None,
             if isinstance(port, dict):
                 port.setdefault("protocol", "TCP")
                 port.setdefault("targetPort", port.get("port"))
+        spec.setdefault("ipFamilies", ["IPv4"])
+        spec.setdefault("ipFamilyPolicy", "SingleStack")
+        spec.setdefault("internalTrafficPolicy", "Cluster")
+    apply_defaults(rt.key, obj)
 
 
 def prepare_create_status(rt: ResourceType, obj: dict) -> None:

@@ -22,7 +22,7 @@ Order and semantics follow ``k8s.io/apiextensions-apiserver``:
    exists, and a ``<nil>: ... some validation rules were not checked ...`` error is added.
 
 Not modelled: validation ratcheting of unchanged invalid fields, CEL cost limits, conversion
-webhooks, ``x-kubernetes-map-type``, and the rules listed in :mod:`bidirkv.testing.crdcel`.
+webhooks, ``x-kubernetes-map-type``, and the rules listed in :mod:`kubeapi.crdcel`.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from typing import Any
 
 import celpy.celtypes as ct
 
-from bidirkv.testing import crdcel
-from bidirkv.testing.kubepatch import json_equal
+from kubeapi import crdcel
+from kubeapi.patch import json_equal
 
 __all__ = ["FieldError", "validate_custom_resource", "validate_crd", "crd_version"]
 

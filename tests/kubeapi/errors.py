@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from bidirkv.testing.crdschema import FieldError
-from bidirkv.testing.kubepatch import APPLY_PATCH, JSON_PATCH, MERGE_PATCH, STRATEGIC_PATCH
-from bidirkv.testing.kuberesources import ResourceType
+from kubeapi.crdschema import FieldError
+from kubeapi.patch import APPLY_PATCH, JSON_PATCH, MERGE_PATCH, STRATEGIC_PATCH
+from kubeapi.resources import ResourceType
 
 
 class ApiError(Exception):

@@ -16,7 +16,7 @@ from bidirkv.operator.controller import Controller
 from bidirkv.operator.crd import build_crd
 from bidirkv.operator.kube import KINDS, KubeClient
 from bidirkv.operator.main import run_operator
-from bidirkv.testing.kubeapi import KubeAPIServer
+from kubeapi.server import KubeAPIServer
 
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 NAMESPACES = ("ns1", "bench")

@@ -11,12 +11,12 @@ returning ``kopf.ConnectionInfo(server=server.url, insecure=True)``), the offici
     with running_kubeapi(gc=True) as server:       # sync code: server in a background thread
         server.write_kubeconfig(tmp_path / "kubeconfig")
 
-This module is the HTTP layer. Semantics live in :mod:`bidirkv.testing.kubestore` (objects,
-write rules, watch history, GC), :mod:`~bidirkv.testing.kubeadmission` (metadata validation,
-built-in defaults), :mod:`~bidirkv.testing.kuberesources` (built-in types, discovery),
-:mod:`~bidirkv.testing.kubepatch` (patch formats, incl. the strategic-merge approximation),
-:mod:`~bidirkv.testing.kubeselectors`, :mod:`~bidirkv.testing.kubeerrors` and
-:mod:`~bidirkv.testing.crdschema` / :mod:`~bidirkv.testing.crdcel` (custom-resource validation).
+This module is the HTTP layer. Semantics live in :mod:`kubeapi.store` (objects,
+write rules, watch history, GC), :mod:`~kubeapi.admission` (metadata validation,
+built-in defaults), :mod:`~kubeapi.resources` (built-in types, discovery),
+:mod:`~kubeapi.patch` (patch formats, incl. the strategic-merge approximation),
+:mod:`~kubeapi.labelselectors`, :mod:`~kubeapi.errors` and
+:mod:`~kubeapi.crdschema` / :mod:`~kubeapi.crdcel` (custom-resource validation).
 
 Faithful on purpose, so tests catch what a real cluster would reject: status is dropped on
 create and ignored by main-resource writes for every resource with a status subresource;
@@ -35,7 +35,7 @@ collector run; ``Foreground`` propagation behaves like ``Background``), CRD conv
 versions share objects, only ``apiVersion`` changes), default service accounts and
 ``kube-root-ca.crt`` config maps.
 
-CLI for manual poking: ``python -m bidirkv.testing.kubeapi --port 8001``.
+CLI for manual poking (from tests/): ``python -P -m kubeapi.server --port 8001``.
 """
 
 from __future__ import annotations
@@ -47,22 +47,23 @@ import json
 import logging
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import yaml
 from aiohttp import web
 
-from bidirkv.testing.kubeerrors import (
+from kubeapi.errors import (
     ApiError,
     bad_request,
     method_not_allowed,
     unsupported_media_type,
 )
-from bidirkv.testing.kubepatch import APPLY_PATCH, JSON_PATCH, MERGE_PATCH, STRATEGIC_PATCH
-from bidirkv.testing.kuberesources import ResourceType
-from bidirkv.testing.kubeselectors import FieldSelector, LabelSelector
-from bidirkv.testing.kubestore import Store
+from kubeapi.labelselectors import FieldSelector, LabelSelector
+from kubeapi.patch import APPLY_PATCH, JSON_PATCH, MERGE_PATCH, STRATEGIC_PATCH
+from kubeapi.resources import ResourceType
+from kubeapi.store import Store
 
 __all__ = ["KubeAPIServer", "Request", "running_kubeapi"]
 
@@ -83,6 +84,25 @@ _NOT_FOUND = ApiError(404, "NotFound", "the server could not find the requested 
                                    "message": "404 page not found"}]})
 # Immediate deletes answer with a Status except for these (genericregistry ReturnDeletedObject).
 _RETURNS_DELETED_OBJECT = {("", "pods"), ("", "serviceaccounts")}
+
+
+_FAULT_REASONS = {409: "Conflict", 429: "TooManyRequests", 500: "InternalError",
+                  503: "ServiceUnavailable"}
+
+
+@dataclass
+class Fault:
+    """The next `times` requests with this verb on this resource fail with `status`."""
+
+    verb: str
+    resource: str
+    status: int
+    subresource: str = ""
+    times: int = 1
+
+    def matches(self, r: Request) -> bool:
+        return self.times > 0 and (r.verb, r.resource, r.subresource) == (
+            self.verb, self.resource, self.subresource)
 
 
 class Request(NamedTuple):
@@ -128,6 +148,7 @@ class KubeAPIServer:
         self.bookmark_interval = bookmark_interval
         self.url = ""
         self.requests: list[Request] = []
+        self.faults: list[Fault] = []
         self._runner: web.AppRunner | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
@@ -165,6 +186,28 @@ class KubeAPIServer:
         await self.stop()
 
     # Test helpers --------------------------------------------------------------------------
+
+    def inject(self, verb: str, resource: str, status: int, *, subresource: str = "",
+               times: int = 1) -> Fault:
+        """Make the next `times` matching requests fail (e.g. a 409 on a StatefulSet update,
+        a 500 on a status patch); the request is still logged, nothing is stored."""
+        fault = Fault(verb, resource, status, subresource, times)
+        self.faults.append(fault)
+        return fault
+
+    def drop_watches(self, resource: str | None = None) -> None:
+        """End open watch streams (of one plural, or all) as a restarting apiserver would."""
+        keys = {rt.key for rt in self.store.registry.all() if resource in (None, rt.plural)}
+        for key in keys:
+            self.store.close_watches(key)
+
+    def _inject_fault(self, r: Request) -> None:
+        for fault in self.faults:
+            if fault.matches(r):
+                fault.times -= 1
+                reason = _FAULT_REASONS.get(fault.status, "InternalError")
+                raise ApiError(fault.status, reason,
+                               f"injected {fault.status} on {r.verb} {r.resource}")
 
     def writes(self) -> list[Request]:
         """Requests with a mutating verb (whether or not they succeeded)."""
@@ -261,6 +304,7 @@ class KubeAPIServer:
         params = request.query
         verb = self._verb(request.method, name, legacy_watch or _parse_bool(params, "watch"))
         self.requests.append(Request(verb, group, version, plural, sub, namespace or "", name))
+        self._inject_fault(self.requests[-1])
         if sub and sub not in rt.subresources:
             raise _NOT_FOUND
         if sub and verb not in ("get", "update", "patch"):

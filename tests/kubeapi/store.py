@@ -1,4 +1,4 @@
-"""The in-memory object store behind :class:`bidirkv.testing.kubeapi.KubeAPIServer`.
+"""The in-memory object store behind :class:`kubeapi.server.KubeAPIServer`.
 
 It implements the apiserver's write semantics (metadata ownership, resourceVersion optimistic
 concurrency, generation, status/scale subresources, finalizers, namespace termination, CRD
@@ -24,8 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from bidirkv.testing.crdschema import FieldError, validate_crd, validate_custom_resource
-from bidirkv.testing.kubeadmission import (
+from kubeapi.admission import (
     GENERATE_ALPHABET,
     IMMUTABLE_META,
     SERVER_META,
@@ -36,7 +35,8 @@ from bidirkv.testing.kubeadmission import (
     now_rfc3339,
     prepare_create_status,
 )
-from bidirkv.testing.kubeerrors import (
+from kubeapi.crdschema import FieldError, validate_crd, validate_custom_resource
+from kubeapi.errors import (
     ApiError,
     already_exists,
     bad_request,
@@ -48,7 +48,8 @@ from bidirkv.testing.kubeerrors import (
     resource_details,
     unsupported_media_type,
 )
-from bidirkv.testing.kubepatch import (
+from kubeapi.labelselectors import FieldSelector, LabelSelector, selector_to_string
+from kubeapi.patch import (
     APPLY_PATCH,
     JSON_PATCH,
     MERGE_PATCH,
@@ -59,14 +60,13 @@ from bidirkv.testing.kubepatch import (
     merge_patch,
     strategic_merge_patch,
 )
-from bidirkv.testing.kuberesources import (
+from kubeapi.resources import (
     CRD_KEY,
     NAMESPACES_KEY,
     Registry,
     ResourceType,
     resource_types_from_crd,
 )
-from bidirkv.testing.kubeselectors import FieldSelector, LabelSelector, selector_to_string
 
 Key = tuple[str, str]
 
