@@ -1,7 +1,9 @@
 """`bidir-kv local up|down`: the rendered stack as processes on this machine.
 
 `up` returns once every server is healthy and leaves them running (each in its own
-process group); `down` stops them by the pids recorded in the state directory.
+process group and session); `down` stops them, and whatever they started, by the pids,
+groups and start times recorded in the state directory. `up` over a state directory
+whose servers died first stops what they left running.
 """
 
 from __future__ import annotations
@@ -80,8 +82,12 @@ def _up(args: argparse.Namespace) -> int:
     try:
         stack = prepare_stack(args.file, args.state_dir, patch=patch, port_base=args.port_base,
                               tiny_model=args.tiny_model, progress=not args.no_progress)
-        stack.start(timeout=args.timeout or DEFAULT_START_TIMEOUT,
-                    progress=not args.no_progress)
+        try:
+            stack.start(timeout=args.timeout or DEFAULT_START_TIMEOUT,
+                        progress=not args.no_progress)
+        finally:
+            for line in stack.cleaned:
+                print(f"{PROG} up: previous stack: {line}", file=sys.stderr)
     except (ValueError, PortInUse, StackRunning) as exc:
         print(f"{PROG} up: {exc}", file=sys.stderr)
         return 1

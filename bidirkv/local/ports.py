@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import random
 import socket
@@ -60,11 +61,55 @@ def sequential_ports(base: int, n: int) -> list[int]:
 
 
 def check_ports(named: Mapping[str, int], host: str = LOOPBACK) -> None:
-    """Raise PortInUse for the first taken port, naming what it was meant for."""
+    """Raise PortInUse for the first taken port, naming what it was meant for and, where
+    /proc shows it, the process holding it."""
     for what, port in named.items():
         if not port_free(port, host):
-            raise PortInUse(f"port {port} ({what}) is in use on {host}: stop what holds it "
-                            "or choose other ports (--port-base)")
+            holders = ", ".join(f"pid {pid} ({_comm(pid)})" for pid in port_holders(port))
+            by = f" by {holders}" if holders else ""
+            raise PortInUse(f"port {port} ({what}) is in use on {host}{by}: stop what holds "
+                            "it or choose other ports (--port-base)")
+
+
+def port_holders(port: int) -> list[int]:
+    """Pids with a TCP socket on this local port (any address), as far as /proc shows:
+    only this user's processes, on Linux; for the message, never to signal them."""
+    inodes: set[str] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = pathlib.Path("/proc/net", table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            # sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+            fields = line.split()
+            if len(fields) > 9 and fields[9] != "0" and fields[1].endswith(f":{port:04X}"):
+                inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return []
+    pids = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = list((entry / "fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd) in inodes:
+                    pids.append(int(entry.name))
+                    break
+            except OSError:
+                continue
+    return sorted(pids)
+
+
+def _comm(pid: int) -> str:
+    try:
+        return pathlib.Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "exited"
 
 
 def duplicates(ports: Iterable[int]) -> set[int]:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import pathlib
-import signal
 import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+# Re-exported: callers check recorded pids through this module.
+from .family import process_start_time, stop_family
+from .family import same_process as same_process
 
 
 class StartError(RuntimeError):
@@ -25,6 +28,8 @@ class Proc:
     log_path: pathlib.Path
     health_url: str | None = None
     popen: subprocess.Popen | None = field(default=None, repr=False)
+    # Read at start: once the process is gone (or a zombie) /proc no longer has it.
+    _started_at: int | None = field(default=None, init=False, repr=False)
 
     @property
     def pid(self) -> int | None:
@@ -33,20 +38,22 @@ class Proc:
     @property
     def started_at(self) -> int | None:
         """The kernel's start time of the process (for pid-reuse checks in state files)."""
-        return process_start_time(self.pid) if self.pid else None
+        return self._started_at
 
     def start(self, cwd: str | None = None) -> Proc:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         try:
-            # A session of its own: stop() signals the whole group (vLLM spawns engine
-            # processes) without touching anything else.
+            # A session (and group) of its own, with ids equal to its pid: stop() finds
+            # what it started (vLLM's EngineCore and workers) by those ids, even after
+            # the server itself died, without touching anything else.
             self.popen = subprocess.Popen(
                 self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True,
             )
         finally:
             log.close()
+        self._started_at = process_start_time(self.popen.pid)
         return self
 
     def alive(self) -> bool:
@@ -63,24 +70,16 @@ class Proc:
         """Poll health_url until 200; raise StartError with the log tail otherwise."""
         wait_all_healthy([self], timeout, interval=interval)
 
-    def stop(self, grace: float = 15.0) -> None:
-        if self.popen is None or self.popen.poll() is not None:
+    def stop(self, grace: float = 15.0, token: str | None = None,
+             known: Iterable[tuple[int, int]] = ()) -> None:
+        """Stop the process and its family (family.py): also when it already exited,
+        since what it started may not have. `known`: descendants recorded earlier."""
+        if self.popen is None:
             return
-        pgid = self.popen.pid  # start_new_session: the group id is the child's pid
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.popen.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        # Children of the group that outlived the leader.
+        stop_family([(self.popen.pid, self._started_at), *known], token, grace)
         try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
+            self.popen.wait(timeout=5.0)  # reap it: a zombie keeps its pid taken
+        except subprocess.TimeoutExpired:
             pass
 
 
@@ -116,26 +115,6 @@ def wait_all_healthy(
         time.sleep(interval)
 
 
-def process_start_time(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat (clock ticks since boot); None if gone, a zombie, or
-    not Linux."""
-    fields = _stat_fields(pid)
-    if not fields or fields[0] == "Z":
-        return None
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def same_process(pid: int, started_at: int | None) -> bool:
-    """True when pid still names the process recorded with that start time (no reuse)."""
-    now = process_start_time(pid)
-    if now is None:
-        return False
-    return started_at is None or now == started_at
-
-
 def http_ok(url: str, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
@@ -147,52 +126,6 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
 def stop_all(procs: Sequence[Proc]) -> None:
     for proc in reversed(list(procs)):
         proc.stop()
-
-
-def kill_pid_group(pid: int, grace: float = 15.0) -> bool:
-    """Stop a process group recorded in a state file (for `bidir-kv local down`)."""
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        return False
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        if not group_alive(pid):
-            return True
-        time.sleep(0.2)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    return True
-
-
-def _stat_fields(pid: int | str) -> list[str] | None:
-    """Fields 3.. of /proc/PID/stat (state first); None if gone or not Linux."""
-    try:
-        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    return stat[stat.rindex(")") + 2:].split()
-
-
-def group_alive(pgid: int) -> bool:
-    """Any process of the group still running (zombies, dead but not reaped, do not count)."""
-    proc = pathlib.Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        fields = _stat_fields(entry.name)
-        if fields and len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
-            return True
-    return False
 
 
 def merged_env(extra: Mapping[str, str], base: Mapping[str, str] | None = None) -> dict:

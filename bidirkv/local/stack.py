@@ -1,12 +1,14 @@
 """Start and stop a planned local stack: engines in parallel, then the router.
 
 Whatever goes wrong while starting (a server exits, a port is taken, Ctrl-C, SIGTERM),
-every process started so far is stopped by its process group before the error surfaces.
+every process started so far is stopped, with its family (family.py: what it started,
+by recorded pids, groups and start times), before the error surfaces.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -15,9 +17,10 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 
+from .family import TOKEN_VAR, family, snapshot, stop_family
 from .plan import ServerPlan, StackPlan, process_env
 from .ports import PortInUse, check_ports
-from .procs import Proc, StartError, kill_pid_group, same_process, stop_all, wait_all_healthy
+from .procs import Proc, StartError, same_process, wait_all_healthy
 from .state import (
     ProcRecord,
     StackState,
@@ -74,6 +77,8 @@ class LocalStack:
         self.procs: list[Proc] = []
         self.state = StackState(spec_file=spec_file, router_url=plan.router.url,
                                 ports=dict(plan.ports))
+        # What start() stopped of a previous stack from the same state directory.
+        self.cleaned: list[str] = []
 
     @property
     def router_url(self) -> str:
@@ -93,8 +98,10 @@ class LocalStack:
         log = self.log_path(server.name)
         log.parent.mkdir(parents=True, exist_ok=True)
         log.unlink(missing_ok=True)  # the tail shown on failure is this run's only
-        return Proc(server.name, server.argv, process_env(server.env, self.base_env), log,
-                    server.health_url)
+        env = process_env(server.env, self.base_env)
+        if self.state.token:
+            env[TOKEN_VAR] = self.state.token
+        return Proc(server.name, server.argv, env, log, server.health_url)
 
     def _launch(self, server: ServerPlan) -> Proc:
         # cwd: the state directory, never the project root (see plan.py).
@@ -108,6 +115,20 @@ class LocalStack:
         write_state(self.state_dir, self.state)
         return proc
 
+    def _record_descendants(self) -> None:
+        """Put what each server has started so far into the state file: `down` finds it
+        there even once its parents are dead."""
+        table = snapshot()
+        records = []
+        for rec in self.state.procs:
+            found, _ = family([(rec.pid, rec.started_at), *rec.descendants],
+                              self.state.token, table)
+            kids = tuple(sorted((pid, t) for pid, t in found.items() if pid != rec.pid))
+            records.append(dataclasses.replace(rec, descendants=kids))
+        if records != self.state.procs:
+            self.state.procs = records
+            write_state(self.state_dir, self.state)
+
     def start(self, timeout: float = DEFAULT_START_TIMEOUT, progress: bool = True,
               echo: Callable[[str], None] | None = None) -> LocalStack:
         """Return once every server answers its health check; on any failure (or
@@ -118,6 +139,13 @@ class LocalStack:
                 f"a local stack is already running from {self.state_dir} (router "
                 f"{existing.router_url}): run `bidir-kv local down --state-dir "
                 f"{self.state_dir}` first")
+        if existing is not None:
+            # Its servers are gone, but not necessarily what they started (a `kill -9`
+            # of a server leaves EngineCore with its memory and ports).
+            self.cleaned = [line for line in stop_recorded(self.state_dir)
+                            if "stopped" in line]
+            for line in self.cleaned if echo else ():
+                echo(f"previous stack: {line}")
         check_ports(self.plan.ports)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.plan.router_config_path.write_text(
@@ -134,12 +162,14 @@ class LocalStack:
 
                 def tick(pending: list[Proc]) -> None:
                     bar.set_postfix_str("waiting for " + ", ".join(p.name for p in pending))
+                    self._record_descendants()
 
                 wait_all_healthy(engines, timeout, ready, on_tick=tick)
                 router = self._launch(self.plan.router)
                 wait_all_healthy([router], max(30.0, timeout - (time.monotonic() - t0)),
                                  ready, on_tick=tick)
                 bar.set_postfix_str("all healthy")
+                self._record_descendants()
         except BaseException:
             self.stop()
             raise
@@ -156,7 +186,9 @@ class LocalStack:
     def stop(self) -> None:
         # A second Ctrl-C while stopping must not leave half the servers running.
         with _signals_ignored():
-            stop_all(self.procs)
+            for proc in reversed(self.procs):
+                rec = self.state.record(proc.name)
+                proc.stop(token=self.state.token, known=rec.descendants if rec else ())
             self.procs.clear()
             remove_state(self.state_dir)
 
@@ -195,24 +227,35 @@ def _progress(total: int, enabled: bool) -> Iterator[object]:
         bar.close()
 
 
+def stop_state(state: StackState, grace: float = 15.0) -> list[str]:
+    """Stop every recorded server with its family, last started first; what was done."""
+    done = []
+    for rec in reversed(state.procs):
+        found = stop_family([(rec.pid, rec.started_at), *rec.descendants], state.token,
+                            grace)
+        others = ", ".join(str(pid) for pid in found if pid != rec.pid)
+        if rec.pid in found:
+            line = f"{rec.name}: stopped pid {rec.pid}"
+            line += f" and what it started ({others})" if others else ""
+        else:
+            line = f"{rec.name}: pid {rec.pid} already gone"
+            line += f"; stopped what it left running ({others})" if others else ""
+        done.append(line)
+    return done
+
+
 def stop_recorded(state_dir: str | os.PathLike[str]) -> list[str]:
-    """Stop every process a state file records (process groups, by pid); what was done."""
+    """Stop every process a state file records, with its family; what was done."""
     state = read_state(state_dir)
     if state is None:
         return []
-    done = []
     with _signals_ignored():
-        for rec in reversed(state.procs):
-            if not same_process(rec.pid, rec.started_at):
-                done.append(f"{rec.name}: pid {rec.pid} already gone")
-                continue
-            kill_pid_group(rec.pid)
-            done.append(f"{rec.name}: stopped pid {rec.pid}")
+        done = stop_state(state)
         remove_state(state_dir)
     return done
 
 
 __all__ = [
     "DEFAULT_START_TIMEOUT", "LocalStack", "PortInUse", "StackRunning", "StartError",
-    "interrupt_on_signals", "live_procs", "stop_recorded",
+    "interrupt_on_signals", "live_procs", "stop_recorded", "stop_state",
 ]

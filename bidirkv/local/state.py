@@ -2,7 +2,9 @@
 
 Written after every process start, not only once all are healthy, so a stack whose `up`
 was killed half-way can still be stopped by its recorded pids. Each pid comes with the
-kernel's start time of that process: a recycled pid is never signalled.
+kernel's start time of that process: a recycled pid is never signalled. Each server's
+process group and session ids are its pid (a session of its own); what it started is
+recorded too, with the stack's token, so that `down` finds its leftovers (family.py).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -26,6 +29,16 @@ class ProcRecord:
     url: str
     log: str
     nixl_port: int | None = None
+    # (pid, start time) of what the server had started when last looked at: found again
+    # after the server and their parents died (family.py).
+    descendants: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ProcRecord:
+        if not isinstance(data, dict):
+            raise TypeError(f"a process record must be a mapping, not {data!r}")
+        kids = tuple((int(pid), int(t)) for pid, t in data.get("descendants", ()))
+        return cls(**{**data, "descendants": kids})
 
 
 @dataclass
@@ -36,6 +49,9 @@ class StackState:
     procs: list[ProcRecord] = field(default_factory=list)
     ports: dict[str, int] = field(default_factory=dict)
     owner_pid: int = field(default_factory=os.getpid)
+    # In every server's environment (family.TOKEN_VAR): proves a leftover process group
+    # ours once its leader is gone; None in state files written before it existed.
+    token: str | None = field(default_factory=lambda: secrets.token_hex(16))
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -43,7 +59,7 @@ class StackState:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StackState:
         try:
-            procs = [ProcRecord(**p) for p in data.get("procs", [])]
+            procs = [ProcRecord.from_json(p) for p in data.get("procs", [])]
             return cls(
                 spec_file=str(data["spec_file"]),
                 router_url=str(data["router_url"]),
@@ -51,6 +67,7 @@ class StackState:
                 procs=procs,
                 ports={str(k): int(v) for k, v in (data.get("ports") or {}).items()},
                 owner_pid=int(data.get("owner_pid", 0)),
+                token=str(data["token"]) if data.get("token") else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a local stack state file ({exc})") from None
