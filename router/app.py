@@ -19,6 +19,7 @@ from .codec import dumps, loads
 from .config import ConfigError, RouterConfig, load_config
 from .handlestore import StoreUnavailable
 from .identity import tenant_of
+from .prefillonly import UNAVAILABLE
 from .proxy import HANDLE_KEY_ENV, Router, json_error, json_response
 from .reload import ConfigWatcher
 from .validation import CHAT, COMPLETIONS, MAX_CONVERSATION_ID
@@ -91,8 +92,10 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _ready(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
+    mode, reason = router.serving_mode()
     body = dumps({
-        "ready": router.ready(),
+        "ready": mode != UNAVAILABLE,
+        "mode": mode, "reason": reason,  # prefill-only still serves: see router/prefillonly.py
         "prefill": {"healthy": len(router.prefill.healthy()),
                     "total": len(router.prefill.backends)},
         "decode": {"healthy": len(router.decode.healthy()),
@@ -102,7 +105,7 @@ async def _ready(request: web.Request) -> web.Response:
                         or router.cfg.handle_store is not None,
                         "available": router.store.available},
     })
-    return json_response(200 if router.ready() else 503, body)
+    return json_response(503 if mode == UNAVAILABLE else 200, body)
 
 
 async def _metrics(request: web.Request) -> web.Response:

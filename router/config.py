@@ -86,6 +86,9 @@ class RouterConfig(_Model):
     model: str | None = Field(default=None, min_length=1)
     # False: plain P/D, no decode handles are stored or sent.
     bidirectional: bool = True
+    # With no healthy decode replica, prefill serves whole requests (router/prefillonly.py);
+    # False: such requests get 503.
+    prefill_only_fallback: bool = True
     conversation_ttl_seconds: float = Field(default=420.0, gt=0, le=86400)
     # vLLM's `decoder_kv_blocks_ttl`: how long D pins a finished request's blocks.
     decoder_kv_blocks_ttl_seconds: float = Field(default=480.0, gt=0, le=86400)

@@ -126,6 +126,3 @@ class Upkeep:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(),
                                        self.cfg.health_check_interval_seconds)
-
-    def ready(self) -> bool:
-        return bool(self.prefill.healthy()) and bool(self.decode.healthy())

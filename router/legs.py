@@ -17,7 +17,7 @@ from aiohttp import web
 
 from bidirkv.proof import make_proof
 
-from .backends import PREFILL, Backend
+from .backends import DECODE, PREFILL, Backend
 from .codec import dumps, loads
 from .reusereport import reuse_report
 from .selection import least_outstanding
@@ -134,83 +134,66 @@ class Legs:
             if report is not None and report.reused_tokens:
                 self.metrics.tokens_reused.labels(report.source).inc(report.reused_tokens)
 
-    async def _post_prefill(self, p: Backend, path: str, payload: bytes, rid: str,
-                            auth: str | None) -> dict[str, Any]:
-        assert self.session is not None
-        try:
-            async with self.session.post(p.url + path, data=payload,
-                                         headers=self._headers(rid, auth),
-                                         timeout=self._t_prefill) as r:
-                body = await r.read()
-                status = r.status
-        except UPSTREAM_FAILURES as exc:
-            kind, detail = classify(exc)
-            raise UpstreamFailure("prefill", p, kind, detail=detail) from None
-        if status != 200:
-            raise UpstreamFailure("prefill", p, "status", status, body, f"HTTP {status}")
-        try:
-            data = loads(body)
-        except ValueError:
-            data = None
-        if not isinstance(data, dict):
-            raise UpstreamFailure("prefill", p, "protocol", detail="reply is not a JSON object")
-        return data
-
     async def _decode_leg(self, request: web.Request, turn: Turn, p: Backend,
                           p_body: dict[str, Any], d: Backend, rid: str
                           ) -> tuple[web.StreamResponse, str]:
-        """The response and its outcome; UpstreamFailure when D failed before the client
-        got a byte (the caller may retry elsewhere)."""
-        assert self.session is not None
         owner = proof = None
         if self.cfg.bidirectional:
             owner = self.residency.owner
             proof = make_proof(self.handle_key) if self.handle_key else None
         payload = dumps(decode_body(turn.body, p_body.get(PARAMS), owner, proof))
+        return await self._generate(request, turn, d, payload, rid, DECODE)
+
+    async def _generate(self, request: web.Request, turn: Turn, d: Backend, payload: bytes,
+                        rid: str, leg: str) -> tuple[web.StreamResponse, str]:
+        """The response and its outcome; UpstreamFailure when `d` failed before the client
+        got a byte (the caller may retry elsewhere). `leg`: decode, or prefill_only (P
+        serves the whole request: nothing to store)."""
         t = time.perf_counter()
         d.outstanding += 1
         resp: aiohttp.ClientResponse | None = None
         try:
             try:
-                resp = await self.session.post(d.url + PATHS[turn.kind], data=payload,
-                                               headers=self._headers(rid, turn.auth),
-                                               timeout=self._t_decode)
+                resp = await self._post(d, PATHS[turn.kind], payload, rid, turn.auth,
+                                        self._t_decode, retry_stale=leg != DECODE)
                 if resp.status != 200:
                     body = await resp.read()
-                    raise UpstreamFailure("decode", d, "status", resp.status, body,
+                    raise UpstreamFailure(d.role, d, "status", resp.status, body,
                                           f"HTTP {resp.status}")
                 if not turn.stream:
                     body = await resp.read()
-                    return await self._finish_json(turn, d, body, t), "ok"
+                    return await self._finish_json(turn, d, body, t, leg), "ok"
                 first = await resp.content.readany()
                 if not first:
-                    raise UpstreamFailure("decode", d, "protocol",
+                    raise UpstreamFailure(d.role, d, "protocol",
                                           detail="stream ended before any data")
             except UPSTREAM_FAILURES as exc:
                 kind, detail = classify(exc)
-                f = UpstreamFailure("decode", d, kind, detail=detail)
-                return self._decode_failed(f, t)
+                f = UpstreamFailure(d.role, d, kind, detail=detail)
+                return self._leg_failed(f, t, leg)
             except UpstreamFailure as f:
-                return self._decode_failed(f, t)
-            return await self._relay(request, turn, d, resp, first, t)
+                return self._leg_failed(f, t, leg)
+            return await self._relay(request, turn, d, resp, first, t, leg)
         finally:
             d.outstanding -= 1
             if resp is not None:
                 resp.close()
 
-    def _decode_failed(self, f: UpstreamFailure, t: float) -> tuple[web.StreamResponse, str]:
-        self.metrics.observe_leg("decode", "error", time.perf_counter() - t)
+    def _leg_failed(self, f: UpstreamFailure, t: float, leg: str
+                    ) -> tuple[web.StreamResponse, str]:
+        self.metrics.observe_leg(leg, "error", time.perf_counter() - t)
         if f.client_error:
             return json_response(f.status or 400, f.body or error_body(
-                f"decode engine rejected the request: HTTP {f.status}",
+                f"{f.leg} engine rejected the request: HTTP {f.status}",
                 "invalid_request_error")), "upstream_client_error"
         if f.backend_down:
             self.set_health(f.backend, False, f.detail or f"HTTP {f.status}")
         raise f
 
-    async def _finish_json(self, turn: Turn, d: Backend, body: bytes, t: float
+    async def _finish_json(self, turn: Turn, d: Backend, body: bytes, t: float, leg: str
                            ) -> web.Response:
-        collector = MessageCollector(turn.kind == CHAT) if turn.collects else None
+        keeps = leg == DECODE
+        collector = MessageCollector(turn.kind == CHAT) if turn.collects and keeps else None
         if collector is not None or PARAMS_MARKER in body:
             try:
                 obj = loads(body)
@@ -220,18 +203,19 @@ class Legs:
                 params = obj.pop(PARAMS, None)
                 if collector is not None:
                     collector.feed_response(obj)
-                if isinstance(params, dict):
+                if isinstance(params, dict) and keeps:
                     await self._store_handle(turn, d, params, collector)
                 body = dumps(obj)
         now = time.perf_counter()
         self.metrics.observe_ttft(turn.kind, False, now - turn.t0)
-        self.metrics.observe_leg("decode", "ok", now - t)
+        self.metrics.observe_leg(leg, "ok", now - t)
         return json_response(200, body, {"X-Request-Id": turn.rid})
 
     async def _relay(self, request: web.Request, turn: Turn, d: Backend,
-                     resp: aiohttp.ClientResponse, first: bytes, t: float
+                     resp: aiohttp.ClientResponse, first: bytes, t: float, leg: str
                      ) -> tuple[web.StreamResponse, str]:
-        collector = MessageCollector(turn.kind == CHAT) if turn.collects else None
+        keeps = leg == DECODE
+        collector = MessageCollector(turn.kind == CHAT) if turn.collects and keeps else None
         filt = SSEFilter(collector)
         out = web.StreamResponse(headers={
             "Content-Type": "text/event-stream; charset=utf-8",
@@ -242,7 +226,8 @@ class Legs:
         try:
             await out.prepare(request)
             chunk = filt.feed(first)
-            stored = await self._maybe_store(turn, d, filt, collector, False)
+            # Only a decode leg's handle is kept; P's own params are stripped, never stored.
+            stored = await self._maybe_store(turn, d, filt, collector, not keeps)
             if chunk:
                 await out.write(chunk)
                 done = chunk.endswith(DONE)
@@ -252,12 +237,12 @@ class Legs:
                     data = await resp.content.readany()
                 except UPSTREAM_FAILURES as exc:
                     kind, detail = classify(exc)
-                    self.metrics.observe_leg("decode", "error", time.perf_counter() - t)
-                    log.warning("decode stream broke (%s) rid=%s conv=%s decode=%s", detail,
-                                turn.rid, turn.conv, d.url)
+                    self.metrics.observe_leg(leg, "error", time.perf_counter() - t)
+                    log.warning("%s stream broke (%s) rid=%s conv=%s %s=%s", d.role, detail,
+                                turn.rid, turn.conv, d.role, d.url)
                     if kind == "connect":
                         self.set_health(d, False, detail)
-                    await self._end_with_error(out, f"decode engine stream {detail}")
+                    await self._end_with_error(out, f"{d.role} engine stream {detail}")
                     return out, "stream_error"
                 chunk = filt.feed(data) if data else filt.finish()
                 # Stored before the client can see [DONE]: its next turn may come at once.
@@ -272,11 +257,11 @@ class Legs:
             log.debug("client disconnected rid=%s conv=%s", turn.rid, turn.conv)
             return out, "cancelled"
         if not done:
-            log.warning("decode stream ended without [DONE] rid=%s conv=%s decode=%s",
-                        turn.rid, turn.conv, d.url)
-            await self._end_with_error(out, "decode engine stream ended early")
+            log.warning("%s stream ended without [DONE] rid=%s conv=%s %s=%s", d.role,
+                        turn.rid, turn.conv, d.role, d.url)
+            await self._end_with_error(out, f"{d.role} engine stream ended early")
             return out, "stream_error"
-        self.metrics.observe_leg("decode", "ok", time.perf_counter() - t)
+        self.metrics.observe_leg(leg, "ok", time.perf_counter() - t)
         with contextlib.suppress(ConnectionError):
             await out.write_eof()
         return out, "ok"

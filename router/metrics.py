@@ -55,6 +55,10 @@ class Metrics:
         self.retries = Counter(
             p + "retries", "Upstream retries by reason.", ["reason"], registry=r,
         )
+        self.prefill_only = Counter(
+            p + "prefill_only", "Client requests served by prefill alone, by route: no "
+            "decode replica was healthy (prefillOnlyFallback).", ["route"], registry=r,
+        )
         self.handles = Gauge(p + "handles", "Decode handles stored.", registry=r)
         self.evictions = Counter(
             p + "handle_evictions", "Handles removed before use, by reason.", ["reason"],

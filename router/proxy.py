@@ -15,6 +15,8 @@ See docs/protocol.md (sections 1, 2 and 4). Decisions where the protocol is sile
   a reuse turn (the handle, not P, is the likely cause).
 - Upstream `Authorization` is the client's own header, so engines started with --api-key
   check the same credential.
+- A stale kept-alive connection to P is retried on P itself (router/sessions.py); with no
+  healthy decode, P serves whole requests (router/prefillonly.py).
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ from .health import Upkeep
 from .identity import short_hash, tenant_of
 from .legs import Legs
 from .metrics import Metrics
+from .prefillonly import PREFILL_ONLY, PrefillOnly
 from .residency import Residency
 from .selection import least_outstanding, pick_decode
+from .sessions import Sessions, open_sessions
 from .upstream import (
     HANDLE_KEY_ENV,
     UPSTREAM_FAILURES,
@@ -56,7 +60,7 @@ log = logging.getLogger("bidirkv.router")
 __all__ = ["HANDLE_KEY_ENV", "Router", "json_error", "json_response"]
 
 
-class Router(Upkeep, Legs, Conversations):
+class Router(Upkeep, Legs, Sessions, PrefillOnly, Conversations):
     """One router: its config, pools, store, residency and the request flow. The flow
     reads top to bottom here (`handle_generate` -> `_run`); the legs, the conversation
     bookkeeping and the background upkeep live in their own modules."""
@@ -76,6 +80,7 @@ class Router(Upkeep, Legs, Conversations):
         self.prefill = Pool(PREFILL, cfg.prefill)
         self.decode = Pool(DECODE, cfg.decode)
         self.session: aiohttp.ClientSession | None = None
+        self.fresh: aiohttp.ClientSession | None = None  # no pool: see router/sessions.py
         self._health_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._set_timeouts()
@@ -86,13 +91,7 @@ class Router(Upkeep, Legs, Conversations):
 
     # -- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=4096, limit_per_host=0, ttl_dns_cache=10, keepalive_timeout=60,
-        )
-        self.session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",),
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
+        self.session, self.fresh = open_sessions()
         await self._start_store()
         self._health_task = asyncio.create_task(self._health_loop(), name="router-health")
         self.residency.start(self.session)
@@ -131,8 +130,9 @@ class Router(Upkeep, Legs, Conversations):
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
-        if self.session is not None:
-            await self.session.close()
+        for session in (self.session, self.fresh):
+            if session is not None:
+                await session.close()
 
     def backends(self) -> list[Backend]:
         return self.prefill.backends + self.decode.backends
@@ -235,6 +235,8 @@ class Router(Upkeep, Legs, Conversations):
     async def _run(self, request: web.Request, turn: Turn) -> tuple[web.StreamResponse, str]:
         if not self.prefill.healthy():
             return self._unavailable(PREFILL), "unavailable"
+        if not self.decode.healthy() and self.cfg.prefill_only_fallback:
+            return await self._prefill_only(request, turn)
         tried_decode: list[Backend] = []
         last: UpstreamFailure | None = None
         for attempt in range(2):
@@ -274,11 +276,12 @@ class Router(Upkeep, Legs, Conversations):
     async def handle_models(self, request: web.Request) -> web.StreamResponse:
         assert self.session is not None
         tried: list[Backend] = []
+        pool = self.prefill if self.serving_mode()[0] == PREFILL_ONLY else self.decode
         while True:
-            d = least_outstanding(self.decode.backends, self.decode.next_start(), tried)
+            d = least_outstanding(pool.backends, pool.next_start(), tried)
             if d is None:
                 self.metrics.request("models", "unavailable")
-                return self._unavailable(DECODE)
+                return self._unavailable(pool.role)
             try:
                 async with self.session.get(d.url + "/v1/models", timeout=self._t_prefill,
                                             headers=self._headers(uuid.uuid4().hex,

@@ -4,6 +4,7 @@ upstream failure kinds, JSON responses, and one request's state (`Turn`).
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 import aiohttp
@@ -122,6 +123,19 @@ def classify(exc: BaseException) -> tuple[str, str]:
 
 
 UPSTREAM_FAILURES = (aiohttp.ClientError, TimeoutError, OSError)
+_RESET = (errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED)
+
+
+def stale_connection(exc: BaseException) -> bool:
+    """True for how a request fails on a kept-alive connection the engine had already
+    closed: a disconnect or a reset. A failed connect is never one (that is a new
+    connection, and the engine is not listening)."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return False
+    if isinstance(exc, aiohttp.ServerDisconnectedError | ConnectionResetError
+                  | BrokenPipeError | ConnectionAbortedError):
+        return True
+    return isinstance(exc, aiohttp.ClientOSError) and exc.errno in _RESET
 
 
 def json_response(status: int, body: bytes, headers: dict[str, str] | None = None

@@ -2,7 +2,9 @@
 benchmarks (see docs/protocol.md, sections 1 and 2).
 
 Prefill role: answers a one-token, non-streamed completion whose top-level
-`kv_transfer_params` say where its blocks are (do_remote_prefill: true, ...).
+`kv_transfer_params` say where its blocks are (do_remote_prefill: true, ...). A request
+without `kv_transfer_params` is served whole, as a decode would (a prefill server is a
+complete engine), with no params.
 Decode role: streams SSE chunks and ends with a params-only chunk
 `{"choices": [], "kv_transfer_params": {...}}` before `data: [DONE]`; a non-streamed
 reply carries the params at the top of its body.
@@ -52,6 +54,7 @@ class Behaviour:
     fail_with_handle: int | None = None  # prefill: this status when a handle is sent
     hang: bool = False  # never answer generation requests
     close_before_reply: bool = False  # drop the connection without answering
+    close_next: int = 0  # drop the connection of this many generation requests
     stall_after: int | None = None  # decode stream: stall forever after N chunks
     break_after: int | None = None  # decode stream: drop the connection after N chunks
     chunk_delay: float = 0.0  # decode stream: pause between chunks
@@ -196,7 +199,8 @@ class FakeEngine:
         try:
             if b.hang:
                 await asyncio.sleep(3600)
-            if b.close_before_reply:
+            if b.close_next > 0 or b.close_before_reply:
+                b.close_next = max(0, b.close_next - 1)
                 assert request.transport is not None
                 request.transport.close()
                 await asyncio.sleep(1)
@@ -210,7 +214,7 @@ class FakeEngine:
             if self.role == "prefill" and b.fail_with_handle is not None and rec.has_handle:
                 return web.json_response({"error": {"message": "expired remote read"}},
                                          status=b.fail_with_handle)
-            if self.role == "prefill":
+            if self.role == "prefill" and rec.kv is not None:
                 return self._prefill_reply(request, rec)
             if body.get("stream"):
                 return await self._stream(request, rec)
@@ -249,7 +253,9 @@ class FakeEngine:
         text = "".join(b.reply)
         n = self._prompt_tokens(rec.body) + len(b.reply) - 1
         out: dict[str, Any] = {}
-        if not b.no_params:
+        if self.role == "prefill":
+            out["kv_transfer_params"] = None  # what vLLM answers to a request without any
+        elif not b.no_params:
             out["kv_transfer_params"] = self._params(self._rid(request), n)
         choice: dict[str, Any] = {"index": 0, "finish_reason": "stop"}
         if chat:
@@ -287,7 +293,8 @@ class FakeEngine:
             else:
                 events.append(chunk([{"index": 0, "text": piece, "finish_reason": None}]))
         n = self._prompt_tokens(rec.body) + len(b.reply) - 1
-        params = None if b.no_params else self._params(self._rid(request), n)
+        whole = self.role == "prefill"
+        params = None if b.no_params or whole else self._params(self._rid(request), n)
         finish = [{"index": 0, "delta": {}, "finish_reason": "stop"}] if chat else \
             [{"index": 0, "text": "", "finish_reason": "stop"}]
         if params is not None and b.params_on_last_chunk:

@@ -15,6 +15,8 @@ def test_defaults_and_ttl():
     cfg = parse_config(BASE)
     assert cfg.decode == ["http://d:8200"]
     assert cfg.bidirectional is True and cfg.max_conversations == 100_000
+    assert cfg.prefill_only_fallback is True
+    assert parse_config({**BASE, "prefillOnlyFallback": False}).prefill_only_fallback is False
     assert cfg.kv_recompute_threshold == 64 and cfg.tenant_header == "Authorization"
     assert cfg.max_body_bytes == 8 * 1024 * 1024
     assert cfg.handle_ttl_seconds == 420  # min(420, 480 - 10)
@@ -29,6 +31,8 @@ def test_defaults_and_ttl():
         ({"timeouts": {"connectSeconds": -1}}, ["timeouts.connectSeconds", "-1",
                                                 "greater than 0"]),
         ({"bidirectional": "yes"}, ["bidirectional", "'yes'", "valid boolean"]),
+        ({"prefillOnlyFallback": "false"}, ["prefillOnlyFallback", "'false'",
+                                            "valid boolean"]),
         ({"maxConversations": "10"}, ["maxConversations", "'10'"]),
         ({"prefill": ["ftp://x"]}, ["prefill", "ftp://x", "http://host:port"]),
         ({"prefill": ["http://a:1", "http://a:1/"]}, ["listed twice"]),

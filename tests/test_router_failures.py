@@ -83,14 +83,18 @@ async def test_mid_stream_failure_ends_with_error_event_and_done(mode):
 
 
 async def test_no_healthy_backends_is_503_with_retry_after():
-    async with Cluster(config={"healthCheckIntervalSeconds": 3}) as c:
+    # Without the prefill-only fallback (test_router_degraded.py has it on).
+    async with Cluster(config={"healthCheckIntervalSeconds": 3,
+                               "prefillOnlyFallback": False}) as c:
         c.d[0].behaviour.health_status = 503
         await c.router.check_health()
         r = await c.chat(U1)
         assert r["status"] == 503 and r["headers"]["Retry-After"] == "3"
         assert "decode" in r["error"]["error"]["message"]
         async with c.session.get(c.url + "/ready") as resp:
-            assert resp.status == 503
+            ready = await resp.json()
+            assert resp.status == 503 and ready["mode"] == "unavailable"
+            assert "prefillOnlyFallback is off" in ready["reason"]
         c.d[0].behaviour.health_status = 200
         c.p[0].behaviour.health_status = 500
         await c.router.check_health()
@@ -111,7 +115,10 @@ async def test_failing_backend_is_taken_out_until_a_good_health_check():
         assert not c.router.prefill.backends[0].healthy
         for _ in range(3):
             assert (await c.chat(U1))["status"] == 200
-        assert len(c.p[0].generations()) == 1  # out of rotation
+        # Out of rotation: p0 saw only the first request (twice when the first try was
+        # on a kept-alive connection: that one is retried on a new connection first).
+        stale = 'retries_total{reason="prefill_stale_connection"} 1.0' in await c.metrics()
+        assert len(c.p[0].generations()) == 1 + stale
         c.p[0].behaviour.close_before_reply = False
         for _ in range(100):
             if c.router.prefill.backends[0].healthy:

@@ -117,11 +117,19 @@ async def test_health_ready_models_metrics(cluster):
         assert name in text, name
 
 
-async def test_models_with_no_healthy_decode_is_503(cluster):
+async def test_models_with_no_healthy_decode_come_from_prefill(cluster):
     cluster.d[0].behaviour.health_status = 500
     await cluster.router.check_health()
     async with cluster.session.get(cluster.url + "/v1/models") as r:
-        assert r.status == 503 and "Retry-After" in r.headers
+        assert r.status == 200 and (await r.json())["data"][0]["id"] == "fake-model"
+
+
+async def test_models_with_no_healthy_decode_and_no_fallback_is_503():
+    async with Cluster(config={"prefillOnlyFallback": False}) as c:
+        c.d[0].behaviour.health_status = 500
+        await c.router.check_health()
+        async with c.session.get(c.url + "/v1/models") as r:
+            assert r.status == 503 and "Retry-After" in r.headers
 
 
 async def test_two_routers_in_one_process_have_separate_metrics():
