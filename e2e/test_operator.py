@@ -33,10 +33,13 @@ async def get_di(client, ns, name):
 
 
 async def set_ready(client, ns, name, kind, ready):
+    """What the StatefulSet/Deployment controller writes once `ready` pods of the current
+    template serve (no controllers run here)."""
+    obj = await client.get(kind, ns, name)
     path = KINDS[kind].path(ns, name, "status")
-    await client.call("PATCH", path, {"status": {"replicas": ready, "readyReplicas": ready,
-                                                 "updatedReplicas": ready}},
-                      "application/merge-patch+json")
+    await client.call("PATCH", path, {"status": {
+        "observedGeneration": obj["metadata"]["generation"], "replicas": ready,
+        "readyReplicas": ready, "updatedReplicas": ready}}, "application/merge-patch+json")
 
 
 def cond(di, type_):

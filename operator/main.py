@@ -28,6 +28,7 @@ CHILD_RESOURCES = [
     ("networking.k8s.io", "v1", "networkpolicies"),
 ]
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
+MANAGED_SELECTOR = ",".join(f"{k}={v}" for k, v in MANAGED.items())
 # kopf's peering resources (kopf.dev, the group kopf looks for first).
 PEERING_GROUP_VERSION = "kopf.dev/v1"
 PEERING_WAIT_SECONDS = 60.0
@@ -51,6 +52,10 @@ def build_registry(
         settings.posting.enabled = False
         settings.watching.server_timeout = 300
         settings.watching.reconnect_backoff = 0.5
+        # The API server filters children by label: the operator never streams the
+        # cluster's other ConfigMaps, Services, StatefulSets, ...
+        for group, version, plural in CHILD_RESOURCES:
+            settings.watching.label_selectors[group, version, plural] = MANAGED_SELECTOR
 
     @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL, registry=registry)
     async def owner_event(type: str | None, body: kopf.Body, **_: Any) -> None:  # noqa: A002

@@ -34,6 +34,7 @@ def router_config(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dict[st
         "retentionWatermark": spec.kv_transfer.retention_watermark,
         "ownerLeaseSeconds": spec.kv_transfer.owner_lease_seconds,
         "kvFingerprint": kv_fingerprint(spec),
+        "prefillOnlyFallback": spec.router.prefill_only_fallback,
         **({"handleStore": spec.router.handle_store.url} if spec.router.handle_store else {}),
     }
 

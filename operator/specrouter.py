@@ -62,6 +62,11 @@ class RouterSpec(_Model):
         le=10_000_000,
         description="Most conversation handles kept per router (least recently used dropped).",
     )
+    prefill_only_fallback: bool = Field(
+        default=True,
+        description="With no healthy decode replica, prefill serves whole requests itself "
+        "(no KV kept for reuse) instead of the router answering 503; `/ready` says so.",
+    )
     handle_store: HandleStoreSpec | None = Field(
         default=None,
         description="Share conversation handles between router replicas (and across router "

@@ -13,6 +13,7 @@ class RoleStatus(_Model):
     desired: int = Field(default=0, description="Pods the spec asks for.")
     replicas: int = Field(default=0, description="Pods that exist.")
     ready: int = Field(default=0, description="Pods whose engine serves the model.")
+    updated: int = Field(default=0, description="Pods running the current template.")
     summary: str = Field(default="0/0", description="`ready/desired`, for printer columns.")
     selector: str = Field(default="", description="Label selector of the pods (for HPA).")
 

@@ -13,29 +13,59 @@ from .render import Owner, child_name, router_url, selector_string
 RECONCILED = "Reconciled"
 
 
+def _counts(obj: dict[str, Any] | None) -> dict[str, int]:
+    st = (obj or {}).get("status") or {}
+    return {k: int(st.get(k) or 0) for k in ("replicas", "readyReplicas", "updatedReplicas")}
+
+
+def rollout_lag(obj: dict[str, Any] | None, desired: int) -> str | None:
+    """Why the child's current template does not yet run everywhere, or None.
+
+    A controller that has not observed the latest generation has not started the rollout,
+    whatever its counts say; then pods of the current template must be all there, and no
+    pod of an older one left (a StatefulSet also says so with its revisions)."""
+    if obj is None:
+        return "not created yet"
+    meta, st = obj.get("metadata") or {}, obj.get("status") or {}
+    generation, observed = meta.get("generation"), st.get("observedGeneration")
+    if generation is not None and (observed is None or observed < generation):
+        return f"generation {generation} not yet observed by its controller " \
+               f"(observed: {observed if observed is not None else 'none'})"
+    counts = _counts(obj)
+    if counts["updatedReplicas"] < desired:
+        return f"{counts['updatedReplicas']}/{desired} pods updated to the current template"
+    if counts["replicas"] > desired:
+        return f"{counts['replicas'] - desired} pods of an older template still running"
+    current, update = st.get("currentRevision"), st.get("updateRevision")
+    if current and update and current != update:
+        return f"revision {update} rolling out over {current}"
+    return None
+
+
 def _role_status(owner: Owner, desired: int, sts: dict[str, Any] | None, role: str):
-    st = (sts or {}).get("status") or {}
-    ready = int(st.get("readyReplicas") or 0)
+    counts = _counts(sts)
+    ready = counts["readyReplicas"]
     return {
         "desired": desired,
-        "replicas": int(st.get("replicas") or 0),
+        "replicas": counts["replicas"],
         "ready": ready,
+        "updated": counts["updatedReplicas"],
         "summary": f"{ready}/{desired}",
         "selector": selector_string(owner, role),
     }
 
 
-def _role_ready(role_status: dict[str, Any], sts: dict[str, Any] | None) -> tuple[bool, str]:
-    st = (sts or {}).get("status") or {}
-    desired, ready = role_status["desired"], role_status["ready"]
-    if sts is None:
-        return False, "not created yet"
-    updated = st.get("updatedReplicas")
-    if updated is not None and updated < desired:
-        return False, f"{updated}/{desired} pods updated to the current template"
+def _readiness(obj: dict[str, Any] | None, desired: int, ready: int, what: str
+               ) -> tuple[bool, str, str]:
+    """(ok, reason, message) of one child's readiness condition."""
+    lag = rollout_lag(obj, desired)
+    if obj is None:
+        return False, "NotCreated", lag or ""
+    if lag is not None:
+        return False, "RollingOut", f"{lag}; {ready}/{desired} {what} ready"
     if ready < desired:
-        return False, f"{ready}/{desired} pods ready"
-    return True, f"{ready}/{desired} pods ready"
+        return False, "PodsNotReady", f"{ready}/{desired} {what} ready"
+    return True, "PodsReady", f"{ready}/{desired} {what} ready"
 
 
 def _condition(type_: str, ok: bool, reason: str, message: str, generation: int | None):
@@ -86,31 +116,39 @@ def compute_status(
 
     conds = []
     all_ready = True
+    rolling: list[str] = []
     for role in ROLES:
         sts = children.get(("StatefulSet", child_name(owner, role)))
-        rs = _role_status(owner, getattr(spec, role).replicas, sts, role)
+        desired = getattr(spec, role).replicas
+        rs = _role_status(owner, desired, sts, role)
         status[role] = rs
-        ok, msg = _role_ready(rs, sts)
+        ok, reason, msg = _readiness(sts, desired, rs["ready"], "pods")
         all_ready &= ok
-        conds.append(_condition(f"{role.capitalize()}Ready", ok,
-                                "PodsReady" if ok else "PodsNotReady", msg, generation))
+        if reason == "RollingOut":
+            rolling.append(f"{role}: {msg}")
+        conds.append(_condition(f"{role.capitalize()}Ready", ok, reason, msg, generation))
     dep = children.get(("Deployment", child_name(owner, "router")))
-    router_ready = int(((dep or {}).get("status") or {}).get("readyReplicas") or 0)
+    router_ready = _counts(dep)["readyReplicas"]
     status["routerReady"] = router_ready
     status["routerUrl"] = router_url(owner, spec)
     status["kvFingerprint"] = kv_fingerprint(spec)
-    rok = dep is not None and router_ready >= spec.router.replicas
+    rok, reason, msg = _readiness(dep, spec.router.replicas, router_ready, "router pods")
     all_ready &= rok
-    conds.append(_condition("RouterReady", rok, "PodsReady" if rok else "PodsNotReady",
-                            f"{router_ready}/{spec.router.replicas} router pods ready",
-                            generation))
+    if reason == "RollingOut":
+        rolling.append(f"router: {msg}")
+    conds.append(_condition("RouterReady", rok, reason, msg, generation))
+    conds.append(_condition("Progressing", bool(rolling),
+                            "RollingOut" if rolling else "RolloutComplete",
+                            "; ".join(rolling) if rolling
+                            else "every child runs its current template", generation))
     if problem:
         conds.append(_condition(RECONCILED, False, problem[0], problem[1], generation))
     else:
         conds.append(_condition(RECONCILED, True, "Applied",
                                 "all children match the spec", generation))
     conds.insert(0, _condition("Ready", all_ready and not problem,
-                               "AllReady" if all_ready else "NotReady",
+                               "AllReady" if all_ready
+                               else "RollingOut" if rolling else "NotReady",
                                "prefill, decode and router are ready" if all_ready
                                else "waiting for " + ", ".join(
                                    c["type"][: -len("Ready")].lower() for c in conds
@@ -121,7 +159,9 @@ def compute_status(
         status["phase"] = "Degraded"
     elif all_ready:
         status["phase"] = "Ready"
-    elif any(status[r]["ready"] for r in ROLES) or router_ready:
+    elif any(status[r]["ready"] for r in ROLES) or router_ready or (
+            rolling and (any(status[r]["replicas"] for r in ROLES) or _counts(dep)["replicas"])):
+        # Pending until a first pod exists; from then on a rollout is progress.
         status["phase"] = "Progressing"
     else:
         status["phase"] = "Pending"

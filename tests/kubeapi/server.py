@@ -118,6 +118,7 @@ class Request(NamedTuple):
     subresource: str
     namespace: str
     name: str
+    label_selector: str = ""  # of a list or watch
 
 
 def _parse_bool(params: Any, key: str) -> bool:
@@ -303,7 +304,8 @@ class KubeAPIServer:
             raise _NOT_FOUND
         params = request.query
         verb = self._verb(request.method, name, legacy_watch or _parse_bool(params, "watch"))
-        self.requests.append(Request(verb, group, version, plural, sub, namespace or "", name))
+        self.requests.append(Request(verb, group, version, plural, sub, namespace or "", name,
+                                     params.get("labelSelector", "")))
         self._inject_fault(self.requests[-1])
         if sub and sub not in rt.subresources:
             raise _NOT_FOUND
