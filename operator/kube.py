@@ -63,7 +63,7 @@ class ApiError(Exception):
 
 
 def request(
-    api: kubernetes.client.ApiClient,
+    api_client: kubernetes.client.ApiClient,
     method: str,
     path: str,
     body: Any = None,
@@ -77,11 +77,11 @@ def request(
     headers = {"Accept": "application/json"}
     if body is not None:
         headers["Content-Type"] = content_type or "application/json"
-    params = api.param_serialize(
+    params = api_client.param_serialize(
         method=method, resource_path=path, header_params=headers, body=body,
         auth_settings=["BearerToken"],
     )
-    resp = api.call_api(*params, _request_timeout=(5, 30))
+    resp = api_client.call_api(*params, _request_timeout=(5, 30))
     data = resp.read() if hasattr(resp, "read") else resp.data
     payload = json.loads(data) if data else {}
     if resp.status >= 400:

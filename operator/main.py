@@ -172,10 +172,10 @@ async def ensure_peering(
     )
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
-    with kubernetes.client.ApiClient(configuration) as api:
+    with kubernetes.client.ApiClient(configuration) as api_client:
 
         async def call(method: str, path: str, body: Any = None) -> Any:
-            return await asyncio.to_thread(request, api, method, path, body)
+            return await asyncio.to_thread(request, api_client, method, path, body)
 
         for path, kind, namespace in targets:
             where = f"in namespace {namespace}" if namespace else "cluster-wide"
