@@ -15,15 +15,11 @@ Decode, engine-core process:
   vLLM's own expiry path (the worker frees them on this step, and the scheduler frees
   them when the worker reports them, exactly as for an expired TTL).
 - `NixlBaseConnector.update_connector_output`: freed requests leave the residency.
-- `NixlBaseConnectorScheduler._nixl_handshake_listener`: the side channel also answers
-  read grants (lease.py).
+- the side channel also answers read grants (patch_grants.py).
 - `EngineCore.bidirkv_residency`: the utility the `/bidirkv/residency` route calls
   (renew an owner's lease, release handles the router dropped, report capacity).
 
-Prefill, worker process:
-- `NixlPullConnectorWorker._read_blocks_for_req`: a read of decode's retained blocks
-  (a turn-2 read: it carries D's deadline) asks for the grant first; refused, it takes
-  vLLM's expired-read path and the request is recomputed.
+Prefill asks for a grant before it reads decode's retained blocks (patch_grants.py).
 """
 
 from __future__ import annotations
@@ -35,15 +31,13 @@ import threading
 import time
 from typing import Any
 
-from . import lease
-from .patching import MARK, Skip, Target, resolve, wrap
+from . import patch_grants
+from .patching import Target, resolve, wrap
 from .residency import Residency, blocks_wanted, current, install
 
 log = logging.getLogger("vllm.bidirkv")
 
 CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector"
-BASE_SCHEDULER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler"
-PULL_WORKER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
 SCHEDULER = "vllm.v1.core.sched.scheduler"
 ENGINE = "vllm.v1.engine.core"
 OWNER_KEY = "bidirkv_owner"
@@ -169,44 +163,7 @@ def _yield(sched: Any, res: Residency) -> None:
                      "blocks", short, got)
 
 
-# -- side channel and the HTTP utility ------------------------------------------------------
-def _listener(encoded_data, ready_event, stop_event, host, port):
-    """vLLM's side-channel thread, answering read grants too (lease.answer)."""
-    import zmq
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import zmq_ctx
-    from vllm.utils.network_utils import make_zmq_path
-
-    with zmq_ctx(zmq.ROUTER, make_zmq_path("tcp", host, port)) as sock:
-        sock.setsockopt(zmq.RCVTIMEO, 1000)
-        ready_event.set()
-        while True:
-            try:
-                frames = sock.recv_multipart()
-            except zmq.Again:
-                if stop_event.is_set():
-                    break
-                continue
-            if len(frames) != 3:
-                continue  # not a REQ peer: nothing to answer
-            identity, _, msg = frames
-            res = current()
-            sock.send_multipart((identity, b"",
-                                 *lease.answer(msg, encoded_data,
-                                               res.grant if res is not None else None)))
-
-
-def _install_listener() -> None:
-    owner, attr, orig = resolve(BASE_SCHEDULER, "NixlBaseConnectorScheduler."
-                                "_nixl_handshake_listener")
-    if getattr(orig, MARK, False):
-        return
-    if not isinstance(owner.__dict__.get(attr), staticmethod):
-        raise Skip(f"{BASE_SCHEDULER}.{attr} is no longer a staticmethod")
-    fn = functools.wraps(orig)(_listener)
-    setattr(fn, MARK, True)
-    setattr(owner, attr, staticmethod(fn))
-
-
+# -- the HTTP utility ------------------------------------------------------------------------
 def residency_utility(engine: Any, body: dict) -> dict:
     """EngineCore utility: renew an owner, release handles, report; runs between steps."""
     res = current()
@@ -224,32 +181,6 @@ def residency_utility(engine: Any, body: dict) -> dict:
     return out
 
 
-# -- prefill: grant before read --------------------------------------------------------------
-def _read_blocks_for_req(orig):
-    @functools.wraps(orig)
-    def _read(self, req_id, meta):
-        remote = meta.remote
-        if (
-            getattr(self, "_bidirectional_kv_xfer_enabled", False)
-            and remote is not None
-            and remote.blocks_expiry_time is not None  # D's retained blocks, not P's
-            and remote.engine_id in self._remote_agents
-            and remote.engine_id not in self._invalid_remote_engines
-            and any(len(g) for g in meta.local_physical_block_ids)
-        ):
-            ok, why = lease.confirm(remote.host, remote.port, remote.request_id)
-            if not ok:
-                log.warning("bidir-kv: decode refused the read of %s for %s (%s); "
-                            "recomputing", remote.request_id, req_id, why)
-                self.xfer_stats.record_kv_expired_req()
-                self._handle_failed_transfer(req_id, None, self._recv_failures,
-                                             record_failed_transfer=False)
-                return None
-        return orig(self, req_id, meta)
-
-    return _read
-
-
 CONNECTOR_TARGETS = [
     Target(CONNECTOR, "NixlBaseConnector.request_finished", ("self", "request", "block_ids")),
     Target(CONNECTOR, "NixlBaseConnector.request_finished_all_groups",
@@ -259,18 +190,13 @@ CONNECTOR_TARGETS = [
     Target(CONNECTOR, "NixlBaseConnector.build_connector_meta", ("self", "scheduler_output")),
     Target(CONNECTOR, "NixlBaseConnector.update_connector_output",
            ("self", "connector_output")),
-    Target(BASE_SCHEDULER, "NixlBaseConnectorScheduler._nixl_handshake_listener",
-           ("encoded_data", "ready_event", "stop_event", "host", "port")),
 ]
 TARGETS = [
     *CONNECTOR_TARGETS,
     Target(SCHEDULER, "Scheduler.schedule", ("self",)),
     # Utility calls are looked up by name on the engine (EngineCore.bidirkv_residency).
     Target(ENGINE, "EngineCoreProc._handle_client_request", ("self", "request_type", "request")),
-    Target(PULL_WORKER, "NixlPullConnectorWorker._read_blocks_for_req",
-           ("self", "req_id", "meta")),
-    Target(PULL_WORKER, "NixlPullConnectorWorker._handle_failed_transfer",
-           ("self", "req_id", "handle", "failed_req_ids", "record_failed_transfer")),
+    *patch_grants.TARGETS,
 ]
 _lock = threading.Lock()
 
@@ -288,7 +214,7 @@ def install_connector(owner_lease_s: float, watermark: float) -> list[str]:
         wrap(CONNECTOR, "NixlBaseConnector.update_state_after_alloc", _update_state_after_alloc)
         wrap(CONNECTOR, "NixlBaseConnector.build_connector_meta", _build_connector_meta)
         wrap(CONNECTOR, "NixlBaseConnector.update_connector_output", _update_connector_output)
-        _install_listener()
+        patch_grants.install_listener()
     return ["residency", "read-grants"]
 
 
@@ -302,8 +228,3 @@ def install_engine() -> list[str]:
     if not hasattr(cls, "bidirkv_residency"):
         cls.bidirkv_residency = lambda self, body: residency_utility(self, body)
     return ["residency-utility"]
-
-
-def install_worker() -> list[str]:
-    wrap(PULL_WORKER, "NixlPullConnectorWorker._read_blocks_for_req", _read_blocks_for_req)
-    return ["grant-before-read"]

@@ -17,7 +17,14 @@ import logging
 import os
 from collections.abc import Callable
 
-from . import patch_cpu, patch_idle, patch_residency, patch_reuse, patch_stream
+from . import (
+    patch_cpu,
+    patch_grants,
+    patch_idle,
+    patch_residency,
+    patch_reuse,
+    patch_stream,
+)
 from .patching import Skip, Target, vllm_supported, when_imported
 from .settings import Resolved, Settings
 
@@ -106,6 +113,6 @@ def register() -> None:
         "residency scheduler", patch_residency.install_scheduler))
     when_imported(patch_residency.ENGINE, _guarded(
         "residency utility", patch_residency.install_engine))
-    when_imported(patch_residency.PULL_WORKER, _guarded(
-        "read grants", patch_residency.install_worker))
+    when_imported(patch_grants.PULL_WORKER, _guarded(
+        "read grants", patch_grants.install_worker))
     log.info("bidir-kv plugin registered in pid %d (vLLM %s)", os.getpid(), version)

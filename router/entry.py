@@ -1,0 +1,84 @@
+"""One stored decode handle (`Entry`), the outcomes of a lookup, and the sorted index of
+stored prompt lengths that prefix lookups walk. Shared by both stores (store.py,
+redisstore.py)."""
+
+from __future__ import annotations
+
+import bisect
+
+HIT = "hit"
+MISS = "miss"
+EXPIRED = "expired"
+
+
+class Entry:
+    __slots__ = (
+        "key",
+        "params",
+        "decode_url",
+        "engine_id",
+        "num_tokens",
+        "expires_at",
+        "reserved",
+        "tenant",
+        "prefix_len",
+        "request_id",
+        "blocks",
+    )
+
+    def __init__(
+        self,
+        key: bytes,
+        params: bytes,
+        decode_url: str,
+        engine_id: str | None,
+        num_tokens: int,
+        expires_at: float,
+        tenant: bytes | None,
+        prefix_len: int,
+        request_id: str | None = None,
+        blocks: int = 0,
+    ) -> None:
+        self.key = key
+        self.params = params
+        self.decode_url = decode_url
+        self.engine_id = engine_id
+        self.num_tokens = num_tokens
+        self.expires_at = expires_at
+        self.reserved = False
+        # Set only for prompt-prefix entries (/v1/completions without an id).
+        self.tenant = tenant
+        self.prefix_len = prefix_len
+        # D's own id of the retained request (what it frees on release) and how many
+        # blocks it pins there.
+        self.request_id = request_id
+        self.blocks = blocks
+
+
+class Lengths:
+    """Sorted distinct prefix lengths of one tenant's completion entries, with counts."""
+
+    __slots__ = ("sorted", "counts")
+
+    def __init__(self) -> None:
+        self.sorted: list[int] = []
+        self.counts: dict[int, int] = {}
+
+    def add(self, n: int) -> None:
+        c = self.counts.get(n, 0)
+        if c == 0:
+            bisect.insort(self.sorted, n)
+        self.counts[n] = c + 1
+
+    def remove(self, n: int) -> None:
+        c = self.counts.get(n, 0)
+        if c <= 1:
+            self.counts.pop(n, None)
+            i = bisect.bisect_left(self.sorted, n)
+            if i < len(self.sorted) and self.sorted[i] == n:
+                del self.sorted[i]
+        else:
+            self.counts[n] = c - 1
+
+    def up_to(self, n: int) -> list[int]:
+        return self.sorted[: bisect.bisect_right(self.sorted, n)]
