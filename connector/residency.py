@@ -180,6 +180,11 @@ class Residency:
     def releasing_blocks(self) -> int:
         return self._releasing
 
+    def parked(self) -> int:
+        """Requests retained for a later turn that no read or release is acting on."""
+        with self.lock:
+            return sum(1 for h in self.held.values() if h.state == HELD)
+
     def stats(self) -> dict:
         with self.lock:
             by_state = Counter()

@@ -18,6 +18,7 @@ from bidirkv.connector.patching import (
     when_imported,
     wrap,
 )
+from bidirkv.connector.residency import Residency
 from bidirkv.connector.settings import Settings
 
 
@@ -135,7 +136,7 @@ class FakeEngine:
             parallel_config=SimpleNamespace(data_parallel_size=dp))
         self.scheduler = SimpleNamespace(
             get_num_unfinished_requests=lambda: unfinished, finished_req_ids=set(finished),
-            connector=SimpleNamespace(has_pending_push_work=lambda: False))
+            connector=SimpleNamespace(has_pending_push_work=lambda: False), requests={})
         self.batch_queue = None
         self.input_queue = queue.Queue()
         self.handled = []
@@ -157,6 +158,35 @@ def test_idle_loop_waits_on_its_input_only_while_holding_blocks():
         assert busy.handled == []  # the loop itself takes it, right away
     assert patch_idle._process_engine_step(lambda self: True, 5)(FakeEngine()) is True
     assert patch_idle.install(0) == []
+
+
+class RecordingQueue(queue.Queue):
+    def __init__(self):
+        super().__init__()
+        self.timeouts = []
+
+    def get(self, block=True, timeout=None):
+        self.timeouts.append(timeout)
+        raise queue.Empty
+
+
+def test_the_idle_poll_stays_short_while_a_peer_reads_its_blocks(monkeypatch):
+    res = Residency()
+    monkeypatch.setattr(patch_idle, "current", lambda: res)
+    step = patch_idle._process_engine_step(lambda self: False, 0.02)
+    engine = FakeEngine()
+    engine.input_queue = RecordingQueue()
+    # P: a finished prefill's blocks, which D reads right after P answered.
+    engine.scheduler.requests = {"p1": object()}
+    assert patch_idle.peer_transfer_pending(engine)
+    # D: the same request parked for a later turn can wait minutes.
+    res.retain("p1", 4, None, deadline=1e9)
+    assert not patch_idle.peer_transfer_pending(engine)
+    step(engine)
+    # Granted to a reuse read: the read needs this engine to step.
+    assert res.grant("p1") == (True, "granted")
+    step(engine)
+    assert engine.input_queue.timeouts == [0.02, patch_idle.PEER_POLL_S]
 
 
 def test_worker_sleeps_after_an_empty_step_and_spins_after_a_real_one():
