@@ -101,6 +101,9 @@ def register() -> None:
             lambda m=module: patch_stream.install(m) if _resolved().stream_params else []))
     when_imported(patch_cpu.MODULE, _guarded(
         "cpu", lambda: patch_cpu.install(_resolved()), required=False))
+    when_imported(patch_cpu.ENGINE_MODULE, _guarded(
+        "cpu engine core", lambda: patch_cpu.install_engine_core(_resolved()),
+        required=False))
     when_imported(patch_idle.MODULE, _guarded(
         "idle loop", lambda: patch_idle.install(_resolved().idle_poll_ms), required=False))
     when_imported(patch_idle.WORKER_MODULE, _guarded(

@@ -64,6 +64,18 @@ def _ms(env: Mapping[str, str], name: str) -> int | None:
     return None
 
 
+def bind_cores(bind: str) -> frozenset[int] | None:
+    """The cores VLLM_CPU_OMP_THREADS_BIND names ("0", "0-3", "0,2|4-7": one list per
+    rank), or None where vLLM chooses ("auto", "nobind") or the value is not understood."""
+    cores: set[int] = set()
+    for part in bind.replace("|", ",").split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            return None
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return frozenset(cores) or None
+
+
 @dataclass(frozen=True)
 class Settings:
     """Raw settings; `None` means auto (decided per platform by `resolve`)."""
@@ -72,6 +84,8 @@ class Settings:
     nixl_progress_thread: bool | None = None
     idle_poll_ms: int | None = None
     stream_params: bool = True
+    pin_engine_core: bool | None = None
+    omp_threads_bind: str = "auto"
     handle_key: bytes | None = None
     # Accepted besides handle_key while a rotation rolls out (never used to sign).
     handle_key_previous: bytes | None = None
@@ -89,6 +103,8 @@ class Settings:
             nixl_progress_thread=_tristate(env, "BIDIRKV_NIXL_PROGRESS_THREAD"),
             idle_poll_ms=_ms(env, "BIDIRKV_IDLE_POLL_MS"),
             stream_params=_tristate(env, "BIDIRKV_STREAM_PARAMS") is not False,
+            pin_engine_core=_tristate(env, "BIDIRKV_CPU_PIN_ENGINE_CORE"),
+            omp_threads_bind=env.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
             handle_key=key.encode() if key else None,
             handle_key_previous=previous.encode() if previous else None,
             owner_lease_s=_number(env, "BIDIRKV_OWNER_LEASE_SECONDS", 1, 86400,
@@ -118,6 +134,11 @@ class Settings:
                 else (CPU_IDLE_POLL_MS if is_cpu else 0)
             ),
             stream_params=self.stream_params,
+            # Only where vLLM pins the workers to cores the spec names (CPU platform).
+            engine_core_cores=(
+                bind_cores(self.omp_threads_bind)
+                if is_cpu and self.pin_engine_core is not False else None
+            ),
         )
 
 
@@ -127,3 +148,4 @@ class Resolved:
     nixl_progress_thread: bool | None
     idle_poll_ms: int
     stream_params: bool
+    engine_core_cores: frozenset[int] | None = None

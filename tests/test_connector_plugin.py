@@ -206,3 +206,32 @@ def test_worker_sleeps_after_an_empty_step_and_spins_after_a_real_one():
     assert cond.busy_loop_s == 1.0
     assert calls == ["execute_model", "get_kv_connector_handshake_metadata", "execute_model"]
     assert patch_idle.install_worker(0) == []
+
+
+@pytest.mark.parametrize(("bind", "cores"), [
+    ("0", {0}), ("1", {1}), ("0-3", {0, 1, 2, 3}), ("0,2|4-5", {0, 2, 4, 5}),
+    ("auto", None), ("nobind", None), ("", None), ("0-x", None),
+])
+def test_the_engine_core_joins_the_cores_its_workers_are_bound_to(bind, cores):
+    from bidirkv.connector.settings import bind_cores
+
+    assert bind_cores(bind) == (frozenset(cores) if cores else None)
+    env = {"VLLM_CPU_OMP_THREADS_BIND": bind}
+    assert Settings.from_env(env).resolve(is_cpu=True).engine_core_cores == bind_cores(bind)
+    assert Settings.from_env(env).resolve(is_cpu=False).engine_core_cores is None
+    off = {**env, "BIDIRKV_CPU_PIN_ENGINE_CORE": "0"}
+    assert Settings.from_env(off).resolve(is_cpu=True).engine_core_cores is None
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
+def test_the_pin_applies_before_the_executor_starts_its_workers():
+    before = os.sched_getaffinity(0)
+    one = {min(before)}
+    seen = []
+    try:
+        init = patch_cpu._pin_engine_core(lambda self: seen.append(os.sched_getaffinity(0)),
+                                          frozenset(one))
+        init(None)
+        assert seen == [one]
+    finally:
+        os.sched_setaffinity(0, before)
