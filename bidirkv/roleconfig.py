@@ -37,6 +37,10 @@ MANAGED_ARGS = (
     "--no-enable-prefix-caching",
     "--kv-transfer-config",
 )
+# What prefill and decode must share for their KV and handles to match: engine-wide only
+# (engine.extraArgs is part of the fingerprint; a role's own arguments are not).
+SHARED_ARGS = ("--block-size", "--kv-cache-dtype", "--quantization", "-q", "--tokenizer",
+               "--revision", "--tokenizer-revision")
 MANAGED_ENV_PREFIXES = (
     "VLLM_NIXL_SIDE_CHANNEL_", "FI_", "VLLM_PLUGINS", "BIDIRKV_HANDLE_KEY",
 )
@@ -97,13 +101,23 @@ def kv_transfer_config(spec: DisaggregatedInferenceSpec, role: str) -> dict[str,
 
 def extra_args_errors(spec: DisaggregatedInferenceSpec) -> list[str]:
     errors = []
-    for i, arg in enumerate(spec.engine.extra_args):
-        flag = arg.split("=", 1)[0]
-        if flag in MANAGED_ARGS:
-            errors.append(
-                f"spec.engine.extraArgs[{i}]: {arg!r} is managed by the operator; set the "
-                "matching spec field instead"
-            )
+    arg_lists = [("engine", spec.engine.extra_args)] + [
+        (role, getattr(spec, role).extra_args) for role in ROLES
+    ]
+    for where, args in arg_lists:
+        for i, arg in enumerate(args):
+            flag = arg.split("=", 1)[0]
+            if flag in MANAGED_ARGS:
+                errors.append(
+                    f"spec.{where}.extraArgs[{i}]: {arg!r} is managed by the operator; set "
+                    "the matching spec field instead"
+                )
+            elif where != "engine" and flag in SHARED_ARGS:
+                errors.append(
+                    f"spec.{where}.extraArgs[{i}]: {arg!r} must be the same on both roles "
+                    "(it shapes the KV or the tokens the handles cover); set it in "
+                    "engine.extraArgs"
+                )
     env_lists = [("engine", spec.engine.extra_env)] + [
         (role, getattr(spec, role).extra_env) for role in ROLES
     ]
@@ -146,7 +160,8 @@ def build_role_config(spec: DisaggregatedInferenceSpec, role: str,
         else "--no-enable-prefix-caching"
     )
     args += ["--kv-transfer-config", json.dumps(kvt, sort_keys=True, separators=(",", ":"))]
-    args += list(spec.engine.extra_args)
+    # Role arguments come last: vLLM takes the last value of a repeated flag.
+    args += [*spec.engine.extra_args, *role_spec.extra_args]
 
     nixl_port = placement.side_channel_port or spec.kv_transfer.side_channel_port
     env = [

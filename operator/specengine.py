@@ -221,6 +221,14 @@ class RoleSpec(_Model):
         description="Local prefix caching of this role (vLLM `--enable-prefix-caching` / "
         "`--no-enable-prefix-caching`).",
     )
+    extra_args: list[Annotated[str, StringConstraints(max_length=4096)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Extra vLLM server arguments of this role only, after `engine.extraArgs` "
+        "(vLLM takes the last value of a repeated flag), e.g. a smaller "
+        "`--max-num-batched-tokens` on prefill so its first prompt is done before the whole "
+        "batch. Managed arguments are refused.",
+    )
     extra_env: list[EnvVar] = Field(
         default_factory=list,
         max_length=64,

@@ -182,3 +182,26 @@ def validate_custom_resource_for(doc):
     from bidirkv.operator.crd import build_crd
 
     return validate_custom_resource(build_crd(), doc, None)
+
+
+def test_role_arguments_follow_the_engine_ones(minimal):
+    doc = copy.deepcopy(minimal)
+    doc["spec"]["engine"] = {"extraArgs": ["--max-num-seqs=8"]}
+    doc["spec"]["prefill"] = {"extraArgs": ["--max-num-seqs=1"]}
+    objs = render_resource(doc)
+    p_args = pod(objs, "prefill")["spec"]["containers"][0]["args"]
+    d_args = pod(objs, "decode")["spec"]["containers"][0]["args"]
+    assert p_args[-2:] == ["--max-num-seqs=8", "--max-num-seqs=1"]  # vLLM takes the last
+    assert d_args[-1] == "--max-num-seqs=8"
+
+
+@pytest.mark.parametrize(("arg", "message"), [
+    ("--block-size=16", "must be the same on both roles"),
+    ("--kv-cache-dtype=fp8", "must be the same on both roles"),
+    ("--port=9", "is managed by the operator"),
+])
+def test_role_arguments_that_would_split_the_pool_are_refused(minimal, arg, message):
+    doc = copy.deepcopy(minimal)
+    doc["spec"]["decode"] = {"extraArgs": [arg]}
+    with pytest.raises(SpecError, match=rf"spec.decode.extraArgs\[0\]: '{arg}' {message}"):
+        render_resource(doc)
