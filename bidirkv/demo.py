@@ -232,6 +232,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-control-plane", action="store_true")
     p.add_argument("--skip-pressure", action="store_true",
                    help="leave out the concurrent run under decode KV pressure")
+    p.add_argument("--skip-concurrency", action="store_true",
+                   help="leave out the concurrency run (vllm bench serve)")
     p.add_argument("--only-pressure", action="store_true",
                    help="only the concurrent run under decode KV pressure")
     p.add_argument("--no-progress", action="store_true")
@@ -240,6 +242,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from bidirkv.bench.client import RequestFailed
+    from bidirkv.bench.vllmbench import BenchFailed
     from bidirkv.local.ports import PortInUse
     from bidirkv.local.stack import StackRunning, StartError, interrupt_on_signals
 
@@ -267,12 +270,19 @@ def main(argv: list[str] | None = None) -> int:
                       f"kubectl apply -f {args.spec.name}",
                       lambda: asyncio.run(control_plane(args.spec)))
             rc = 0 if args.only_pressure else data_plane(args, timed)
+            if rc == 0 and not (args.only_pressure or args.skip_concurrency):
+                from bidirkv import democoncurrency
+
+                timed("concurrency: decode server alone vs router (P/D), vllm bench serve "
+                      "at concurrency 1 and 4", lambda: democoncurrency.run(
+                          args.spec, args.out, progress=not args.no_progress))
             if rc == 0 and not args.skip_pressure:
                 pressure(args, timed)
     except KeyboardInterrupt:
         print("\ndemo: interrupted; every process it started is stopped", file=sys.stderr)
         return 130
-    except (StartError, PortInUse, StackRunning, RequestFailed, ValueError) as exc:
+    except (StartError, PortInUse, StackRunning, RequestFailed, BenchFailed,
+            ValueError) as exc:
         print(f"\ndemo: {exc}\ndemo: every process it started is stopped", file=sys.stderr)
         return 1
     step(f"done in {time.monotonic() - t0:.0f} s: " +

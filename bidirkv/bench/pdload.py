@@ -1,0 +1,123 @@
+"""The P/D path under concurrency, measured with vLLM's own load generator against the
+decode server alone (the reference: one vLLM server, no P/D) and through the router, in
+the same run, on prompts no prefix cache has seen (a fresh seed per run).
+
+Aims (this 2-core machine): P/D overhead at concurrency 1 (router TTFT p50 minus the
+single server's) <= 20 ms; at concurrency 4, router throughput >= the single server's and
+TTFT p99 <= 2x; ITL p50 through the router within 1 ms of the single server's at every
+concurrency.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .vllmbench import ServeRun, run
+
+SINGLE, ROUTER = "decode server alone", "router (P/D)"
+AIMS = {"overhead_ms": 20.0, "throughput_ratio": 1.0, "p99_ratio": 2.0, "itl_delta_ms": 1.0}
+
+
+def run_matrix(targets: Sequence[tuple[str, str]], model: str, tokenizer: str,
+               concurrencies: Sequence[int] = (1, 4), num_prompts: int = 48,
+               input_len: int = 512, output_len: int = 16, seed: int = 1000,
+               on_result: Callable[[dict[str, Any]], None] | None = None
+               ) -> list[dict[str, Any]]:
+    """Every (concurrency, target) pair once, targets alternating so that drift in the
+    machine's load hits both alike; each run gets prompts of its own."""
+    results = []
+    for c in concurrencies:
+        for label, url in targets:
+            seed += 1
+            r = run(ServeRun(url=url, model=model, tokenizer=tokenizer, concurrency=c,
+                             num_prompts=num_prompts if c > 1 else max(16, num_prompts // 2),
+                             input_len=input_len, output_len=output_len, seed=seed,
+                             label=label))
+            results.append(r)
+            if on_result is not None:
+                on_result(r)
+    return results
+
+
+def _by(results: list[dict[str, Any]], label: str, c: int) -> dict[str, Any] | None:
+    return next((r for r in results if r["label"] == label and r["concurrency"] == c), None)
+
+
+def verdicts(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per concurrency: the router against the single server, and each aim met or not."""
+    out = []
+    for c in sorted({r["concurrency"] for r in results}):
+        s, p = _by(results, SINGLE, c), _by(results, ROUTER, c)
+        if s is None or p is None:
+            continue
+        row: dict[str, Any] = {
+            "concurrency": c,
+            "overhead_ms": p["median_ttft_ms"] - s["median_ttft_ms"],
+            "throughput_ratio": p["request_throughput"] / s["request_throughput"],
+            "p99_ratio": p["p99_ttft_ms"] / s["p99_ttft_ms"],
+            "itl_delta_ms": p["median_itl_ms"] - s["median_itl_ms"],
+        }
+        row["itl_ok"] = abs(row["itl_delta_ms"]) <= AIMS["itl_delta_ms"]
+        if c == 1:
+            row["overhead_ok"] = row["overhead_ms"] <= AIMS["overhead_ms"]
+        else:
+            row["throughput_ok"] = row["throughput_ratio"] >= AIMS["throughput_ratio"]
+            row["p99_ok"] = row["p99_ratio"] <= AIMS["p99_ratio"]
+        out.append(row)
+    return out
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    head = (f"{'target':<22} {'conc':>4} {'req/s':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
+            f"{'ITL p50':>8} {'failed':>6}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        lines.append(f"{r['label']:<22} {r['concurrency']:>4} {r['request_throughput']:>6.2f} "
+                     f"{r['median_ttft_ms']:>7.0f}ms {r['p99_ttft_ms']:>7.0f}ms "
+                     f"{r['median_itl_ms']:>6.1f}ms {r['failed']:>6}")
+    lines.append("")
+    for v in verdicts(results):
+        parts = [f"c={v['concurrency']}:"]
+        if "overhead_ok" in v:
+            parts.append(f"P/D overhead {v['overhead_ms']:+.0f} ms (aim <= "
+                         f"{AIMS['overhead_ms']:.0f}) {'met' if v['overhead_ok'] else 'NOT met'};")
+        if "throughput_ok" in v:
+            parts.append(f"req/s ratio {v['throughput_ratio']:.2f} (aim >= 1) "
+                         f"{'met' if v['throughput_ok'] else 'NOT met'}; TTFT p99 ratio "
+                         f"{v['p99_ratio']:.2f} (aim <= 2) {'met' if v['p99_ok'] else 'NOT met'};")
+        parts.append(f"ITL p50 {v['itl_delta_ms']:+.1f} ms (aim within 1) "
+                     f"{'met' if v['itl_ok'] else 'NOT met'}")
+        lines.append(" ".join(parts))
+    return "\n".join(lines)
+
+
+def write(results: list[dict[str, Any]], out: pathlib.Path, title: str) -> dict[str, str]:
+    """JSON and a PNG (req/s, TTFT p50/p99, ITL p50 per target and concurrency)."""
+    from .plots import _pyplot, save
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "concurrency.json"
+    path.write_text(json.dumps({"runs": results, "verdicts": verdicts(results),
+                                "aims": AIMS}, indent=2) + "\n")
+    plt = _pyplot()
+    concs = sorted({r["concurrency"] for r in results})
+    labels = [SINGLE, ROUTER]
+    panels = [("request_throughput", "requests/s"), ("median_ttft_ms", "TTFT p50 (ms)"),
+              ("p99_ttft_ms", "TTFT p99 (ms)"), ("median_itl_ms", "ITL p50 (ms)")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 3.6))
+    width = 0.38
+    for ax, (key, name) in zip(axes, panels, strict=True):
+        for i, label in enumerate(labels):
+            vals = [(_by(results, label, c) or {}).get(key) or 0 for c in concs]
+            ax.bar([x + (i - 0.5) * width for x in range(len(concs))], vals, width,
+                   label=label)
+        ax.set_xticks(range(len(concs)), [f"c={c}" for c in concs])
+        ax.set_title(name)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    png = save(plt, fig, out / "concurrency.png")
+    return {"json": str(path), "plot": str(png)}

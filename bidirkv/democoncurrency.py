@@ -1,0 +1,72 @@
+"""The concurrency phase of `make demo` (also `python -P -m bidirkv.democoncurrency`):
+start the local stack, load the decode server alone and the router with vLLM's own load
+generator (`vllm bench serve`) at concurrency 1 and 4, print the table and the aims,
+write JSON and a plot (bidirkv/bench/pdload.py)."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SPEC = ROOT / "examples" / "local.yaml"
+OUT = ROOT / "out" / "demo"
+
+
+def run(spec_path: pathlib.Path, out: pathlib.Path, *, concurrencies: tuple[int, ...] = (1, 4),
+        num_prompts: int = 48, progress: bool = True, patch: dict[str, Any] | None = None
+        ) -> list[dict[str, Any]]:
+    from bidirkv.bench import pdload
+    from bidirkv.local.cli import build_tiny_model, prepare_stack
+    from bidirkv.local.plan import read_spec_file
+
+    spec = read_spec_file(spec_path)
+    model = pathlib.Path(ROOT, spec["model"]["name"])
+    build_tiny_model(model, spec["model"].get("dtype", "bfloat16"), progress)
+    served = spec["model"].get("servedName") or spec["model"]["name"]
+    stack = prepare_stack(spec_path, out / "stack-concurrency", patch=patch, cwd=ROOT,
+                          progress=progress)
+    with stack:
+        stack.start(progress=progress)
+        targets = [(pdload.SINGLE, stack.urls("decode")[0]), (pdload.ROUTER, stack.router_url)]
+        print(f"    {num_prompts} prompts of 512 random tokens, 16 output tokens, per "
+              f"run; targets: {targets[0][1]} (decode alone), {targets[1][1]} (router)",
+              flush=True)
+
+        def shown(r: dict[str, Any]) -> None:
+            print(f"    {r['label']:<20} c={r['concurrency']}: {r['request_throughput']:.2f} "
+                  f"req/s, TTFT p50 {r['median_ttft_ms']:.0f} ms, ITL p50 "
+                  f"{r['median_itl_ms']:.1f} ms", flush=True)
+
+        results = pdload.run_matrix(targets, served, str(model), concurrencies,
+                                    num_prompts, on_result=shown)
+    print(pdload.table(results))
+    paths = pdload.write(results, out, "1P1D vLLM CPU, tiny model: decode server alone vs "
+                         "router (P/D), vllm bench serve")
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -P -m bidirkv.democoncurrency",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--spec", type=pathlib.Path, default=SPEC)
+    p.add_argument("--out", type=pathlib.Path, default=OUT)
+    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--concurrency", type=int, action="append",
+                   help="repeatable; default 1 and 4")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    t = time.monotonic()
+    run(args.spec, args.out.resolve(), concurrencies=tuple(args.concurrency or (1, 4)),
+        num_prompts=args.num_prompts, progress=not args.no_progress)
+    print(f"done in {time.monotonic() - t:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""The concurrency report: aims, table and files, from vLLM bench results (no servers)."""
+
+from bidirkv.bench import pdload
+from bidirkv.bench.vllmbench import ServeRun
+
+
+def result(label, c, rps, ttft, p99, itl):
+    return {"label": label, "concurrency": c, "request_throughput": rps,
+            "median_ttft_ms": ttft, "p99_ttft_ms": p99, "median_itl_ms": itl, "failed": 0}
+
+
+RESULTS = [
+    result(pdload.SINGLE, 1, 12.0, 40.0, 60.0, 3.0),
+    result(pdload.ROUTER, 1, 9.5, 58.0, 90.0, 3.2),
+    result(pdload.SINGLE, 4, 20.0, 130.0, 200.0, 3.8),
+    result(pdload.ROUTER, 4, 17.0, 160.0, 450.0, 5.2),
+]
+
+
+def test_verdicts_compare_the_router_with_the_single_server():
+    one, four = pdload.verdicts(RESULTS)
+    assert round(one["overhead_ms"]) == 18 and one["overhead_ok"] and one["itl_ok"]
+    assert "throughput_ok" not in one
+    assert round(four["throughput_ratio"], 2) == 0.85 and not four["throughput_ok"]
+    assert round(four["p99_ratio"], 2) == 2.25 and not four["p99_ok"]
+    assert not four["itl_ok"]  # +1.4 ms
+
+
+def test_table_says_which_aims_are_met():
+    text = pdload.table(RESULTS)
+    assert "P/D overhead +18 ms (aim <= 20) met" in text
+    assert "req/s ratio 0.85 (aim >= 1) NOT met" in text
+
+
+def test_files_are_written(tmp_path):
+    paths = pdload.write(RESULTS, tmp_path, "t")
+    assert (tmp_path / "concurrency.json").exists() and (tmp_path / "concurrency.png").exists()
+    assert set(paths) == {"json", "plot"}
+
+
+def test_a_run_asks_vllm_for_fresh_prompts_and_percentiles():
+    argv = ServeRun("http://h:1", "m", "/tok", 4, 48, seed=7).argv("/d", "f.json")
+    for flag, value in (("--seed", "7"), ("--max-concurrency", "4"), ("--num-prompts", "48"),
+                        ("--tokenizer", "/tok"), ("--metric-percentiles", "50,99")):
+        assert argv[argv.index(flag) + 1] == value
