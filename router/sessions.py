@@ -1,11 +1,11 @@
 """The router's HTTP client sessions, and the one retry a stale kept-alive connection gets.
 
 An engine closes idle keep-alive connections on its own clock (vLLM's server after 5 s
-by default; the router would keep them 60 s), and an engine that was stalled closes a
-whole batch of them the moment it runs again. A request written to such a connection
-fails with a disconnect or a reset before any response head: the engine is fine, only
-the connection was not. Taking the engine out for that would turn one stall into a
-health-check interval of errors.
+by default; the router drops its own idle ones after 4 s, so this is rare), and an
+engine that was stalled closes a whole batch of them the moment it runs again. A request
+written to such a connection fails with a disconnect or a reset before any response
+head: the engine is fine, only the connection was not. Taking the engine out for that
+would turn one stall into a health-check interval of errors.
 
 So a POST to P that fails that way on a reused connection, before the response head
 arrived, is sent once more to the same P on a new connection: `fresh` keeps no pool, so
@@ -38,6 +38,7 @@ from .upstream import UPSTREAM_FAILURES, UpstreamFailure, classify, stale_connec
 log = logging.getLogger("bidirkv.router")
 
 STALE_RETRY = "prefill_stale_connection"
+KEEPALIVE_S = 4.0
 
 
 # Set while a request gets its connection (in the requesting task's context): True when
@@ -74,8 +75,10 @@ def _session(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
 def open_sessions() -> tuple[aiohttp.ClientSession, aiohttp.ClientSession]:
     """(pooled, fresh): keep-alive connections for everything, and a session that opens
     a new connection for each request (only the stale-connection retries use it)."""
+    # Idle connections are dropped before vLLM's server drops them (uvicorn's 5 s
+    # keep-alive), so after an idle gap the first request does not meet a closed one.
     pooled = _session(_Connector(limit=4096, limit_per_host=0, ttl_dns_cache=10,
-                                 keepalive_timeout=60))
+                                 keepalive_timeout=KEEPALIVE_S))
     fresh = _session(aiohttp.TCPConnector(limit=0, force_close=True, ttl_dns_cache=10))
     return pooled, fresh
 
