@@ -33,9 +33,18 @@ def _quantity_equal(want: Any, have: Any) -> bool:
         return False
 
 
-def _zero(value: Any) -> bool:
+# Plain (not pointer) booleans the API server leaves out when false. Elsewhere an absent
+# boolean means its default, which may be true (automountServiceAccountToken): a false we
+# wrote that is gone was removed by someone, and is put back.
+_OMITTED_FALSE = ("readOnly", "stdin", "stdinOnce", "tty", "hostNetwork", "hostPID",
+                  "hostIPC", "publishNotReadyAddresses")
+
+
+def _zero(key: str, value: Any) -> bool:
     # Go's omitempty drops these on the way out: absent on the server means "as written".
-    return value is None or value == "" or value is False or value == [] or value == {}
+    if value is False:
+        return key in _OMITTED_FALSE
+    return value is None or value == "" or value == [] or value == {}
 
 
 def is_subset(want: Any, have: Any, key: str = "") -> bool:
@@ -56,7 +65,7 @@ def is_subset(want: Any, have: Any, key: str = "") -> bool:
 
 def _field_matches(k: str, v: Any, have: dict[str, Any], in_quantity_map: bool) -> bool:
     if k not in have:
-        return _zero(v)
+        return _zero(k, v)
     if (in_quantity_map or k in _QUANTITY_FIELDS) and not isinstance(v, dict | list | bool):
         return _quantity_equal(v, have[k])
     return is_subset(v, have[k], k)

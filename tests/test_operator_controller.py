@@ -150,6 +150,10 @@ def test_is_subset_reads_values_as_the_api_server_keeps_them():
                               {"env": [{"name": "A", "value": "1000"}]})
     assert not diff.is_subset({"replicas": 1}, {"replicas": "1"})
     assert not diff.is_subset({"enabled": True}, {})
+    # A false the server keeps (a pointer field whose default is true) that is gone was
+    # removed by someone: the child differs, and is put back.
+    assert not diff.is_subset({"automountServiceAccountToken": False}, {})
+    assert diff.is_subset({"readOnly": False}, {})
 
 
 def test_replacement_keeps_what_the_server_allocated_and_others_added(minimal):
