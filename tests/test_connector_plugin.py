@@ -4,6 +4,7 @@ import os
 import queue
 import sys
 import textwrap
+import time
 from types import ModuleType, SimpleNamespace
 
 import pytest
@@ -177,14 +178,18 @@ def test_the_idle_poll_stays_short_while_a_peer_reads_its_blocks(monkeypatch):
     engine = FakeEngine()
     engine.input_queue = RecordingQueue()
     # P: a finished prefill's blocks, which D reads right after P answered.
-    engine.scheduler.requests = {"p1": object()}
+    engine.scheduler.requests = {"p1": SimpleNamespace(arrival_time=time.time())}
     assert patch_idle.peer_transfer_pending(engine)
+    # Nobody came to read them: vLLM's lease frees them, the long poll is enough.
+    later = time.time() + patch_idle.PEER_WINDOW_S + 1
+    assert not patch_idle.peer_transfer_pending(engine, now=later)
     # D: the same request parked for a later turn can wait minutes.
     res.retain("p1", 4, None, deadline=1e9)
     assert not patch_idle.peer_transfer_pending(engine)
     step(engine)
     # Granted to a reuse read: the read needs this engine to step.
     assert res.grant("p1") == (True, "granted")
+    assert patch_idle.peer_transfer_pending(engine, now=later)  # however old the turn
     step(engine)
     assert engine.input_queue.timeouts == [0.02, patch_idle.PEER_POLL_S]
 
