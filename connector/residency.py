@@ -71,6 +71,7 @@ class Residency:
     # Running totals: the scheduler reads them before every step, so no step walks
     # `held`. Kept = held or granted (pinned until something frees them).
     _kept: int = 0
+    _parked: int = 0  # entries in state HELD: retained, nothing acting on them
     _releasing: int = 0
 
     # -- engine thread: lifecycle ---------------------------------------------------------
@@ -79,6 +80,7 @@ class Residency:
         with self.lock:
             self.held[req_id] = Held(req_id, blocks, owner, deadline)
             self._kept += blocks
+            self._parked += 1
             if owner is not None and owner not in self.owners:
                 self.owners[owner] = now + self.owner_lease_s
 
@@ -94,6 +96,7 @@ class Residency:
                     self.freed["released"] += 1
                 else:
                     self._kept -= h.blocks
+                    self._parked -= h.state == HELD
                     self.freed["read" if h.state == GRANTED else "expired"] += 1
 
     def take_pending(self) -> list[str]:
@@ -108,6 +111,7 @@ class Residency:
         if h.state != HELD:
             return 0
         h.state, h.cause = RELEASING, cause
+        self._parked -= 1
         self._kept -= h.blocks
         self._releasing += h.blocks
         self.released[cause] += 1
@@ -167,6 +171,7 @@ class Residency:
                 reason = "near_expiry"
             else:
                 h.state = GRANTED
+                self._parked -= 1
                 self.grants += 1
                 return True, "granted"
             self.refusals[reason.split(":")[0]] += 1
@@ -181,9 +186,9 @@ class Residency:
         return self._releasing
 
     def parked(self) -> int:
-        """Requests retained for a later turn that no read or release is acting on."""
-        with self.lock:
-            return sum(1 for h in self.held.values() if h.state == HELD)
+        """Requests retained for a later turn that no read or release is acting on (a
+        running total: the idle loop reads it between steps)."""
+        return self._parked
 
     def stats(self) -> dict:
         with self.lock:
