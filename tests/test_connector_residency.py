@@ -149,3 +149,16 @@ def test_settings_for_residency():
     bad = Settings.from_env({"BIDIRKV_OWNER_LEASE_SECONDS": "soon",
                              "BIDIRKV_RETENTION_WATERMARK": "7"})
     assert (bad.owner_lease_s, bad.retention_watermark) == (30.0, 1.0)
+
+
+def test_parked_counts_retained_entries_nothing_acts_on():
+    res = Residency()
+    for rid in ("a", "b", "c", "d"):
+        res.retain(rid, 2, None, deadline=1e12)
+    assert res.parked() == 4
+    assert res.grant("a") == (True, "granted")
+    res.release(["b"])
+    assert res.parked() == 2
+    res.on_freed(["a", "b", "c"])  # read, released, expired
+    assert res.parked() == 1
+    assert res.parked() == sum(1 for h in res.held.values() if h.state == "held")
