@@ -19,6 +19,16 @@ every few ms keeps it spinning for good. `WorkerProc._execute_worker_rpc` (v1/ex
 multiproc_executor.py) is wrapped too: after a step that scheduled nothing, the worker
 goes straight to sleep (the writer notifies on every message, so it wakes at once);
 after a real step it busy-waits as vLLM does, so decoding keeps its latency.
+
+Sleeping right after a message is only safe if no notification is lost, and vLLM's
+writer loses them: its PUB socket keeps one notification in flight (`SNDHWM` 1) and
+libzmq takes back the slot only when a send comes more than ~1 ms after the previous one,
+so a second message within ~1 ms goes unannounced. vLLM never notices (a reader spins for
+1 s after each read); a sleeping worker slept on for SHM_READER_RECHECK_INTERVAL_MS
+(5 s) with the engine waiting on it, e.g. when a request arrived just after an empty
+step. `SpinCondition.__init__` is wrapped so that writers queue their notifications
+(readers keep only the last one: `CONFLATE`), and the worker sleeps only where that patch
+resolves.
 """
 
 from __future__ import annotations
@@ -27,11 +37,15 @@ import functools
 import queue
 import time
 
-from .patching import Target, wrap
+from .patching import Skip, Target, target_problem, wrap
 from .residency import HELD, current
 
 MODULE = "vllm.v1.engine.core"
 WORKER_MODULE = "vllm.v1.executor.multiproc_executor"
+NOTIFY_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
+# Notifications a writer may have in flight; libzmq's default. Each is one byte, and the
+# reader's socket conflates them, so nothing piles up.
+NOTIFY_HWM = 1000
 # How often an engine steps while a peer's read of its blocks is under way (as vLLM's own
 # loop does while it has requests).
 PEER_POLL_S = 0.001
@@ -116,8 +130,37 @@ def _execute_worker_rpc(orig):
     return _rpc
 
 
+def _spin_condition_init(orig):
+    import zmq
+
+    class KeepingPub(zmq.Socket):
+        # vLLM sets SNDHWM 1 before it binds; the option must be in place by then (libzmq
+        # gives a bound socket's later connections the options it had at bind time).
+        def setsockopt(self, option, value):
+            if option == zmq.SNDHWM:
+                value = max(value, NOTIFY_HWM)
+            return super().setsockopt(option, value)
+
+    class WriterContext:
+        def __init__(self, context):
+            self._context = context
+
+        def socket(self, kind, **kwargs):
+            return self._context.socket(kind, socket_class=KeepingPub, **kwargs)
+
+    @functools.wraps(orig)
+    def _init(self, is_reader, context, *args, **kwargs):
+        orig(self, is_reader, context if is_reader else WriterContext(context), *args,
+             **kwargs)
+
+    return _init
+
+
+NOTIFY_TARGET = Target(NOTIFY_MODULE, "SpinCondition.__init__",
+                       ("self", "is_reader", "context", "notify_address"))
 TARGETS = [Target(MODULE, "EngineCoreProc._process_engine_step", ("self",)),
-           Target(WORKER_MODULE, "WorkerProc._execute_worker_rpc", ("self", "rpc_request"))]
+           Target(WORKER_MODULE, "WorkerProc._execute_worker_rpc", ("self", "rpc_request")),
+           NOTIFY_TARGET]
 
 
 def install(poll_ms: int) -> list[str]:
@@ -128,9 +171,20 @@ def install(poll_ms: int) -> list[str]:
     return [f"idle-poll={poll_ms}ms"]
 
 
-def install_worker(poll_ms: int) -> list[str]:
-    """Only with the idle poll: it is what sends the empty steps."""
+def install_notify(poll_ms: int) -> list[str]:
+    """In every process (engine cores write to workers, workers to engine cores)."""
     if poll_ms <= 0:
         return []
+    wrap(NOTIFY_MODULE, "SpinCondition.__init__", _spin_condition_init)
+    return [f"notify-hwm={NOTIFY_HWM}"]
+
+
+def install_worker(poll_ms: int) -> list[str]:
+    """Only with the idle poll (it is what sends the empty steps), and only where the
+    engine core's notifications cannot be lost (install_notify)."""
+    if poll_ms <= 0:
+        return []
+    if (problem := target_problem(NOTIFY_TARGET)) is not None:
+        raise Skip(f"the worker keeps vLLM's busy wait: {problem}")
     wrap(WORKER_MODULE, "WorkerProc._execute_worker_rpc", _execute_worker_rpc)
     return ["worker-sleeps-after-empty-step"]

@@ -213,6 +213,64 @@ def test_worker_sleeps_after_an_empty_step_and_spins_after_a_real_one():
     assert patch_idle.install_worker(0) == []
 
 
+def _second_notification_arrives(tmp_path) -> bool:
+    """vLLM's own SpinCondition pair over a real ZMQ socket: the reader consumes one
+    notification and the writer sends the next well within libzmq's ~1 ms, as an engine
+    does when a request arrives right after an empty step."""
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    ctx = zmq.Context()
+    address = f"ipc://{tmp_path}/notify"
+    writer = SpinCondition(False, ctx, address)
+    reader = SpinCondition(True, ctx, address, busy_loop_s=0)
+    try:
+        deadline = time.monotonic() + 5
+        while True:  # PUB/SUB: wait until the subscription has reached the writer
+            writer.notify()
+            if reader.local_notify_socket.poll(50):
+                reader.local_notify_socket.recv()
+                break
+            assert time.monotonic() < deadline
+        time.sleep(0.01)  # well apart: this one arrives either way
+        writer.notify()
+        assert reader.local_notify_socket.poll(1000)
+        reader.local_notify_socket.recv()
+        writer.notify()
+        return bool(reader.local_notify_socket.poll(200))
+    finally:
+        for sock in (writer.local_notify_socket, reader.local_notify_socket,
+                     reader.read_cancel_socket, reader.write_cancel_socket):
+            sock.close(linger=0)
+        ctx.term()
+
+
+def test_a_sleeping_worker_is_woken_by_every_message(tmp_path):
+    # Without the patch the second notification is dropped and a worker that went to
+    # sleep after an empty step slept for vLLM's 5 s recheck (seen as 5.1 s TTFTs).
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    assert patch_idle.install_notify(0) == []
+    try:
+        assert patch_idle.install_notify(20) == [f"notify-hwm={patch_idle.NOTIFY_HWM}"]
+        assert getattr(SpinCondition.__init__, MARK, False)
+        assert all(_second_notification_arrives(tmp_path) for _ in range(20))
+    finally:
+        unwrap(patch_idle.NOTIFY_MODULE, "SpinCondition.__init__")
+
+
+def test_the_worker_keeps_its_busy_wait_where_notifications_may_be_lost(monkeypatch):
+    monkeypatch.setattr(patch_idle, "NOTIFY_TARGET", patching_target("SpinCondition.gone"))
+    with pytest.raises(Skip, match="keeps vLLM's busy wait"):
+        patch_idle.install_worker(20)
+
+
+def patching_target(qualname):
+    from bidirkv.connector.patching import Target
+
+    return Target(patch_idle.NOTIFY_MODULE, qualname)
+
+
 @pytest.mark.parametrize(("bind", "cores"), [
     ("0", {0}), ("1", {1}), ("0-3", {0, 1, 2, 3}), ("0,2|4-5", {0, 2, 4, 5}),
     ("auto", None), ("nobind", None), ("", None), ("0-x", None),
