@@ -23,6 +23,9 @@ AUTO = {"", "auto"}
 # to free the core, short enough that freeing blocks after a peer's read, lease expiry
 # and UCX progress without the NIXL thread stay prompt.
 CPU_IDLE_POLL_MS = 20
+# How long NIXL's progress thread sleeps at most when UCX signals no event (a read by a
+# peer arrives as one, over the TCP lane); only a fallback, so idle servers stay idle.
+CPU_PROGRESS_WAIT_US = 100_000
 MAX_IDLE_POLL_MS = 1000
 
 
@@ -123,11 +126,14 @@ class Settings:
             # elsewhere either way.
             keep_affinity=self.keep_affinity is not False,
             # None: leave vLLM's choice (the thread is on) alone.
+            # On CPU the thread is on, with a wait (patch_cpu.py); None: leave vLLM's
+            # choice (the thread is on, NIXL polling without a wait) alone.
             nixl_progress_thread=(
                 self.nixl_progress_thread
                 if self.nixl_progress_thread is not None
-                else (False if is_cpu else None)
+                else (True if is_cpu else None)
             ),
+            nixl_progress_wait_us=CPU_PROGRESS_WAIT_US if is_cpu else 0,
             idle_poll_ms=(
                 self.idle_poll_ms
                 if self.idle_poll_ms is not None
@@ -149,3 +155,4 @@ class Resolved:
     idle_poll_ms: int
     stream_params: bool
     engine_core_cores: frozenset[int] | None = None
+    nixl_progress_wait_us: int = 0

@@ -101,15 +101,31 @@ def test_launcher_sees_the_registered_entry_point():
     assert err and "leaves out 'bidirkv'" in err
 
 
-def test_agent_config_drops_the_progress_thread_only_when_asked():
+def test_agent_config_sets_the_progress_thread_unless_the_caller_does():
     def config(enable_prog_thread=True, num_threads=0):
         return enable_prog_thread, num_threads
 
-    off = patch_cpu._agent_config(config, Settings().resolve(is_cpu=True))
+    off = patch_cpu._agent_config(config, False)
     assert off(num_threads=4) == (False, 4)
     assert off(enable_prog_thread=True) == (True, 0)  # an explicit caller wins
-    keep = patch_cpu._agent_config(config, Settings().resolve(is_cpu=False))
-    assert keep() == (True, 0)
+    assert patch_cpu._agent_config(config, True)() == (True, 0)
+
+
+def test_no_progress_thread_where_it_could_not_sleep(monkeypatch):
+    pytest.importorskip("nixl")
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    def cannot(wait_us):
+        raise Skip("no pthrDelay")
+
+    monkeypatch.setattr(patch_cpu, "_install_sleeping_progress", cannot)
+    try:
+        applied = patch_cpu.install(Settings().resolve(is_cpu=True))
+        assert "nixl-progress-thread=off" in applied
+        assert base_worker.nixl_agent_config().enable_pthread is False
+    finally:
+        unwrap(patch_cpu.MODULE, "nixl_agent_config")
+        unwrap(patch_cpu.MODULE, "NixlBaseConnectorWorker.__init__")
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
@@ -284,6 +300,47 @@ def test_the_engine_core_joins_the_cores_its_workers_are_bound_to(bind, cores):
     assert Settings.from_env(env).resolve(is_cpu=False).engine_core_cores is None
     off = {**env, "BIDIRKV_CPU_PIN_ENGINE_CORE": "0"}
     assert Settings.from_env(off).resolve(is_cpu=True).engine_core_cores is None
+
+
+def _idle_agent_cpu_s(name: str) -> float:
+    """CPU this process spends over 1 s while a NIXL agent with its progress thread is
+    idle (the thread runs in this process)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    agent = base_worker.NixlWrapper(name, base_worker.nixl_agent_config(
+        enable_prog_thread=True, backends=["UCX"]))
+    time.sleep(0.2)
+    t0 = os.times()
+    time.sleep(1.0)
+    t1 = os.times()
+    del agent
+    return (t1.user + t1.system) - (t0.user + t0.system)
+
+
+def test_nixl_progress_thread_sleeps_between_events():
+    pytest.importorskip("nixl")
+    from bidirkv.connector.settings import CPU_PROGRESS_WAIT_US, Settings
+
+    api = sys.modules[base_worker_nixl_module()]
+    base = api.nixlBind.nixlAgentConfig
+    try:
+        applied = patch_cpu.install(Settings.from_env({}).resolve(is_cpu=True))
+        assert "nixl-progress-thread=sleeping" in applied
+        cfg = api.nixlBind.nixlAgentConfig()
+        cfg.pthrDelay = 0  # what NIXL's Python agent sets
+        assert cfg.pthrDelay == CPU_PROGRESS_WAIT_US
+        # NIXL's own setting would poll without a pause: about a core.
+        assert _idle_agent_cpu_s("bidirkv-test-sleeping") < 0.2
+    finally:
+        api.nixlBind.nixlAgentConfig = base
+        unwrap(patch_cpu.MODULE, "nixl_agent_config")
+        unwrap(patch_cpu.MODULE, "NixlBaseConnectorWorker.__init__")
+
+
+def base_worker_nixl_module() -> str:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    return base_worker.NixlWrapper.__module__
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")

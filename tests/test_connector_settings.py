@@ -2,16 +2,18 @@
 
 import pytest
 
-from bidirkv.connector.settings import CPU_IDLE_POLL_MS, Settings
+from bidirkv.connector.settings import CPU_IDLE_POLL_MS, CPU_PROGRESS_WAIT_US, Settings
 
 
 def test_defaults_act_on_cpu_only():
     s = Settings.from_env({})
     cpu, gpu = s.resolve(is_cpu=True), s.resolve(is_cpu=False)
-    assert cpu.keep_affinity and cpu.nixl_progress_thread is False
+    assert cpu.keep_affinity and cpu.nixl_progress_thread is True
+    assert cpu.nixl_progress_wait_us == CPU_PROGRESS_WAIT_US
     assert cpu.idle_poll_ms == CPU_IDLE_POLL_MS and cpu.stream_params
     # Elsewhere: vLLM's own progress thread, loop and worker busy-wait stay as they are.
     assert gpu.nixl_progress_thread is None and gpu.idle_poll_ms == 0
+    assert gpu.nixl_progress_wait_us == 0
     assert s.handle_key is None
 
 
