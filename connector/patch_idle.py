@@ -28,7 +28,7 @@ so a second message within ~1 ms goes unannounced. vLLM never notices (a reader 
 (5 s) with the engine waiting on it, e.g. when a request arrived just after an empty
 step. `SpinCondition.__init__` is wrapped so that writers queue their notifications
 (readers keep only the last one: `CONFLATE`), and the worker sleeps only where that patch
-resolves.
+resolves. Only the engine core's writers are changed: the worker is the one that sleeps.
 """
 
 from __future__ import annotations
@@ -168,11 +168,13 @@ def install(poll_ms: int) -> list[str]:
         return []
     wrap(MODULE, "EngineCoreProc._process_engine_step",
          lambda o: _process_engine_step(o, poll_ms / 1000))
-    return [f"idle-poll={poll_ms}ms"]
+    return [f"idle-poll={poll_ms}ms", *install_notify(poll_ms)]
 
 
 def install_notify(poll_ms: int) -> list[str]:
-    """In every process (engine cores write to workers, workers to engine cores)."""
+    """With the engine loop (install): the engine-core process is where the queue to the
+    workers is written. Workers' replies keep vLLM's setting: the engine core spins for
+    them, and every notification sent wakes threads on a busy core."""
     if poll_ms <= 0:
         return []
     wrap(NOTIFY_MODULE, "SpinCondition.__init__", _spin_condition_init)

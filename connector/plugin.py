@@ -106,9 +106,6 @@ def register() -> None:
         required=False))
     when_imported(patch_idle.MODULE, _guarded(
         "idle loop", lambda: patch_idle.install(_resolved().idle_poll_ms), required=False))
-    when_imported(patch_idle.NOTIFY_MODULE, _guarded(
-        "notify queue", lambda: patch_idle.install_notify(_resolved().idle_poll_ms),
-        required=False))
     when_imported(patch_idle.WORKER_MODULE, _guarded(
         "idle worker", lambda: patch_idle.install_worker(_resolved().idle_poll_ms),
         required=False))
