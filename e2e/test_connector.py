@@ -60,9 +60,10 @@ def test_plugin_is_active_in_every_process(stack):
         log = proc.log_path.read_text(errors="replace")
         assert re.search(r"EngineCore.*bidir-kv: patched verified-reuse", log), proc.name
         assert re.search(r"APIServer.*bidir-kv: patched stream-params:OpenAIServingChat", log)
-        assert re.search(r"Worker.*bidir-kv: patched keep-affinity, nixl-progress-thread=off",
-                         log)
-        assert "idle-poll=20ms" in log and "worker-sleeps-after-empty-step" in log
+        assert re.search(
+            r"Worker.*bidir-kv: patched keep-affinity, nixl-progress-thread=sleeping", log)
+        assert re.search(r"EngineCore.*bidir-kv: patched idle-poll=20ms, notify-hwm=", log)
+        assert "worker-sleeps-after-empty-step" in log
     # vLLM moved P's model thread (bound to core 0) to the last core; it was put back.
     assert "kept the model thread on cores [0]" in stack.p.log_path.read_text()
 
