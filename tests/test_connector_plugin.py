@@ -14,6 +14,7 @@ from bidirkv.connector.launcher import plugin_error
 from bidirkv.connector.patching import (
     MARK,
     Skip,
+    Target,
     unwrap,
     vllm_supported,
     when_imported,
@@ -276,15 +277,10 @@ def test_a_sleeping_worker_is_woken_by_every_message(tmp_path):
 
 
 def test_the_worker_keeps_its_busy_wait_where_notifications_may_be_lost(monkeypatch):
-    monkeypatch.setattr(patch_idle, "NOTIFY_TARGET", patching_target("SpinCondition.gone"))
+    monkeypatch.setattr(patch_idle, "NOTIFY_TARGET",
+                        Target(patch_idle.NOTIFY_MODULE, "SpinCondition.gone"))
     with pytest.raises(Skip, match="keeps vLLM's busy wait"):
         patch_idle.install_worker(20)
-
-
-def patching_target(qualname):
-    from bidirkv.connector.patching import Target
-
-    return Target(patch_idle.NOTIFY_MODULE, qualname)
 
 
 @pytest.mark.parametrize(("bind", "cores"), [
@@ -319,9 +315,11 @@ def _idle_agent_cpu_s(name: str) -> float:
 
 def test_nixl_progress_thread_sleeps_between_events():
     pytest.importorskip("nixl")
-    from bidirkv.connector.settings import CPU_PROGRESS_WAIT_US, Settings
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
-    api = sys.modules[base_worker_nixl_module()]
+    from bidirkv.connector.settings import CPU_PROGRESS_WAIT_US
+
+    api = sys.modules[base_worker.NixlWrapper.__module__]
     base = api.nixlBind.nixlAgentConfig
     try:
         applied = patch_cpu.install(Settings.from_env({}).resolve(is_cpu=True))
@@ -335,12 +333,6 @@ def test_nixl_progress_thread_sleeps_between_events():
         api.nixlBind.nixlAgentConfig = base
         unwrap(patch_cpu.MODULE, "nixl_agent_config")
         unwrap(patch_cpu.MODULE, "NixlBaseConnectorWorker.__init__")
-
-
-def base_worker_nixl_module() -> str:
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
-
-    return base_worker.NixlWrapper.__module__
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
