@@ -141,7 +141,8 @@ def test_the_pd_path_serves_concurrent_load(runs):
         assert (r["completed"], r["failed"]) == (8, 0), r
     # Loose on purpose (a shared 2-core machine): the aims are checked by make demo.
     assert pd["request_throughput"] >= 0.3 * single["request_throughput"], (pd, single)
-    assert pd["median_itl_ms"] <= single["median_itl_ms"] + 10, (pd, single)
+    # A ratio, not milliseconds: a decode step's cost depends on the CPU.
+    assert pd["median_itl_ms"] <= 2 * single["median_itl_ms"], (pd, single)
 
 
 def test_nothing_reused_with_the_flag_off(runs):

@@ -1,8 +1,8 @@
 """Hostile JSON found before parsing recursion or re-encoding (router/bodycheck.py)."""
 
 import json
-import time
 
+from bidirkv.router import bodycheck
 from bidirkv.router.bodycheck import MAX_DEPTH, nesting_problem, surrogate_problem
 
 
@@ -28,11 +28,20 @@ def test_wide_bodies_pass_and_unbalanced_ones_are_left_to_the_parser():
     assert nesting_problem(b"[" * 100) is None  # no closing brackets: invalid JSON
 
 
-def test_a_huge_deep_body_is_refused_quickly():
+def test_a_huge_deep_body_is_refused_in_a_bounded_number_of_passes(monkeypatch):
+    """Work, not seconds: no recursion, and at most MAX_DEPTH linear passes over the body,
+    however deep it is (a time bound would hold on one CPU and fail on a slower one)."""
+    passes, real = [], bodycheck._PAIR
+
+    class CountingPattern:
+        def sub(self, repl, data):
+            passes.append(len(data))
+            return real.sub(repl, data)
+
+    monkeypatch.setattr(bodycheck, "_PAIR", CountingPattern())
     body = nested(2_000_000)
-    t = time.perf_counter()
     assert nesting_problem(body) is not None
-    assert time.perf_counter() - t < 2.0
+    assert len(passes) == MAX_DEPTH and max(passes) <= len(body)
 
 
 def test_lone_surrogates_are_found_with_their_path():
