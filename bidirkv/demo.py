@@ -32,10 +32,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SPEC = ROOT / "examples" / "local.yaml"
 OUT = ROOT / "out" / "demo"
 
-# Sized for a 2-core machine and a 15-minute budget (measured: ~6-7 min without the
-# engine install): 10 turns of +1000 tokens reach ~10.5k tokens of context (maxModelLen
-# 12288); 3 conversations, so a turn's median is not one noisy request.
-DEFAULTS = {"conversations": 3, "turns": 10, "new_tokens": 1000, "output_tokens": 48}
+# Sized for a 2-core machine and a 15-minute budget: 10 turns of +1000 tokens reach ~10.5k
+# tokens of context (maxModelLen 12288); 3 conversations, so a turn's median is not one
+# noisy request. Between turns a conversation thinks 1-5 s (seeded), and before turn 6 it
+# pauses 45 s more, an agent's tool call: longer than decode's old 30 s retention, so the
+# run shows a conversation that comes back late still reusing.
+DEFAULTS = {"conversations": 3, "turns": 10, "new_tokens": 1000, "output_tokens": 48,
+            "think": (1.0, 5.0), "pause_s": 45.0, "pause_turn": 6}
 
 
 def step(text: str) -> None:
@@ -120,12 +123,11 @@ def run_pressure(label: str, patch: dict[str, Any], args: argparse.Namespace
 
 def pressure(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]], Any]) -> None:
     from bidirkv.bench import loadreport
-    from bidirkv.local.cli import build_tiny_model
+    from bidirkv.local.cli import tiny_model_for
     from bidirkv.local.plan import read_spec_file
 
     spec = read_spec_file(args.spec)
-    build_tiny_model(pathlib.Path(ROOT, spec["model"]["name"]),
-                     spec["model"].get("dtype", "bfloat16"), not args.no_progress)
+    tiny_model_for(args.spec, ROOT, not args.no_progress)
     p = PRESSURE
     print(f"    decode (and prefill) KV: {p['blocks']} blocks; {p['conversations']} "
           f"conversations x {p['turns']} turns ({p['first_tokens']} words, then "
@@ -163,10 +165,12 @@ def run_phase(label: str, patch: dict[str, Any] | None, bench_kw: dict[str, Any]
         print(f"    P {stack.urls('prefill')[0]}  D {stack.urls('decode')[0]}  router "
               f"{stack.router_url}  (healthy after {time.monotonic() - t:.0f} s; logs in "
               f"{stack.state_dir / 'logs'})", flush=True)
+        d_url = stack.urls("decode")[0]
         cfg = BenchConfig(
             url=stack.router_url, label=label, prefill_metrics=stack.urls("prefill")[0] +
-            "/metrics", decode_metrics=stack.urls("decode")[0] + "/metrics",
-            lower_bound_url=stack.urls("decode")[0] if lower_bound else None, **bench_kw)
+            "/metrics", decode_metrics=d_url + "/metrics",
+            decode_residency=d_url + "/bidirkv/residency",
+            lower_bound_url=d_url if lower_bound else None, **bench_kw)
         t = time.monotonic()
         runner = Runner(cfg, progress=progress)
         try:
@@ -174,7 +178,8 @@ def run_phase(label: str, patch: dict[str, Any] | None, bench_kw: dict[str, Any]
         except RequestFailed as exc:
             # A dead server explains a failed request better than the request does.
             raise StartError("\n".join([str(exc), *stack.exited()])) from None
-        doc = run_document(cfg, records, time.monotonic() - t, runner.loadavg)
+        doc = run_document(cfg, records, time.monotonic() - t, runner.loadavg,
+                           retention_cap_s=stack.retention_s)
         write_json(args.out / f"{label}.json", doc)
         load = runner.loadavg
         print(f"    {len(records)} turns in {time.monotonic() - t:.0f} s (1-min load average "
@@ -187,30 +192,39 @@ def run_phase(label: str, patch: dict[str, Any] | None, bench_kw: dict[str, Any]
 def data_plane(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]], Any]
                ) -> int:
     from bidirkv.bench import report
-    from bidirkv.local.cli import build_tiny_model
-    from bidirkv.local.plan import read_spec_file
+    from bidirkv.local.cli import tiny_model_for
+    from bidirkv.local.cpu import read_cpu
 
-    spec = read_spec_file(args.spec)
-    model = pathlib.Path(ROOT, spec["model"]["name"])
-    dtype = spec["model"].get("dtype", "bfloat16")
+    cpu = read_cpu()
+    model, choice = timed("tiny model", lambda: tiny_model_for(args.spec, ROOT,
+                                                               not args.no_progress))
     shown = model.relative_to(ROOT) if model.is_relative_to(ROOT) else model
-    timed(f"tiny model ({dtype}) at {shown}",
-          lambda: build_tiny_model(model, dtype, not args.no_progress))
+    print(f"    {shown}; CPU {cpu.describe()}\n    {choice.line()}")
+    from bidirkv.bench.turns import Think, summary_text
+
+    think = Think(min_s=args.think[0], max_s=args.think[1], pause_s=args.pause,
+                  pause_turns=(args.pause_turn,) if args.pause and args.pause_turn else ())
     bench_kw = {"conversations": args.conversations, "turns": args.turns,
                 "new_tokens": args.new_tokens, "output_tokens": args.output_tokens,
-                "warmup_turns": args.warmup_turns, "settle_s": args.settle}
+                "warmup_turns": args.warmup_turns, "settle_s": args.settle, "think": think}
     print(f"    benchmark: {args.conversations} conversations x {args.turns} turns, "
           f"+{args.new_tokens} user tokens and {args.output_tokens} output tokens a turn, "
-          "streamed, P prefix caching off (emulated eviction)")
+          f"{think.describe()} (seeded), streamed, P prefix caching off (emulated eviction)")
     on = timed("bidirectional ON: start the stack from examples/local.yaml, benchmark, stop",
                lambda: run_phase("on", None, bench_kw, args, lower_bound=False))
     off = timed("bidirectional OFF (servers and router): restart, benchmark + lower bound, "
                 "stop", lambda: run_phase("off", {"kvTransfer": {"bidirectional": False}},
                                           bench_kw, args, lower_bound=True))
-    doc = report.compare_document(on, off, {"spec": str(args.spec)})
-    paths = report.write_comparison(args.out, doc, "1P1D vLLM CPU, tiny model, bf16")
-    step("results (median over conversations per turn)")
+    doc = report.compare_document(on, off, {
+        "spec": str(args.spec), "cpu": cpu.to_json(),
+        "dtype": {"dtype": choice.dtype, "picked": choice.picked, "reason": choice.reason}})
+    paths = report.write_comparison(
+        args.out, doc, f"1P1D vLLM CPU, tiny model, {choice.dtype}\n{cpu.model} ({cpu.isa()})")
+    step(f"results (median over conversations per turn; {cpu.model}, {choice.dtype})")
     print(report.comparison_text(doc))
+    print("\nReuse by reason (turns):")
+    for label, run in (("ON", on), ("OFF", off)):
+        print("  " + summary_text(label, run["reuse_reasons"]))
     print("\nHow each column is measured:")
     print(report.method_text())
     print()
@@ -227,6 +241,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=DEFAULTS["turns"])
     p.add_argument("--new-tokens", type=int, default=DEFAULTS["new_tokens"])
     p.add_argument("--output-tokens", type=int, default=DEFAULTS["output_tokens"])
+    p.add_argument("--think", type=float, nargs=2, default=DEFAULTS["think"],
+                   metavar=("MIN", "MAX"), help="seconds a conversation thinks between turns "
+                   "(seeded, uniform)")
+    p.add_argument("--pause", type=float, default=DEFAULTS["pause_s"], metavar="SECONDS",
+                   help="a longer pause (a tool call) before --pause-turn; 0: none")
+    p.add_argument("--pause-turn", type=int, default=DEFAULTS["pause_turn"], metavar="N")
     p.add_argument("--warmup-turns", type=int, default=2)
     p.add_argument("--settle", type=float, default=1.0, metavar="SECONDS")
     p.add_argument("--skip-control-plane", action="store_true")

@@ -20,12 +20,11 @@ def run(spec_path: pathlib.Path, out: pathlib.Path, *, concurrencies: tuple[int,
         num_prompts: int = 48, progress: bool = True, patch: dict[str, Any] | None = None
         ) -> list[dict[str, Any]]:
     from bidirkv.bench import pdload
-    from bidirkv.local.cli import build_tiny_model, prepare_stack
+    from bidirkv.local.cli import prepare_stack, tiny_model_for
     from bidirkv.local.plan import read_spec_file
 
     spec = read_spec_file(spec_path)
-    model = pathlib.Path(ROOT, spec["model"]["name"])
-    build_tiny_model(model, spec["model"].get("dtype", "bfloat16"), progress)
+    model, _ = tiny_model_for(spec_path, ROOT, progress)
     served = spec["model"].get("servedName") or spec["model"]["name"]
     stack = prepare_stack(spec_path, out / "stack-concurrency", patch=patch, cwd=ROOT,
                           progress=progress)

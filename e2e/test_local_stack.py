@@ -20,6 +20,7 @@ import yaml
 
 from bidirkv.bench import pdload, promtext
 from bidirkv.bench.runner import BenchConfig, Runner
+from bidirkv.bench.turns import Think
 from bidirkv.local.model import build_model
 from bidirkv.local.procs import same_process
 from bidirkv.local.stack import stop_recorded
@@ -41,6 +42,9 @@ pytestmark = [
 # times reading them, by more than the noise of a shared 2-core machine.
 BENCH = {"conversations": 2, "turns": 4, "new_tokens": 1000, "output_tokens": 16,
          "warmup_turns": 2, "settle_s": 0.2}
+# With reuse on, both conversations come back to their last turn after a pause longer than
+# decode's former 30 s retention: reuse must not depend on how fast turns are.
+LATE_RETURN = Think(pause_s=31.0, pause_turns=(BENCH["turns"],))
 
 
 def bidir_kv(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -72,8 +76,11 @@ def run_stack(spec_file: pathlib.Path, state_dir: pathlib.Path, label: str,
     assert state is not None and state.phase == "up"
     assert up.stdout.strip() == state.router_url
     p_metrics = state.urls("prefill")[0] + "/metrics"
+    d_url = state.urls("decode")[0]
     cfg = BenchConfig(url=state.router_url, label=label, prefill_metrics=p_metrics,
-                      decode_metrics=state.urls("decode")[0] + "/metrics", **BENCH)
+                      decode_metrics=d_url + "/metrics",
+                      decode_residency=d_url + "/bidirkv/residency",
+                      think=LATE_RETURN if bidirectional else Think(), **BENCH)
     records = [r.to_json() for r in Runner(cfg, progress=False).run()]
     out = {
         "records": records,
@@ -132,6 +139,17 @@ def test_reuse_happened_with_the_flag_on(runs):
     reused = promtext.total(on["router"], "bidirkv_router_reuse_tokens_total")
     assert reused and reused > 0, "the router saw no reuse report from P"
     assert promtext.total(on["prefill"], "vllm:nixl_num_failed_transfers_total") == 0
+
+
+def test_a_conversation_back_after_more_than_30_s_still_reuses(runs):
+    last = by_turn(runs["on"]["records"], BENCH["turns"])
+    assert len(last) == BENCH["conversations"]
+    for r in last:
+        assert r["gap_s"] > 30, r["gap_s"]
+        assert r["reason"] == "hit", (r["reason"], r["refusals"])
+    later = [r for r in runs["on"]["records"] if r["turn"] > 1]
+    assert all(r["reason"] == "hit" for r in later), [r["reason"] for r in later]
+    assert all(r["reason"] == "off" for r in runs["off"]["records"])
 
 
 def test_the_pd_path_serves_concurrent_load(runs):

@@ -132,3 +132,19 @@ async def test_client_reports_http_errors_and_empty_streams():
             await asyncio.to_thread(first_model, base + "/err")
     finally:
         await runner.cleanup()
+
+
+async def test_think_time_orders_turns_by_when_each_conversation_is_due():
+    from bidirkv.bench.turns import Think
+
+    # Every conversation pauses 0.6 s before its turn 2; the first turns go back to back.
+    think = Think(min_s=0.0, max_s=0.0, pause_s=0.6, pause_turns=(2,))
+    async with Cluster() as c:
+        records = await run_bench(c, conversations=2, turns=3, warmup_turns=0, think=think,
+                                  decode_residency=c.d[0].url + "/bidirkv/residency")
+    assert [(r.turn, r.conversation) for r in records][:2] == [(1, 0), (1, 1)]
+    assert all(r.gap_s >= 0.6 for r in records if r.turn == 2)
+    assert all(r.think_s == (0.6 if r.turn == 2 else 0.0) for r in records)
+    assert [r.reason for r in records if r.turn == 1] == ["first turn"] * 2
+    assert all(r.reason == "hit" for r in records if r.turn > 1)
+    assert all(r.refusals == {} for r in records)

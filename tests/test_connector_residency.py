@@ -37,6 +37,8 @@ def test_release_then_grant_is_refused_and_grant_then_release_is_a_no_op():
     assert res.grant("b") == (False, "already_granted")  # single use
     assert res.take_pending() == ["a"]
     assert res.take_pending() == []
+    # Refusals name what released the blocks.
+    assert res.stats()["refusals"] == {"released_router": 1, "already_granted": 1}
 
 
 def test_grant_refused_near_vllms_deadline_and_for_unknown_ids():

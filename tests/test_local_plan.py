@@ -50,10 +50,27 @@ def test_example_is_a_cpu_1p1d_with_emulated_eviction(raw, spec):
     assert binds["prefill"]["VLLM_CPU_OMP_THREADS_BIND"] != \
         binds["decode"]["VLLM_CPU_OMP_THREADS_BIND"]
     assert "--enforce-eager" in spec.engine.extra_args
-    # Short TTL, router below it by the margin the CRD requires.
-    assert spec.kv_transfer.decoder_kv_blocks_ttl_seconds <= 60
+    # Retention is a cap past an agent's tool call (minutes), not a race with the machine's
+    # speed; the router below it by the margin the CRD requires.
+    assert spec.kv_transfer.decoder_kv_blocks_ttl_seconds >= 300
+    assert spec.router.conversation_ttl_seconds >= 120
     assert spec.router.conversation_ttl_seconds + 10 <= \
         spec.kv_transfer.decoder_kv_blocks_ttl_seconds
+    # The dtype is left to the local stack, which picks it for the CPU.
+    assert raw["model"]["dtype"] == "auto"
+
+
+def test_local_dtype_auto_becomes_the_cpus_choice_and_an_explicit_one_stays(raw, monkeypatch):
+    from bidirkv.local import cli
+    from bidirkv.local.cpu import CpuInfo
+
+    avx2 = CpuInfo("AMD EPYC", "x86_64", frozenset({"avx2"}), 2)
+    monkeypatch.setattr(cli, "read_cpu", lambda: avx2)
+    out, choice = cli.with_local_dtype(raw)
+    assert out["model"]["dtype"] == "float32" and choice.picked
+    assert raw["model"]["dtype"] == "auto"  # the input is not edited
+    kept, choice = cli.with_local_dtype(merge_patch(raw, {"model": {"dtype": "bfloat16"}}))
+    assert kept["model"]["dtype"] == "bfloat16" and not choice.picked
 
 
 def test_relative_model_path_becomes_absolute_and_hub_ids_stay(raw, tmp_path):

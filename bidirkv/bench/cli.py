@@ -50,6 +50,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lower-bound", action="store_true",
                    help="with --state-dir: measure the lower bound on the stack's decode server "
                         "(meaningful with kvTransfer.bidirectional false)")
+    p.add_argument("--turn-think", type=float, nargs=2, default=(0.0, 0.0),
+                   metavar=("MIN", "MAX"), help="seconds a conversation thinks between its "
+                   "turns (seeded, uniform; the next turn goes to whichever is due first)")
+    p.add_argument("--pause", type=float, default=0.0, metavar="SECONDS",
+                   help="a longer pause (a tool call) before each of --pause-turns")
+    p.add_argument("--pause-turns", type=int, nargs="+", default=(), metavar="N")
+    p.add_argument("--decode-residency", metavar="URL",
+                   help="D's /bidirkv/residency (misses by reason: near expiry, released)")
     p.add_argument("--concurrency", type=int, metavar="N",
                    help="concurrent mode: N requests in flight over the pool of --conversations "
                         "(per-request TTFT p50/p99, throughput, errors)")
@@ -68,9 +76,11 @@ def _config(args: argparse.Namespace):
     from bidirkv.local.state import read_state
 
     from .runner import BenchConfig
+    from .turns import Think
 
     url, prefill, decode, lower = (args.url, args.prefill_metrics, args.decode_metrics,
                                    args.lower_bound_url)
+    residency = args.decode_residency
     if args.state_dir is not None:
         state = read_state(args.state_dir)
         if state is None:
@@ -80,14 +90,18 @@ def _config(args: argparse.Namespace):
         p_urls, d_urls = state.urls("prefill"), state.urls("decode")
         prefill = prefill or (p_urls[0] + "/metrics" if len(p_urls) == 1 else None)
         decode = decode or (d_urls[0] + "/metrics" if len(d_urls) == 1 else None)
+        residency = residency or (d_urls[0] + "/bidirkv/residency" if len(d_urls) == 1
+                                  else None)
         if args.lower_bound and not lower:
             lower = d_urls[0]
+    think = Think(min_s=args.turn_think[0], max_s=args.turn_think[1], pause_s=args.pause,
+                  pause_turns=tuple(args.pause_turns))
     return BenchConfig(
         url=url, label=args.label, model=args.model, conversations=args.conversations,
         turns=args.turns, new_tokens=args.new_tokens, output_tokens=args.output_tokens,
         warmup_turns=args.warmup_turns, settle_s=args.settle, stream=not args.no_stream,
         id_mode=args.conversation_id, prefill_metrics=prefill, decode_metrics=decode,
-        lower_bound_url=lower, seed=args.seed,
+        lower_bound_url=lower, decode_residency=residency, think=think, seed=args.seed,
     )
 
 
@@ -122,7 +136,7 @@ def run_load(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import report, stats
+    from . import report, stats, turns
     from .client import RequestFailed
     from .runner import Runner
 
@@ -152,5 +166,6 @@ def run(args: argparse.Namespace) -> int:
         return 130
     path = report.write_json(args.out / f"{cfg.label}.json", doc)
     print(stats.table(doc["per_turn"], stats.RUN_COLUMNS))
+    print(turns.summary_text(cfg.label, doc["reuse_reasons"]))
     print(f"json: {path}")
     return 0

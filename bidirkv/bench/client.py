@@ -132,3 +132,25 @@ def first_model(base_url: str, timeout: float = 10.0) -> str:
     if not models:
         raise RequestFailed(f"{base_url}/v1/models lists no model")
     return str(models[0]["id"])
+
+
+def post_json(url: str | None, body: dict[str, Any], timeout: float = 5.0
+              ) -> dict[str, Any] | None:
+    """POST a JSON body, the JSON object answered; None when there is no URL, or on any
+    failure (an optional side read, such as decode's residency report)."""
+    if not url:
+        return None
+    conn, path = _connection(url, timeout)
+    try:
+        conn.request("POST", path or "/", body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            return None
+        out = json.loads(data)
+        return out if isinstance(out, dict) else None
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    finally:
+        conn.close()

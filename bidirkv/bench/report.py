@@ -9,7 +9,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from . import stats
+from bidirkv.local.cpu import read_cpu
+
+from . import stats, turns
 from .runner import BenchConfig, TurnRecord
 
 RUN_KIND = "bidirkv-bench-run"
@@ -34,17 +36,26 @@ METHOD = {
                    "leg. Prefix-cache hits are whole 128-token blocks, so up to 127 history "
                    "tokens are recomputed, as with a read from D",
     "statistic": "per turn, the median over conversations",
+    "reason": "why a turn reused or not, from the router's outcome, P's reads and D's "
+              "refusals during the request (bidirkv/bench/turns.py)",
+    "gap": "seconds from a conversation's previous answer to this turn's request: its think "
+           "time plus the other conversations' turns served meanwhile",
 }
 
 
 def run_document(cfg: BenchConfig, records: Sequence[TurnRecord], wall_s: float,
-                 loadavg: Mapping[str, float] | None = None) -> dict[str, Any]:
+                 loadavg: Mapping[str, float] | None = None,
+                 retention_cap_s: float | None = None) -> dict[str, Any]:
+    """One run; `retention_cap_s` (decode's decoderKvBlocksTtlSeconds, where known) splits
+    the turns that came back within it from those beyond it."""
     recs = [r.to_json() for r in records]
     return {
         "kind": RUN_KIND,
         "config": asdict(cfg),
         "wall_s": wall_s,
-        "host": {"cpus": os.cpu_count(), "loadavg_1min": dict(loadavg or {})},
+        "reuse_reasons": turns.summary(recs, retention_cap_s),
+        "host": {"cpus": os.cpu_count(), "cpu": read_cpu().to_json(),
+                 "loadavg_1min": dict(loadavg or {})},
         "per_turn": stats.per_turn(recs),
         "records": recs,
         "method": METHOD,
@@ -78,9 +89,9 @@ def compare_document(on: Mapping[str, Any], off: Mapping[str, Any],
         "rows": rows,
         "aims": [asdict(a) for a in aims],
         "outputs": {"compared": compared, "differ": differ,
-                    "note": "bf16 greedy output of a random-weight model is not reproducible "
-                            "across runs (near-tied logits); equality is checked in float32 "
-                            "by e2e/test_local_stack.py"},
+                    "note": "in float32 ON and OFF outputs must be identical (also checked by "
+                            "e2e/test_local_stack.py); bf16 greedy output of a random-weight "
+                            "model is not reproducible across runs (near-tied logits)"},
         "method": METHOD,
         "runs": {"on": dict(on), "off": dict(off)},
         **(dict(extra) if extra else {}),

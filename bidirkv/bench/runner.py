@@ -1,8 +1,12 @@
 """Run the benchmark against a router: N conversations x T turns, one request at a time.
 
-One request at a time (turn t of every conversation, then turn t+1): the engines' and
-the router's counters are scraped around each request, so their deltas belong to it.
-A concurrent client would measure queueing on a 2-core machine, not KV reuse.
+One request at a time: the engines' and the router's counters (and decode's residency
+report) are scraped around each request, so their deltas belong to it. A concurrent
+client would measure queueing on a 2-core machine, not KV reuse. Without think time the
+order is turn t of every conversation, then turn t+1; with it (turns.py) each
+conversation comes back its think time after its answer, and the one due first goes next.
+Every turn records the gap since its conversation's previous answer and why it reused or
+not (turns.py).
 
 Lower bound (optional, `lower_bound_url`): before a conversation's turn is sent through
 the router, the same prompt goes straight to a server whose local prefix cache already
@@ -21,8 +25,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import promtext
-from .client import Reply, chat, first_model
+from .client import Reply, chat, first_model, post_json
 from .conversation import Conversation, chat_body, user_text, with_conversation_id
+from .turns import Think, refusals_delta
+from .turns import reason as turn_reason
 
 REUSE_OUTCOMES = ("hit", "miss", "expired", "verified-partial", "dropped", "off")
 
@@ -64,6 +70,8 @@ class BenchConfig:
     prefill_metrics: str | None = None  # P's /metrics (local stack, port-forward, ...)
     decode_metrics: str | None = None
     lower_bound_url: str | None = None
+    decode_residency: str | None = None  # D's /bidirkv/residency: refusals by reason
+    think: Think = field(default_factory=Think)
     seed: int = 0
     timeout_s: float = 600.0
 
@@ -89,6 +97,10 @@ class TurnRecord:
     lower_bound_s: float | None = None
     reuse: str | None = None  # the router's reuse outcome for this request
     metrics: dict[str, float | None] = field(default_factory=dict)
+    gap_s: float | None = None  # since this conversation's previous answer
+    think_s: float = 0.0  # the think time the schedule gave this turn
+    reason: str | None = None  # why it reused or not (turns.REASONS)
+    refusals: dict[str, int] = field(default_factory=dict)  # D's, during this request
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,6 +122,11 @@ class Runner:
         self.model = cfg.model
         # 1-minute load averages around the run: other work on the machine shows here.
         self.loadavg: dict[str, float] = {}
+        self._answered: dict[int, float] = {}  # conversation -> when its last answer came
+
+    def _residency(self) -> dict[str, Any] | None:
+        # An empty body only reads the report: no lease, no release.
+        return post_json(self.cfg.decode_residency, {})
 
     def _scrape(self) -> tuple[Any, Any, Any]:
         c = self.cfg
@@ -126,7 +143,8 @@ class Runner:
         assert self.cfg.lower_bound_url is not None
         return self._send(conv, self.cfg.lower_bound_url, body, {}).ttft_s
 
-    def turn(self, conv: Conversation, turn: int, measure: bool) -> TurnRecord:
+    def turn(self, conv: Conversation, turn: int, measure: bool, think_s: float = 0.0
+             ) -> TurnRecord:
         c = self.cfg
         conv.ask(user_text(c.seed, conv.index, turn, c.new_tokens))
         lb = self._lower_bound(conv) if (measure and c.lower_bound_url) else None
@@ -136,19 +154,29 @@ class Runner:
         if measure and c.settle_s:
             time.sleep(c.settle_s)
         before = self._scrape() if measure else (None, None, None)
+        res_before = self._residency() if measure else None
+        last = self._answered.get(conv.index)
+        gap = time.monotonic() - last if last is not None else None
         reply = self._send(conv, c.url, body, headers)
+        self._answered[conv.index] = time.monotonic()
         after = self._scrape() if measure else (None, None, None)
+        refused = refusals_delta(res_before, self._residency()) if measure else {}
         conv.answer(reply.text)
         m: dict[str, float | None] = {}
         m.update(promtext.deltas(before[0], after[0], ROUTER_METRICS))
         m.update(promtext.deltas(before[1], after[1], PREFILL_METRICS))
         m.update(promtext.deltas(before[2], after[2], DECODE_METRICS))
+        outcome = reuse_outcome(m)
+        reused = m.get("p_external_hit_tokens")
+        if reused is None:
+            reused = m.get("reused_tokens")
         return TurnRecord(
             label=c.label, conversation=conv.index, turn=turn,
             context_tokens=reply.prompt_tokens, output_tokens=reply.completion_tokens,
             ttft_s=reply.ttft_s, total_s=reply.total_s,
             text_sha=hashlib.sha256(reply.text.encode()).hexdigest()[:16], text=reply.text,
-            lower_bound_s=lb, reuse=reuse_outcome(m), metrics=m,
+            lower_bound_s=lb, reuse=outcome, metrics=m, gap_s=gap, think_s=think_s,
+            reason=turn_reason(turn, outcome, reused, refused), refusals=refused,
         )
 
     def run(self) -> list[TurnRecord]:
@@ -173,14 +201,25 @@ class Runner:
         records: list[TurnRecord] = []
         bar = tqdm(total=c.turns * c.conversations, desc=f"bench {c.label}", unit="turn",
                    disable=not self.progress)
+        due = {conv.index: (0.0, 0.0) for conv in convs}  # (monotonic time, think time)
         try:
-            for t in range(1, c.turns + 1):
-                for conv in convs:
-                    rec = self.turn(conv, t, measure=True)
-                    records.append(rec)
-                    bar.set_postfix_str(f"turn {t} ctx {rec.context_tokens} "
-                                        f"ttft {rec.ttft_s * 1000:.0f} ms")
-                    bar.update(1)
+            while due:
+                # The conversation due first; ties by index (no think time: round-robin).
+                conv = min((cv for cv in convs if cv.index in due),
+                           key=lambda cv: (due[cv.index][0], cv.index))
+                at, think = due.pop(conv.index)
+                if (wait := at - time.monotonic()) > 0:
+                    bar.set_postfix_str(f"conversation {conv.index} thinks {wait:.0f} s")
+                    time.sleep(wait)
+                t = conv.turns_done + 1
+                rec = self.turn(conv, t, measure=True, think_s=think)
+                records.append(rec)
+                bar.set_postfix_str(f"turn {t} ctx {rec.context_tokens} "
+                                    f"ttft {rec.ttft_s * 1000:.0f} ms {rec.reason}")
+                bar.update(1)
+                if t < c.turns:
+                    nxt = c.think.before(c.seed, conv.index, t + 1)
+                    due[conv.index] = (time.monotonic() + nxt, nxt)
         finally:
             bar.close()
             self.loadavg["end"] = os.getloadavg()[0]

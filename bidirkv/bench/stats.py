@@ -40,6 +40,7 @@ def per_turn(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         reused_router = _median(_metric(r, "reused_tokens") for r in rs)
         reused_p = _median(_metric(r, "p_external_hit_tokens") for r in rs)
         outcomes = sorted({r.get("reuse") for r in rs if r.get("reuse")})
+        reasons = sorted({r.get("reason") for r in rs if r.get("reason")})
         rows.append({
             "turn": t,
             "n": len(rs),
@@ -56,6 +57,8 @@ def per_turn(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             "reused_tokens": reused_p if reused_p is not None else reused_router,
             "reused_tokens_router": reused_router,
             "reuse": "/".join(outcomes) or None,
+            "reason": "/".join(reasons) or None,
+            "gap_s": _median(r.get("gap_s") for r in rs),
         })
     return rows
 
@@ -103,6 +106,8 @@ def compare(on: Sequence[Mapping[str, Any]], off: Sequence[Mapping[str, Any]]
             "transfer_on_bytes": r_on.get("transfer_bytes"),
             "reused_tokens_on": r_on.get("reused_tokens"),
             "reuse_on": r_on.get("reuse"),
+            "reason_on": r_on.get("reason"),
+            "gap_on_s": r_on.get("gap_s"),
         })
     return out
 
@@ -138,6 +143,8 @@ COMPARE_COLUMNS = [
     ("compute_off_s", "compute OFF", _ms),
     ("reused_tokens_on", "reused tok", _int),
     ("transfer_on_bytes", "read MB", _mb),
+    ("gap_on_s", "gap ON s", _int),
+    ("reason_on", "ON reuse", lambda v: v or "-"),
 ]
 
 RUN_COLUMNS = [
@@ -151,6 +158,8 @@ RUN_COLUMNS = [
     ("reused_tokens", "reused tok", _int),
     ("transfer_bytes", "read MB", _mb),
     ("reuse", "router reuse", lambda v: v or "-"),
+    ("gap_s", "gap s", _int),
+    ("reason", "reason", lambda v: v or "-"),
 ]
 
 

@@ -13,6 +13,7 @@ import os
 import pathlib
 import sys
 
+from .cpu import DtypeChoice, choose_dtype, read_cpu
 from .state import DEFAULT_STATE_DIR
 
 PROG = "bidir-kv local"
@@ -48,17 +49,42 @@ def prepare_stack(spec_file: str | os.PathLike[str], state_dir: pathlib.Path, *,
     from .stack import LocalStack
 
     cwd = pathlib.Path(cwd or os.getcwd())
-    raw = merge_patch(read_spec_file(spec_file), patch or {})
+    raw, choice = with_local_dtype(merge_patch(read_spec_file(spec_file), patch or {}))
     if tiny_model:
-        name = raw.get("model", {}).get("name", "")
-        path = pathlib.Path(cwd, name)
-        dtype = raw.get("model", {}).get("dtype", "bfloat16")
-        build_tiny_model(path, "float32" if dtype == "float32" else "bfloat16", progress)
+        build_tiny_model(pathlib.Path(cwd, raw.get("model", {}).get("name", "")),
+                         choice.dtype, progress)
     spec = local_spec(raw, cwd)
     n = len(ports_needed(spec))
     ports = sequential_ports(port_base, n) if port_base is not None else free_ports(n)
     state_dir = pathlib.Path(state_dir).resolve()
-    return LocalStack(plan_stack(spec, ports, state_dir), state_dir, str(spec_file))
+    stack = LocalStack(plan_stack(spec, ports, state_dir), state_dir, str(spec_file))
+    stack.dtype_choice = choice
+    kv = spec.kv_transfer
+    stack.retention_s = kv.decoder_kv_blocks_ttl_seconds if kv.bidirectional else None
+    return stack
+
+
+def with_local_dtype(raw: dict) -> tuple[dict, DtypeChoice]:
+    """The spec dict with `model.dtype: auto` replaced by the dtype this CPU runs fast
+    (cpu.py), and the choice with its reason; an explicit dtype is kept."""
+    from .plan import merge_patch
+
+    model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    choice = choose_dtype(str(model.get("dtype", "auto")), read_cpu())
+    if choice.picked:
+        raw = merge_patch(raw, {"model": {"dtype": choice.dtype}})
+    return raw, choice
+
+
+def tiny_model_for(spec_file: str | os.PathLike[str], cwd: str | os.PathLike[str],
+                   progress: bool = True) -> tuple[pathlib.Path, DtypeChoice]:
+    """Build (or find) the tiny model at the spec's model path, in the dtype the local
+    stack will run it in."""
+    from .plan import read_spec_file
+
+    raw, choice = with_local_dtype(read_spec_file(spec_file))
+    path = pathlib.Path(cwd, raw["model"]["name"])
+    return build_tiny_model(path, choice.dtype, progress), choice
 
 
 def build_tiny_model(path: pathlib.Path, dtype: str, progress: bool = True) -> pathlib.Path:
@@ -82,6 +108,8 @@ def _up(args: argparse.Namespace) -> int:
     try:
         stack = prepare_stack(args.file, args.state_dir, patch=patch, port_base=args.port_base,
                               tiny_model=args.tiny_model, progress=not args.no_progress)
+        print(f"{PROG} up: {read_cpu().describe()}; {stack.dtype_choice.line()}",
+              file=sys.stderr)
         try:
             stack.start(timeout=args.timeout or DEFAULT_START_TIMEOUT,
                         progress=not args.no_progress)

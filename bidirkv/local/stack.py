@@ -79,6 +79,10 @@ class LocalStack:
                                 ports=dict(plan.ports))
         # What start() stopped of a previous stack from the same state directory.
         self.cleaned: list[str] = []
+        # The dtype the stack runs with and why (cli.with_local_dtype), when it was chosen.
+        self.dtype_choice = None
+        # Decode's retention cap (decoderKvBlocksTtlSeconds) when reuse is on.
+        self.retention_s: float | None = None
 
     @property
     def router_url(self) -> str:
