@@ -26,3 +26,13 @@ def minimal() -> dict:
             "spec": {"model": {"name": "facebook/opt-125m"}},
         }
     )
+
+
+@pytest.fixture
+def redis_url():
+    """A real Redis-protocol server for this test (tests/redis_server.py), or a skip."""
+    from redis_server import started
+
+    server = started()
+    yield server
+    server.stop()

@@ -44,9 +44,16 @@ def body_problem(body: Any) -> str | None:
     release = body.get("release", [])
     if not isinstance(release, list) or len(release) > MAX_RELEASE:
         return f"release must be a list of at most {MAX_RELEASE} request ids"
-    if not all(isinstance(r, str) and 0 < len(r) <= MAX_ID for r in release):
-        return f"release must hold request ids (strings of 1-{MAX_ID} characters)"
     return None
+
+
+def valid_ids(release: list) -> tuple[list[str], int]:
+    """(the request ids decode can act on, how many entries were not one). An entry that
+    is not a request id names nothing decode holds, so it is skipped, not a reason to
+    refuse the batch: that would also refuse the lease renewal it carries, and decode
+    would free every conversation of that router."""
+    ok = [r for r in release if isinstance(r, str) and 0 < len(r) <= MAX_ID]
+    return ok, len(release) - len(ok)
 
 
 class ResidencyEndpoint:
@@ -73,7 +80,12 @@ class ResidencyEndpoint:
             if engine is None:
                 return JSONResponse({"error": {"message": "no engine", "type": "unavailable"}},
                                     status_code=503)
+            release, skipped = valid_ids(body.get("release") or [])
+            if "release" in body:
+                body = {**body, "release": release}
             out = await engine.engine_core.call_utility_async("bidirkv_residency", body)
+            if skipped and isinstance(out, dict):
+                out["skippedIds"] = skipped
             return JSONResponse(out)
 
         app.add_api_route(PATH, residency, methods=["POST"], include_in_schema=False)

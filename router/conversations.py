@@ -11,13 +11,7 @@ from typing import Any
 from .backends import Backend
 from .codec import dumps
 from .handlestore import StoreUnavailable
-from .identity import (
-    chat_history,
-    completion_key,
-    explicit_key,
-    prefix_keys,
-    short_hash,
-)
+from .identity import short_hash
 from .sse import MessageCollector
 from .store import EXPIRED, HIT, MISS
 from .upstream import (
@@ -39,9 +33,9 @@ class Conversations:
         status, entry = MISS, None
         if conversation_id is not None:
             turn.conv = short_hash(conversation_id)
-            key = turn.store_key = explicit_key(turn.tenant, conversation_id)
+            key = turn.store_key = self.keys.explicit_key(turn.tenant, conversation_id)
         elif turn.kind == CHAT:
-            turn.history = chat_history(turn.tenant, body["messages"])
+            turn.history = self.keys.chat_history(turn.tenant, body["messages"])
             key = turn.history.lookup_key
             turn.conv = "auto:" + (key.hex()[:10] if key is not None else "new")
         elif isinstance(body.get("prompt"), str):
@@ -51,7 +45,7 @@ class Conversations:
                 status, entry = await store.lookup(key)
             elif turn.prompt is not None:
                 status, entry = await store.lookup_prefix(turn.tenant, turn.prompt,
-                                                          prefix_keys(turn.tenant))
+                                                          self.keys.prefix_keys(turn.tenant))
                 turn.conv = "auto:" + (entry.key.hex()[:10] if entry is not None else "new")
         except StoreUnavailable:
             status, entry = MISS, None  # served without reuse (counted)
@@ -80,7 +74,7 @@ class Conversations:
             key = turn.history.store_key(collector.message())
         elif turn.prompt is not None and collector is not None:
             text = turn.prompt + collector.text
-            key = completion_key(turn.tenant, text)
+            key = self.keys.completion_key(turn.tenant, text)
             tenant, prefix_len = turn.tenant, len(text)
         elif turn.store_key is not None:
             key = turn.store_key
@@ -102,4 +96,4 @@ class Conversations:
 
     async def end_conversation(self, tenant: bytes, conversation_id: str) -> bool:
         """DELETE /v1/conversations/{id}: drop the handle, D frees its blocks now."""
-        return await self.store.end(explicit_key(tenant, conversation_id))
+        return await self.store.end(self.keys.explicit_key(tenant, conversation_id))

@@ -2,8 +2,12 @@
 
 Every key is a keyed BLAKE2b digest that includes the tenant, so a conversation id
 guessed or replayed by another tenant names a different key: it can never reach another
-tenant's handle (P would reuse KV computed for someone else's tokens). The hash key is
-random per process: keys never leave the process, and they are not guessable offline.
+tenant's handle (P would reuse KV computed for someone else's tokens). The hash key
+(`LookupKeys`) is derived from the resource's handle key, so every router replica of one
+resource, and a restarted one, computes the same keys in a shared store, while nobody
+without that Secret can compute them offline; rotating the handle key rotates them (each
+conversation then misses once). Without a handle key (a router for tests or benchmarks)
+the hash key is random per process, and the keys are this process's alone.
 
 Three ways to name a conversation:
 - explicit: `conversation_id` in the body or the `X-Conversation-Id` header;
@@ -23,23 +27,19 @@ from typing import Any
 
 from .codec import canonical
 
-_KEY = os.urandom(32)
 _SEP = b"\x1e"
+# Domain separation: the lookup-key hash key is never the handle key itself, which also
+# signs handles (a digest here can never double as a handle's MAC).
+_DERIVE_PERSON = b"bidirkv-lookup1"
 
 
-def _hasher(*parts: bytes) -> Any:
-    h = hashlib.blake2b(digest_size=16, key=_KEY)
-    for part in parts:
-        h.update(part)
-        h.update(_SEP)
-    return h
+# Without a handle key: random, shared by the routers of this process only.
+_PROCESS_HASH_KEY = os.urandom(32)
 
 
-def tenant_of(value: str | None) -> bytes:
-    """The tenant a credential (or the configured header's value) stands for."""
-    if not value:
-        return b"anonymous"
-    return _hasher(b"tenant", value.encode("utf-8", "surrogatepass")).digest()
+def derive_hash_key(handle_key: bytes) -> bytes:
+    """The lookup-key hash key of every router that holds this handle key."""
+    return hashlib.blake2b(handle_key, digest_size=32, person=_DERIVE_PERSON).digest()
 
 
 def short_hash(value: str) -> str:
@@ -50,8 +50,6 @@ def short_hash(value: str) -> str:
     return hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:10]
 
 
-def explicit_key(tenant: bytes, conversation_id: str) -> bytes:
-    return _hasher(b"id", tenant, conversation_id.encode("utf-8", "surrogatepass")).digest()
 
 
 # -- chat history ---------------------------------------------------------------------
@@ -119,46 +117,76 @@ class ChatHistory:
         return h.digest()
 
 
-def chat_history(tenant: bytes, messages: list[Any]) -> ChatHistory:
-    """Each message is encoded once and fed to one running hash; the lookup key is a
-    snapshot at the last assistant message, the store key continues from the end."""
-    last_assistant = -1
-    for i in range(len(messages) - 1, -1, -1):
-        m = messages[i]
-        if isinstance(m, dict) and m.get("role") == "assistant":
-            last_assistant = i
-            break
-    h = _hasher(b"chat", tenant)
-    lookup: bytes | None = None
-    for i, m in enumerate(messages):
-        h.update(canonical_message(m) if isinstance(m, dict) else canonical(m))
-        h.update(_SEP)
-        if i == last_assistant:
-            lookup = h.copy().digest()
-    return ChatHistory(lookup, h)
+class LookupKeys:
+    """Every lookup key of one router: tenants, explicit ids, chat histories, prompts."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, handle_key: bytes | None = None) -> None:
+        self._key = derive_hash_key(handle_key) if handle_key else _PROCESS_HASH_KEY
+
+    def _hasher(self, *parts: bytes) -> Any:
+        h = hashlib.blake2b(digest_size=16, key=self._key)
+        for part in parts:
+            h.update(part)
+            h.update(_SEP)
+        return h
+
+    def tenant_of(self, value: str | None) -> bytes:
+        """The tenant a credential (or the configured header's value) stands for."""
+        if not value:
+            return b"anonymous"
+        return self._hasher(b"tenant", value.encode("utf-8", "surrogatepass")).digest()
+
+    def explicit_key(self, tenant: bytes, conversation_id: str) -> bytes:
+        return self._hasher(b"id", tenant,
+                            conversation_id.encode("utf-8", "surrogatepass")).digest()
+
+    def chat_history(self, tenant: bytes, messages: list[Any]) -> ChatHistory:
+        """Each message is encoded once and fed to one running hash; the lookup key is a
+        snapshot at the last assistant message, the store key continues from the end."""
+        last_assistant = -1
+        for i in range(len(messages) - 1, -1, -1):
+            m = messages[i]
+            if isinstance(m, dict) and m.get("role") == "assistant":
+                last_assistant = i
+                break
+        h = self._hasher(b"chat", tenant)
+        lookup: bytes | None = None
+        for i, m in enumerate(messages):
+            h.update(canonical_message(m) if isinstance(m, dict) else canonical(m))
+            h.update(_SEP)
+            if i == last_assistant:
+                lookup = h.copy().digest()
+        return ChatHistory(lookup, h)
+
+    # -- completions prompt prefixes ---------------------------------------------------
+    def completion_key(self, tenant: bytes, text: str) -> bytes:
+        h = self._hasher(b"completion", tenant)
+        h.update(text.encode("utf-8", "surrogatepass"))
+        return h.digest()
+
+    def prefix_keys(self, tenant: bytes):
+        """`key_of(text, lengths)` for HandleStore.lookup_prefix: (length, key), longest
+        first. One incremental pass over the text: cost O(len(text) + len(lengths))."""
+
+        def key_of(text: str, lengths: list[int]) -> Iterator[tuple[int, bytes]]:
+            h = self._hasher(b"completion", tenant)
+            pos = 0
+            keys: list[tuple[int, bytes]] = []
+            for n in lengths:
+                h.update(text[pos:n].encode("utf-8", "surrogatepass"))
+                pos = n
+                keys.append((n, h.copy().digest()))
+            return reversed(keys)
+
+        return key_of
 
 
-# -- completions prompt prefixes ----------------------------------------------------------
-def completion_key(tenant: bytes, text: str) -> bytes:
-    h = _hasher(b"completion", tenant)
-    h.update(text.encode("utf-8", "surrogatepass"))
-    return h.digest()
-
-
-def prefix_keys(tenant: bytes):
-    """`key_of(text, lengths)` for HandleStore.lookup_prefix: (length, key), longest first.
-
-    One incremental pass over the text: cost O(len(text) + len(lengths)).
-    """
-
-    def key_of(text: str, lengths: list[int]) -> Iterator[tuple[int, bytes]]:
-        h = _hasher(b"completion", tenant)
-        pos = 0
-        keys: list[tuple[int, bytes]] = []
-        for n in lengths:
-            h.update(text[pos:n].encode("utf-8", "surrogatepass"))
-            pos = n
-            keys.append((n, h.copy().digest()))
-        return reversed(keys)
-
-    return key_of
+# This process's keys, for code that runs without a router's handle key.
+_PROCESS = LookupKeys()
+tenant_of = _PROCESS.tenant_of
+explicit_key = _PROCESS.explicit_key
+chat_history = _PROCESS.chat_history
+completion_key = _PROCESS.completion_key
+prefix_keys = _PROCESS.prefix_keys

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
 from typing import Any
@@ -36,7 +37,7 @@ from .config import RouterConfig
 from .conversations import Conversations
 from .handlestore import Store, StoreUnavailable, make_store
 from .health import Upkeep
-from .identity import short_hash, tenant_of
+from .identity import LookupKeys, short_hash
 from .legs import Legs
 from .metrics import Metrics
 from .prefillonly import PREFILL_ONLY, PrefillOnly
@@ -57,7 +58,19 @@ from .validation import ClientError, error_body, parse_request
 
 log = logging.getLogger("bidirkv.router")
 
-__all__ = ["HANDLE_KEY_ENV", "Router", "json_error", "json_response"]
+__all__ = ["HANDLE_KEY_ENV", "Router", "json_error", "json_response", "request_id"]
+
+# A client's X-Request-Id is kept only in this shape. vLLM builds the decode request id
+# from it (`chatcmpl-{id}-{8 hex}`), which then travels in release batches and logs: one
+# client's 500-character or odd id must not make decode refuse anybody's batch.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:~-]{1,128}")
+
+
+def request_id(client_id: str | None) -> str:
+    """The client's request id when it is short and plain, else a fresh one."""
+    if client_id and _REQUEST_ID.fullmatch(client_id):
+        return client_id
+    return uuid.uuid4().hex
 
 
 class Router(Upkeep, Legs, Sessions, PrefillOnly, Conversations):
@@ -70,6 +83,8 @@ class Router(Upkeep, Legs, Sessions, PrefillOnly, Conversations):
         self.cfg = cfg
         # The resource's handle key: signs the proof that a decode leg comes from here.
         self.handle_key = handle_key
+        # Lookup keys every replica holding this handle key computes alike (identity.py).
+        self.keys = LookupKeys(handle_key)
         # The served model's context length, from prefill's /v1/models: a max_tokens
         # above it is refused before any engine works on the request.
         self.max_model_len: int | None = None
@@ -204,9 +219,9 @@ class Router(Upkeep, Legs, Sessions, PrefillOnly, Conversations):
             return json_error(e.status, e.message, e.type, e.param)
         if cfg.model is not None and "model" not in req.body:
             req.body["model"] = cfg.model
-        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        rid = request_id(request.headers.get("X-Request-Id"))
         turn = Turn(kind, req.stream, req.body, rid, request.headers.get("Authorization"),
-                    tenant_of(request.headers.get(cfg.tenant_header)), t0)
+                    self.keys.tenant_of(request.headers.get(cfg.tenant_header)), t0)
         if cfg.bidirectional:
             await self._identify(turn, req.conversation_id)
         elif req.conversation_id is not None:

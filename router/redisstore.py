@@ -104,7 +104,10 @@ class RedisStore:
 
         try:
             out = await fn(*args, **kw)
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        except (redis.RedisError, OSError) as exc:
+            # Every error, not only a lost connection: READONLY after a failover, OOM under
+            # noeviction, NOPERM or a failing script leave the store as unusable, and a
+            # turn served without reuse beats a 500.
             self._available = False
             self._on_error(op)
             raise StoreUnavailable(f"handle store {op}: {exc}") from None

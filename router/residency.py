@@ -11,8 +11,9 @@ Decode keeps a conversation's blocks only for the router that holds the handle t
   handles pin under `retentionWatermark` of it.
 
 Nothing here waits on a request: a failed call costs only reuse (decode's lease and
-pressure reclaim still free the blocks). A replica without the route (404: plugin off)
-is remembered and left alone.
+pressure reclaim still free the blocks), and its releases go again with the next call. A
+batch decode refuses (400) does not hold the lease back: the renewal goes alone. A replica
+without the route (404: plugin off) is remembered and left alone.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ log = logging.getLogger("bidirkv.router")
 
 PATH = "/bidirkv/residency"
 BATCH = 1000
+# Releases kept for a retry while a replica does not answer; past this the oldest go
+# (decode frees them anyway once this router's lease lapses, or under pressure).
+MAX_PENDING = 100_000
 # Reasons the store drops a handle whose blocks decode can no longer hold for us, or
 # already freed: nothing to release.
 NO_RELEASE = frozenset({"engine_changed", "replica_removed", "replica_unhealthy"})
@@ -93,6 +97,10 @@ class Residency:
             self._wake.set()
         return len(request_ids)
 
+    @staticmethod
+    def _requeue(r: Replica, batch: list[str]) -> None:
+        r.pending = (batch + r.pending)[-MAX_PENDING:]
+
     # -- the sender --------------------------------------------------------------------
     def start(self, session: aiohttp.ClientSession) -> None:
         self._task = asyncio.create_task(self._flush_loop(session), name="router-residency")
@@ -122,10 +130,21 @@ class Residency:
                                     headers={"Content-Type": "application/json"}) as resp:
                 raw, status = await resp.read(), resp.status
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            # Decode frees them anyway when this router's lease lapses or under pressure.
+            # Kept for the next round (bounded): a replica that was briefly away still
+            # gets told, instead of holding the blocks until this router's lease lapses.
+            self._requeue(r, batch)
             self._on_result(url, "error", len(batch))
             log.debug("residency call failed url=%s: %s", url, type(exc).__name__)
             return False
+        if status == 400 and batch:
+            # Decode refused this batch: renew the lease alone, so a batch it cannot take
+            # never costs every conversation of this router (decode skips ids it cannot
+            # read, so this is a decode of another version). The batch is dropped: sent
+            # again it would be refused again.
+            log.warning("decode %s refused a release batch of %d: %s", url, len(batch),
+                        raw[:200])
+            self._on_result(url, "refused", len(batch))
+            return await self.call(session, url)
         if status == 404:
             r.supported = False
             self._on_result(url, "unsupported", len(batch))
@@ -137,6 +156,7 @@ class Residency:
         except ValueError:
             report = None
         if not isinstance(report, dict):
+            self._requeue(r, batch)
             self._on_result(url, "error", len(batch))
             return False
         n = report.get("numBlocks")

@@ -12,7 +12,6 @@ from aiohttp import web
 
 from .codec import dumps, loads
 from .handlestore import StoreUnavailable
-from .identity import tenant_of
 from .prefillonly import UNAVAILABLE
 from .proxy import Router, json_error, json_response
 from .validation import CHAT, COMPLETIONS, MAX_CONVERSATION_ID
@@ -67,7 +66,7 @@ async def _end_conversation(request: web.Request) -> web.Response:
     if len(cid) > MAX_CONVERSATION_ID:
         return json_error(400, f"conversation id: {len(cid)} characters is too long; at most "
                           f"{MAX_CONVERSATION_ID} allowed", param="conversation_id")
-    tenant = tenant_of(request.headers.get(router.cfg.tenant_header))
+    tenant = router.keys.tenant_of(request.headers.get(router.cfg.tenant_header))
     if await router.end_conversation(tenant, cid):
         return web.Response(status=204)
     return json_error(404, "no stored conversation with this id for this tenant (never "

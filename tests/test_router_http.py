@@ -137,3 +137,12 @@ async def test_two_routers_in_one_process_have_separate_metrics():
         await a.chat(U1)
         assert 'outcome="ok",route="chat"} 1.0' in await a.metrics()
         assert 'outcome="ok",route="chat"}' not in await b.metrics()
+
+
+def test_a_client_request_id_is_kept_only_when_short_and_plain():
+    from bidirkv.router.proxy import request_id
+
+    assert request_id("abc-123_x.y:z~") == "abc-123_x.y:z~"
+    for bad in ("x" * 129, "has space", "quote\"", "é", "", None, "a\nb"):
+        fresh = request_id(bad)
+        assert fresh != bad and len(fresh) == 32

@@ -143,3 +143,37 @@ async def test_decode_without_the_route_is_left_alone():
         while c.d[0].health_checks < checks + 3:  # three more health rounds
             await asyncio.sleep(0.02)
         assert len(c.d[0].residency_calls) == calls  # not asked again
+
+
+async def test_a_release_decode_did_not_take_goes_again_with_the_next_call():
+    async with Cluster(config={"healthCheckIntervalSeconds": 0.05}) as c:
+        await c.chat(U1, conversation_id="a", headers={"X-Request-Id": "rid-a"})
+        c.d[0].behaviour.residency_status = 503
+        async with c.session.delete(c.url + "/v1/conversations/a") as r:
+            assert r.status == 204
+        assert not await c.d[0].wait_released("rid-a", timeout=0.3)
+        c.d[0].behaviour.residency_status = 200
+        assert await c.d[0].wait_released("rid-a")
+
+
+async def test_a_refused_batch_does_not_hold_back_the_lease():
+    async with Cluster(config={"healthCheckIntervalSeconds": 10}) as c:
+        await c.chat(U1, conversation_id="a", headers={"X-Request-Id": "rid-a"})
+        c.d[0].behaviour.residency_status = 400
+        calls = len(c.d[0].residency_calls)
+        c.router.residency.release_ids(c.d[0].url, ["rid-a"])
+        assert not await c.router.residency.call(c.router.session, c.d[0].url)
+        sent = [call["release"] for call in c.d[0].residency_calls[calls:]]
+        # The batch, then the renewal alone (a health round may call too).
+        at = sent.index(["rid-a"])
+        assert sent[at + 1] == [] and sent.count(["rid-a"]) == 1
+        assert all(call["owner"] == c.router.residency.owner
+                   for call in c.d[0].residency_calls[calls:])
+
+
+async def test_a_long_client_request_id_never_reaches_decode():
+    async with Cluster() as c:
+        r = await c.chat(U1, conversation_id="a", headers={"X-Request-Id": "x" * 495})
+        assert r["status"] == 200
+        sent = [g.headers["X-Request-Id"] for g in c.d[0].generations() + c.p[0].generations()]
+        assert sent and all(len(rid) <= 128 for rid in sent)

@@ -8,20 +8,12 @@ import json
 import aiohttp
 import pytest
 from fake_engine import Cluster
-from redis_server import started
 
 from bidirkv.router.app import build_app, start_router
 from bidirkv.router.config import load_config
 
 pytestmark = pytest.mark.timeout(60)
 U1 = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture
-def redis_url():
-    server = started()
-    yield server
-    server.stop()
 
 
 class Replica:

@@ -1,0 +1,64 @@
+"""A shared store that answers with errors (not only one that is gone): every turn is still
+served, without reuse, and reuse comes back with the store. Faults are made on a real
+Redis server: out of memory under noeviction, a user without the commands the router
+needs, and a read-only replica after a failover."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from fake_engine import Cluster
+from redis_server import started
+
+pytestmark = pytest.mark.timeout(60)
+U1 = [{"role": "user", "content": "hi"}]
+
+
+def admin(server) -> redis.Redis:
+    return redis.Redis.from_url(server.url)
+
+
+def handles_sent(c: Cluster) -> int:
+    return sum(1 for g in c.p[0].generations() if g.has_handle)
+
+
+async def two_turns(c: Cluster, cid: str) -> list[int]:
+    r1 = await c.chat(U1, conversation_id=cid)
+    r2 = await c.chat(U1 + [r1.get("message") or {"role": "assistant", "content": ""},
+                            {"role": "user", "content": "x"}], conversation_id=cid)
+    return [r1["status"], r2["status"]]
+
+
+async def test_out_of_memory_serves_without_reuse_then_reuse_returns(redis_url):
+    async with Cluster(config={"handleStore": redis_url.url}) as c:
+        admin(redis_url).config_set("maxmemory", "1")
+        assert await two_turns(c, "oom") == [200, 200]
+        assert handles_sent(c) == 0
+        async with c.session.get(c.url + "/ready") as r:
+            assert (await r.json())["handleStore"]["available"] is False
+        assert 'bidirkv_router_handle_store_errors_total{op="put"}' in await c.metrics()
+        admin(redis_url).config_set("maxmemory", "0")
+        assert await two_turns(c, "after") == [200, 200]
+        assert handles_sent(c) == 1
+
+
+async def test_a_user_without_permission_is_a_store_fault_not_a_500(redis_url):
+    # The router's user (here the default one) may not run scripts or SET: NOPERM.
+    admin(redis_url).execute_command("ACL", "SETUSER", "default", "-evalsha", "-eval", "-set")
+    async with Cluster(config={"handleStore": redis_url.url}) as c:
+        assert await two_turns(c, "noperm") == [200, 200]
+        assert handles_sent(c) == 0
+
+
+async def test_a_read_only_replica_is_a_store_fault_not_a_500(redis_url):
+    primary = started()
+    try:
+        async with Cluster(config={"handleStore": redis_url.url}) as c:
+            admin(redis_url).replicaof("127.0.0.1", primary.port)  # now READONLY to writes
+            assert await two_turns(c, "ro") == [200, 200]
+            assert handles_sent(c) == 0
+            admin(redis_url).replicaof("NO", "ONE")
+            assert await two_turns(c, "rw") == [200, 200]
+            assert handles_sent(c) == 1
+    finally:
+        primary.stop()
