@@ -5,7 +5,8 @@ machine and the multi-turn TTFT benchmark with bidirectional KV transfer ON and 
    examples/local.yaml applied and its children listed (skip: --skip-control-plane).
 2. The tiny model is built locally (no download).
 3. examples/local.yaml runs as local processes (P, D, router: exactly what the operator
-   renders, pod IPs mapped to 127.0.0.1) and the benchmark runs against the router.
+   renders, pod IPs mapped to 127.0.0.1) and the benchmark runs against the router; then,
+   on the same stack, vllm bench serve against the decode server alone and the router.
 4. The same spec with kvTransfer.bidirectional false (on the servers too, not only the
    router: pinned blocks on D would steal CPU), the benchmark again, plus the lower bound.
 5. Pressure: decode limited to 128 KV blocks and vLLM's default 480 s retention, more
@@ -32,13 +33,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SPEC = ROOT / "examples" / "local.yaml"
 OUT = ROOT / "out" / "demo"
 
-# Sized for a 2-core machine and a 15-minute budget: 10 turns of +1000 tokens reach ~10.5k
-# tokens of context (maxModelLen 12288); 3 conversations, so a turn's median is not one
-# noisy request. Between turns a conversation thinks 1-5 s (seeded), and before turn 6 it
-# pauses 45 s more, an agent's tool call: longer than decode's old 30 s retention, so the
-# run shows a conversation that comes back late still reusing.
-DEFAULTS = {"conversations": 3, "turns": 10, "new_tokens": 1000, "output_tokens": 48,
-            "think": (1.0, 5.0), "pause_s": 45.0, "pause_turn": 6}
+# Sized for a 2-core machine and a 15-minute budget on AVX2-only CPUs in float32 (measured
+# on an AMD EPYC Zen 3: 3 conversations x 10 turns made the whole demo 16 min; OFF's last
+# turns alone take 12-19 s each there): 9 turns of +1000 tokens reach ~9.4k tokens of
+# context, 2 conversations. Between turns a conversation thinks 1-5 s (seeded), and
+# before turn 5 it pauses 35 s more, an agent's tool call: longer than decode's former
+# 30 s retention, so the run shows a conversation that comes back late still reusing.
+DEFAULTS = {"conversations": 2, "turns": 9, "new_tokens": 1000, "output_tokens": 48,
+            "think": (1.0, 5.0), "pause_s": 35.0, "pause_turn": 5}
 
 
 def step(text: str) -> None:
@@ -149,7 +151,10 @@ def pressure(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]],
 
 # -- 2-5. data plane -----------------------------------------------------------------------
 def run_phase(label: str, patch: dict[str, Any] | None, bench_kw: dict[str, Any],
-              args: argparse.Namespace, lower_bound: bool) -> dict[str, Any]:
+              args: argparse.Namespace, lower_bound: bool,
+              then: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+    """Start a stack, run the multi-turn benchmark, then `then(stack)` on the same
+    running stack (a stack start saved), stop."""
     from bidirkv.bench.client import RequestFailed
     from bidirkv.bench.report import run_document, write_json
     from bidirkv.bench.runner import BenchConfig, Runner
@@ -185,6 +190,8 @@ def run_phase(label: str, patch: dict[str, Any] | None, bench_kw: dict[str, Any]
         print(f"    {len(records)} turns in {time.monotonic() - t:.0f} s (1-min load average "
               f"{load.get('start', 0):.1f} -> {load.get('end', 0):.1f} on "
               f"{os.cpu_count()} cpus)", flush=True)
+        if then is not None:
+            then(stack)
     print(f"    stopped P, D and router of the {label.upper()} stack", flush=True)
     return doc
 
@@ -210,8 +217,19 @@ def data_plane(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]
     print(f"    benchmark: {args.conversations} conversations x {args.turns} turns, "
           f"+{args.new_tokens} user tokens and {args.output_tokens} output tokens a turn, "
           f"{think.describe()} (seeded), streamed, P prefix caching off (emulated eviction)")
-    on = timed("bidirectional ON: start the stack from examples/local.yaml, benchmark, stop",
-               lambda: run_phase("on", None, bench_kw, args, lower_bound=False))
+    concurrency = None
+    if not args.skip_concurrency:
+        from bidirkv import democoncurrency
+
+        def concurrency(stack: Any) -> None:
+            step("concurrency, same stack: decode server alone vs router (P/D), vllm bench "
+                 "serve at concurrency 1 and 4")
+            democoncurrency.measure(stack, args.out)
+
+    on = timed("bidirectional ON: start the stack from examples/local.yaml, benchmark"
+               + ("" if args.skip_concurrency else ", concurrency") + ", stop",
+               lambda: run_phase("on", None, bench_kw, args, lower_bound=False,
+                                 then=concurrency))
     off = timed("bidirectional OFF (servers and router): restart, benchmark + lower bound, "
                 "stop", lambda: run_phase("off", {"kvTransfer": {"bidirectional": False}},
                                           bench_kw, args, lower_bound=True))
@@ -290,12 +308,6 @@ def main(argv: list[str] | None = None) -> int:
                       f"kubectl apply -f {args.spec.name}",
                       lambda: asyncio.run(control_plane(args.spec)))
             rc = 0 if args.only_pressure else data_plane(args, timed)
-            if rc == 0 and not (args.only_pressure or args.skip_concurrency):
-                from bidirkv import democoncurrency
-
-                timed("concurrency: decode server alone vs router (P/D), vllm bench serve "
-                      "at concurrency 1 and 4", lambda: democoncurrency.run(
-                          args.spec, args.out, progress=not args.no_progress))
             if rc == 0 and not args.skip_pressure:
                 pressure(args, timed)
     except KeyboardInterrupt:

@@ -19,29 +19,38 @@ OUT = ROOT / "out" / "demo"
 def run(spec_path: pathlib.Path, out: pathlib.Path, *, concurrencies: tuple[int, ...] = (1, 4),
         num_prompts: int = 48, progress: bool = True, patch: dict[str, Any] | None = None
         ) -> list[dict[str, Any]]:
-    from bidirkv.bench import pdload
+    """Start a stack from the spec, measure it (`measure`), stop it."""
     from bidirkv.local.cli import prepare_stack, tiny_model_for
-    from bidirkv.local.plan import read_spec_file
 
-    spec = read_spec_file(spec_path)
-    model, _ = tiny_model_for(spec_path, ROOT, progress)
-    served = spec["model"].get("servedName") or spec["model"]["name"]
+    tiny_model_for(spec_path, ROOT, progress)
     stack = prepare_stack(spec_path, out / "stack-concurrency", patch=patch, cwd=ROOT,
                           progress=progress)
     with stack:
         stack.start(progress=progress)
-        targets = [(pdload.SINGLE, stack.urls("decode")[0]), (pdload.ROUTER, stack.router_url)]
-        print(f"    {num_prompts} prompts of 512 random tokens, 16 output tokens, per "
-              f"run; targets: {targets[0][1]} (decode alone), {targets[1][1]} (router)",
-              flush=True)
+        return measure(stack, out, concurrencies=concurrencies, num_prompts=num_prompts)
 
-        def shown(r: dict[str, Any]) -> None:
-            print(f"    {r['label']:<20} c={r['concurrency']}: {r['request_throughput']:.2f} "
-                  f"req/s, TTFT p50 {r['median_ttft_ms']:.0f} ms, ITL p50 "
-                  f"{r['median_itl_ms']:.1f} ms", flush=True)
 
-        results = pdload.run_matrix(targets, served, str(model), concurrencies,
-                                    num_prompts, on_result=shown)
+def measure(stack: Any, out: pathlib.Path, *, concurrencies: tuple[int, ...] = (1, 4),
+            num_prompts: int = 48) -> list[dict[str, Any]]:
+    """vllm bench serve against a running stack's decode server alone, then its router;
+    the table, the aims, JSON and a plot. Prompts are fresh per run (a new seed), so
+    whatever the stack served before is in no cache they hit."""
+    from bidirkv.bench import pdload
+
+    spec = stack.spec.model
+    served, model = spec.served_name or spec.name, spec.name
+    targets = [(pdload.SINGLE, stack.urls("decode")[0]), (pdload.ROUTER, stack.router_url)]
+    print(f"    {num_prompts} prompts of 512 random tokens, 16 output tokens, per "
+          f"run; targets: {targets[0][1]} (decode alone), {targets[1][1]} (router)",
+          flush=True)
+
+    def shown(r: dict[str, Any]) -> None:
+        print(f"    {r['label']:<20} c={r['concurrency']}: {r['request_throughput']:.2f} "
+              f"req/s, TTFT p50 {r['median_ttft_ms']:.0f} ms, ITL p50 "
+              f"{r['median_itl_ms']:.1f} ms", flush=True)
+
+    results = pdload.run_matrix(targets, served, model, concurrencies, num_prompts,
+                                on_result=shown)
     print(pdload.table(results))
     paths = pdload.write(results, out, "1P1D vLLM CPU, tiny model: decode server alone vs "
                          "router (P/D), vllm bench serve")

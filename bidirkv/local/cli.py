@@ -59,6 +59,7 @@ def prepare_stack(spec_file: str | os.PathLike[str], state_dir: pathlib.Path, *,
     state_dir = pathlib.Path(state_dir).resolve()
     stack = LocalStack(plan_stack(spec, ports, state_dir), state_dir, str(spec_file))
     stack.dtype_choice = choice
+    stack.spec = spec
     kv = spec.kv_transfer
     stack.retention_s = kv.decoder_kv_blocks_ttl_seconds if kv.bidirectional else None
     return stack

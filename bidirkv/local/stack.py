@@ -81,6 +81,8 @@ class LocalStack:
         self.cleaned: list[str] = []
         # The dtype the stack runs with and why (cli.with_local_dtype), when it was chosen.
         self.dtype_choice = None
+        # The validated spec it was planned from (cli.prepare_stack sets it).
+        self.spec = None
         # Decode's retention cap (decoderKvBlocksTtlSeconds) when reuse is on.
         self.retention_s: float | None = None
 
