@@ -2,9 +2,10 @@
 
 - Nesting: Python's JSON parser and everything after it (identity hashing, re-encoding
   for the legs) recurse per level, so a body of 10^5 `[` ends as a RecursionError.
-  Bodies nested deeper than MAX_DEPTH are refused before parsing, by peeling matched
-  bracket pairs off the body's bracket skeleton (string contents removed first), one
-  level per pass, all in C: linear in the body per level, at most MAX_DEPTH passes.
+  Bodies nested deeper than MAX_DEPTH are refused before parsing, in one pass over the
+  body's strings and brackets (found by one regex scan, in C) that counts the depth and
+  stops at the first bracket past MAX_DEPTH: a deep body costs MAX_DEPTH + 1 brackets,
+  a wide one a step per bracket, never a pass per level.
 - Lone surrogates: `"\\ud800"` is valid JSON but no UTF-8; the router re-encodes the
   body for both legs and would fail there. Only bodies with such an escape are walked.
 """
@@ -16,9 +17,10 @@ import re
 from typing import Any
 
 MAX_DEPTH = 64
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
-_PAIR = re.compile(rb"\[\]|\{\}")
+# A string (skipped whole: brackets inside do not count) or one bracket.
+_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+_OPEN = frozenset(b"[{")
+_CLOSE = frozenset(b"]}")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
@@ -26,16 +28,17 @@ def nesting_problem(raw: bytes, max_depth: int = MAX_DEPTH) -> str | None:
     """Why the body is nested too deeply to parse (None: it is not)."""
     if raw.count(b"[") + raw.count(b"{") <= max_depth:
         return None  # not enough brackets to be deeper
-    skeleton = _NOT_BRACKET.sub(b"", _STRING.sub(b"", raw))
-    for _ in range(max_depth):
-        if not skeleton:
-            return None
-        peeled = _PAIR.sub(b"", skeleton)
-        if peeled == skeleton:
-            return None  # unbalanced: the parser says what is wrong
-        skeleton = peeled
-    if skeleton:
-        return f"JSON nested deeper than {max_depth} levels is not accepted"
+    depth = 0
+    for m in _TOKEN.finditer(raw):
+        c = raw[m.start()]
+        if c in _OPEN:
+            depth += 1
+            if depth > max_depth:
+                return f"JSON nested deeper than {max_depth} levels is not accepted"
+        elif c in _CLOSE:
+            if depth == 0:
+                return None  # unbalanced: the parser says what is wrong
+            depth -= 1
     return None
 
 

@@ -25,23 +25,28 @@ def test_brackets_inside_strings_do_not_count():
 def test_wide_bodies_pass_and_unbalanced_ones_are_left_to_the_parser():
     wide = ("[" + ",".join(["[[1],{}]"] * 20000) + "]").encode()
     assert nesting_problem(wide) is None
-    assert nesting_problem(b"[" * 100) is None  # no closing brackets: invalid JSON
+    assert nesting_problem(b"]" * 100 + b"[" * 100) is None  # invalid JSON: the parser's
 
 
-def test_a_huge_deep_body_is_refused_in_a_bounded_number_of_passes(monkeypatch):
-    """Work, not seconds: no recursion, and at most MAX_DEPTH linear passes over the body,
-    however deep it is (a time bound would hold on one CPU and fail on a slower one)."""
-    passes, real = [], bodycheck._PAIR
+def test_a_huge_deep_body_is_refused_after_max_depth_brackets(monkeypatch):
+    """Work, not seconds: however deep the body, the scan stops at the first bracket past
+    MAX_DEPTH (a time bound would hold on one CPU and fail on a slower one)."""
+    seen, real = [], bodycheck._TOKEN
 
     class CountingPattern:
-        def sub(self, repl, data):
-            passes.append(len(data))
-            return real.sub(repl, data)
+        def finditer(self, data):
+            for m in real.finditer(data):
+                seen.append(m.start())
+                yield m
 
-    monkeypatch.setattr(bodycheck, "_PAIR", CountingPattern())
-    body = nested(2_000_000)
-    assert nesting_problem(body) is not None
-    assert len(passes) == MAX_DEPTH and max(passes) <= len(body)
+    monkeypatch.setattr(bodycheck, "_TOKEN", CountingPattern())
+    assert nesting_problem(nested(2_000_000)) is not None
+    assert len(seen) == MAX_DEPTH + 1
+    # A wide body: one step per bracket, in one pass.
+    seen.clear()
+    wide = ("[" + ",".join(["[[1],{}]"] * 1000) + "]").encode()
+    assert nesting_problem(wide) is None
+    assert len(seen) == wide.count(b"[") + wide.count(b"]") + wide.count(b"{") * 2
 
 
 def test_lone_surrogates_are_found_with_their_path():
