@@ -211,8 +211,11 @@ async def test_restart_with_nothing_changed_writes_nothing(minimal, example):
                 controller.loop.call_soon_threadsafe(controller.controller.schedule, uid, 0)
             await eventually(lambda: controller.reconciles >= seen + 2, what="two reconciles")
             await controller.idle()
-        assert [r for r in server.writes() if r.resource != "events"] == []
-        assert server.writes() == []
+        # Only the handle-key Secrets' creates, which the server refused (409: they exist):
+        # the operator never reads a Secret, so a new process asks by creating.
+        assert [r for r in server.writes() if r.resource != "secrets"] == []
+        assert sorted((r.verb, r.namespace) for r in server.writes()) == [
+            ("create", "default"), ("create", "ns1")]
 
 
 async def test_the_handle_key_secret_is_created_once_and_never_shown(minimal):
@@ -229,6 +232,10 @@ async def test_the_handle_key_secret_is_created_once_and_never_shown(minimal):
             await client.call("POST", di_path("ns1"), resource(mine, "ns1"))
             await _converged(client, controller)
             await _converged(client, controller, "mine", "ns1")
+            # The operator read no Secret (its role has no `get` on them): before this
+            # test's own reads below, the server saw none.
+            assert not [r for r in server.requests
+                        if r.resource == "secrets" and r.verb in ("get", "list", "watch")]
             secret = await client.get("Secret", "ns1", "tiny-handle-key")
             key = base64.b64decode(secret["data"]["current"]).decode()
             assert len(key) == 64 and int(key, 16) >= 0  # 256 random bits, hex
@@ -241,9 +248,10 @@ async def test_the_handle_key_secret_is_created_once_and_never_shown(minimal):
                               "application/merge-patch+json")
             await eventually(lambda: _decode_replicas(client, 2), what="decode scaled")
             await controller.idle()
-            # Two creates (the user's, then the operator's for tiny), and nothing else.
+            # Creates only: the user's, the operator's for tiny, and the operator's for
+            # mine, refused (409) since the user's exists. Nothing rewrites a Secret.
             secret_writes = [r.verb for r in server.writes() if r.resource == "secrets"]
-            assert secret_writes == ["create", "create"]
+            assert secret_writes == ["create", "create", "create"]
             # Nowhere but in the Secret: not in status, events or any child.
             others = [await get_di(client, "ns1", "tiny"),
                       *server.list("v1", "events", "ns1"),

@@ -159,19 +159,20 @@ class Controller:
     async def _ensure_key(self, owner: Owner) -> None:
         """Create the resource's handle-key Secret when it is missing; never rewrite it.
 
-        One that exists is used as it is, owned or not (a key brought by the user). Its
-        content is never logged, compared or put in status or events.
+        Create first, and a 409 means it exists: the operator never reads a Secret, so
+        its role needs no `get` on Secrets (which would let it read every Secret in its
+        namespaces). One that exists is used as it is, owned or not (a key brought by the
+        user). Its content is never logged, compared or put in status or events.
         """
         if owner.uid in self._keys_ok:
             return
         name = secret_name(owner.name)
-        if await self.client.get("Secret", owner.namespace, name) is None:
-            try:
-                await self.client.create(new_secret(child_metadata(owner, "handle-key", name)))
-                log.info("created Secret/%s", name)
-            except ApiError as exc:
-                if exc.status != 409:
-                    raise
+        try:
+            await self.client.create(new_secret(child_metadata(owner, "handle-key", name)))
+            log.info("created Secret/%s", name)
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
         self._keys_ok.add(owner.uid)
 
     async def _apply(self, obj: dict[str, Any], owner: Owner) -> dict[str, Any]:

@@ -130,6 +130,16 @@ def _pod_settings(spec: api.DisaggregatedInferenceSpec, role: str) -> dict[str, 
     return out
 
 
+def engine_security_context(efa: bool) -> dict[str, Any]:
+    """No capability but what EFA needs (IPC_LOCK: registering memory with the device),
+    no privilege escalation. Not runAsNonRoot: vLLM's official image, the engine image's
+    base, runs as root and writes its caches (Hugging Face, torch compile) under /root."""
+    caps: dict[str, Any] = {"drop": ["ALL"]}
+    if efa:
+        caps["add"] = ["IPC_LOCK"]
+    return {"allowPrivilegeEscalation": False, "capabilities": caps}
+
+
 def engine_pod_template(
     owner: Owner, spec: api.DisaggregatedInferenceSpec, role: str, placement: Placement = POD
 ) -> dict[str, Any]:
@@ -164,12 +174,12 @@ def engine_pod_template(
     resources = _resources(spec, role)
     if resources:
         container["resources"] = resources
-    if spec.efa.enabled:
-        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+    container["securityContext"] = engine_security_context(spec.efa.enabled)
     pod_spec: dict[str, Any] = {
         "terminationGracePeriodSeconds": spec.engine.termination_grace_period_seconds,
         # Engines never call the Kubernetes API: no token to steal from them.
         "automountServiceAccountToken": False,
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
         "volumes": volumes,
         **_pod_settings(spec, role),

@@ -49,6 +49,8 @@ class Timeouts(_Model):
     # Longest silence allowed on the decode leg, between bytes: a streamed generation may
     # legitimately run for minutes, a stalled one should not hold the client forever.
     decode_seconds: float = Field(default=600.0, gt=0, le=86400)
+    # A client's whole request body: a slow sender must not hold an admission slot.
+    body_read_seconds: float = Field(default=30.0, gt=0, le=3600)
 
 
 def normalise_url(value: str) -> str:
@@ -99,7 +101,14 @@ class RouterConfig(_Model):
     tenant_header: str = Field(
         default="Authorization", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9-]+$"
     )
-    max_body_bytes: int = Field(default=8 * MIB, ge=1024, le=1024 * MIB)
+    # A 100k-token agent history is ~0.4 MB of JSON in English (~4 bytes a token) and up to
+    # ~0.9 MB as JSON-escaped CJK (1.5 characters a token, 6 bytes each as \uXXXX): 4 MiB
+    # leaves room for 4x that.
+    max_body_bytes: int = Field(default=4 * MIB, ge=1024, le=1024 * MIB)
+    # Parsed, a body takes up to ~20x its size in objects (many tiny messages): 32 MiB of
+    # bodies in flight stays well inside the router pod's 1 GiB.
+    max_inflight_body_bytes: int = Field(default=32 * MIB, ge=1024, le=16 * 1024 * MIB)
+    max_inflight_requests: int = Field(default=512, ge=1, le=1_000_000)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     health_check_interval_seconds: float = Field(default=5.0, gt=0, le=3600)
     # Share of each decode replica's KV blocks that this router's handles may pin; above
@@ -158,6 +167,15 @@ class RouterConfig(_Model):
                 f"healthCheckIntervalSeconds ({self.health_check_interval_seconds}): the "
                 "lease is renewed once per health check round, and one late round must not "
                 "release every conversation"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_body_fits_in_flight(self) -> RouterConfig:
+        if self.max_inflight_body_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"maxInflightBodyBytes ({self.max_inflight_body_bytes}) must be at least "
+                f"maxBodyBytes ({self.max_body_bytes}): a body the router accepts must fit"
             )
         return self
 

@@ -89,6 +89,9 @@ class Router(Upkeep, Legs, Sessions, PrefillOnly, Conversations):
         # above it is refused before any engine works on the request.
         self.max_model_len: int | None = None
         self.metrics = metrics or Metrics()
+        # Admission (handle_generate): requests and body bytes in flight.
+        self.inflight = 0
+        self.inflight_bytes = 0
         self.store: Store = make_store(cfg, store_password, self._on_evict,
                                        self._on_store_error)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -208,10 +211,39 @@ class Router(Upkeep, Legs, Sessions, PrefillOnly, Conversations):
         return b"".join(parts)
 
     async def handle_generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        """Admission first: at most maxInflightRequests requests and maxInflightBodyBytes
+        of bodies (a body of unknown length counts as maxBodyBytes) at once; past either
+        a 429 with Retry-After, before anything is read. A body is parsed into objects
+        many times its size, so the bytes bound is what keeps the pod within memory."""
+        cfg = self.cfg
+        n = request.content_length
+        charge = n if n is not None and n <= cfg.max_body_bytes else cfg.max_body_bytes
+        if (self.inflight >= cfg.max_inflight_requests
+                or self.inflight_bytes + charge > cfg.max_inflight_body_bytes):
+            self.metrics.request(kind, "overloaded")
+            return json_error(429, f"the router is at its limit of {cfg.max_inflight_requests} "
+                              f"requests or {cfg.max_inflight_body_bytes} body bytes in "
+                              "flight (maxInflightRequests, maxInflightBodyBytes); retry",
+                              "overloaded", headers={"Retry-After": "1"})
+        self.inflight += 1
+        self.inflight_bytes += charge
+        try:
+            return await self._admitted(request, kind)
+        finally:
+            self.inflight -= 1
+            self.inflight_bytes -= charge
+
+    async def _admitted(self, request: web.Request, kind: str) -> web.StreamResponse:
         t0 = time.perf_counter()
         cfg = self.cfg
         try:
-            raw = await self.read_body(request, cfg.max_body_bytes)
+            try:
+                raw = await asyncio.wait_for(self.read_body(request, cfg.max_body_bytes),
+                                             cfg.timeouts.body_read_seconds)
+            except TimeoutError:
+                raise ClientError(408, "request body not received within "
+                                  f"{cfg.timeouts.body_read_seconds:g} s "
+                                  "(timeouts.bodyReadSeconds)", type_="request_timeout") from None
             req = parse_request(raw, kind, request.headers.get("X-Conversation-Id"),
                                 self.max_model_len)
         except ClientError as e:

@@ -119,7 +119,9 @@ async def test_a_conflict_on_create_reads_the_winner_and_goes_on(minimal):
     client.hidden.add(key)
     client.fail["POST", "Service"] = [ApiError(409, "AlreadyExists", "exists")]
     await controller.reconcile(body)
-    assert client.calls[2:6] == [("GET", "Service"), ("POST", "Service"), ("GET", "Service"),
+    # After the handle-key Secret's create (never a read of it):
+    assert client.calls[0] == ("POST", "Secret")
+    assert client.calls[1:5] == [("GET", "Service"), ("POST", "Service"), ("GET", "Service"),
                                  ("GET", "StatefulSet")]
     assert ("PUT", "Service") not in client.calls  # the winner's object matched: kept
 

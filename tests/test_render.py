@@ -163,7 +163,9 @@ def test_efa_profile(example):
         assert kv_config(c)["kv_connector_extra_config"]["backends"] == ["LIBFABRIC"]
         assert c["resources"]["limits"]["vpc.amazonaws.com/efa"] == 16
         assert c["resources"]["requests"]["hugepages-2Mi"] == "5Gi"
-        assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {
+            "drop": ["ALL"], "add": ["IPC_LOCK"]}}
+        assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
         assert {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in pod[
             "volumes"]
         other = "decode" if role == "prefill" else "prefill"
@@ -335,3 +337,13 @@ def test_role_env_managed_names_refused(minimal):
                                                 "value": "0.0.0.0"}]}
     with pytest.raises(SpecError, match=r"spec.prefill.extraEnv\[0\].name"):
         render_resource(minimal)
+
+
+def test_engines_without_efa_keep_no_capability_and_cannot_escalate(minimal):
+    for obj in render_resource(minimal):
+        if obj["kind"] != "StatefulSet":
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        assert pod["containers"][0]["securityContext"] == {
+            "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}

@@ -18,7 +18,7 @@ def test_defaults_and_ttl():
     assert cfg.prefill_only_fallback is True
     assert parse_config({**BASE, "prefillOnlyFallback": False}).prefill_only_fallback is False
     assert cfg.kv_recompute_threshold == 64 and cfg.tenant_header == "Authorization"
-    assert cfg.max_body_bytes == 8 * 1024 * 1024
+    assert cfg.max_body_bytes == 4 * 1024 * 1024 and cfg.max_inflight_body_bytes == 32 * 1024 * 1024
     assert cfg.handle_ttl_seconds == 420  # min(420, 480 - 10)
     cfg = parse_config({**BASE, "conversationTtlSeconds": 600, "decoderKvBlocksTtlSeconds": 300,
                         "safetyMarginSeconds": 20})

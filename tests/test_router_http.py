@@ -146,3 +146,51 @@ def test_a_client_request_id_is_kept_only_when_short_and_plain():
     for bad in ("x" * 129, "has space", "quote\"", "é", "", None, "a\nb"):
         fresh = request_id(bad)
         assert fresh != bad and len(fresh) == 32
+
+
+async def test_past_the_in_flight_limits_a_429_with_retry_after():
+    async with Cluster(config={"maxInflightRequests": 1, "maxBodyBytes": 4096,
+                               "maxInflightBodyBytes": 6000}) as c:
+        c.d[0].behaviour.chunk_delay = 0.3  # the first request stays in flight
+        first = asyncio.ensure_future(c.chat(U1, stream=True))
+        for _ in range(100):  # bounded: until it reached decode
+            if c.d[0].generations():
+                break
+            await asyncio.sleep(0.02)
+        status, raw, headers = await c.post("/v1/chat/completions", {"messages": U1})
+        assert status == 429 and headers["Retry-After"] == "1"
+        assert "maxInflightRequests" in json.loads(raw)["error"]["message"]
+        assert (await first)["status"] == 200
+        assert (await c.chat(U1))["status"] == 200  # the slot is free again
+    async with Cluster(config={"maxBodyBytes": 4096, "maxInflightBodyBytes": 6000}) as c:
+        c.d[0].behaviour.chunk_delay = 0.3
+        big = [{"role": "user", "content": "x" * 3000}]
+        first = asyncio.ensure_future(c.chat(big, stream=True))
+        for _ in range(100):
+            if c.d[0].generations():
+                break
+            await asyncio.sleep(0.02)
+        status, _, _ = await c.post("/v1/chat/completions", {"messages": big})
+        assert status == 429  # 3 kB + 3 kB of bodies is over 6000 bytes
+        assert (await first)["status"] == 200
+        assert 'outcome="overloaded"' in await c.metrics()
+
+
+async def test_a_body_that_never_arrives_is_a_408():
+    async with Cluster(config={"timeouts": {"bodyReadSeconds": 0.3}}) as c:
+        port = int(c.running.url.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), 5)
+        writer.close()
+        assert b" 408 " in status_line
+
+
+def test_a_body_limit_the_in_flight_bound_cannot_hold_is_refused():
+    from bidirkv.router.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="maxInflightBodyBytes"):
+        load_config(None, {"prefill": ["http://p:1"], "decode": ["http://d:1"],
+                           "maxBodyBytes": 8192, "maxInflightBodyBytes": 4096})

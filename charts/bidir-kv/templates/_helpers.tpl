@@ -101,11 +101,11 @@ the requests of a real operator run.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "update"]
-# The handle-key Secret of each resource: read to see that it exists, created once.
-# Never listed or watched (no access to other Secrets' contents beyond a name it asks for).
+# The handle-key Secret of each resource: created once (409: it exists). Never read,
+# listed or watched: the operator sees no Secret's content, its own included.
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get", "create"]
+  verbs: ["create"]
 # Warning events for specs the operator cannot apply (InvalidSpec, ChildConflict).
 - apiGroups: [""]
   resources: ["events"]
