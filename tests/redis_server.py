@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 
 
@@ -48,16 +50,21 @@ class RedisServer:
         self.exe = exe
         self.port = _free_port()
         self.proc: subprocess.Popen | None = None
+        # Its working directory: a full sync to a replica writes an RDB file there even
+        # with persistence off, and it must never land in the checkout.
+        self.dir = tempfile.mkdtemp(prefix="bidirkv-redis-")
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
+        os.makedirs(self.dir, exist_ok=True)
         self.proc = subprocess.Popen(
             [self.exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
-             "--appendonly", "no", "--maxmemory-policy", "noeviction"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+             "--appendonly", "no", "--maxmemory-policy", "noeviction", "--dir", self.dir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            cwd=self.dir)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -75,6 +82,7 @@ class RedisServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(5)
         self.proc = None
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def restart(self) -> None:
         self.stop()
