@@ -1,4 +1,5 @@
-"""Backend health, the model's context length, decode residency renewals and the
+"""Backend health, the model's context length, decode residency renewals, and the store's
+upkeep (its start, the watermark, the TTL sweep) in a task of its own.
 
 Part of `Router` (router/proxy.py), which holds the state these methods use.
 """
@@ -97,16 +98,29 @@ class Upkeep:
                 return
 
     async def renew_residency(self) -> None:
-        """Renew this router's lease on every healthy decode; learn their capacity."""
+        """Renew this router's lease on every healthy decode; learn their capacity. No
+        store call here: a slow store must never make a renewal late (decode would free
+        every conversation of this router)."""
         if not self.cfg.bidirectional:
             return
         assert self.session is not None
         healthy = self.decode.healthy()
         await asyncio.gather(*(self.residency.call(self.session, b.url) for b in healthy))
-        for b in healthy:
-            await self.keep_under_watermark(b.url)
-            pinned = await self._quietly(self.store.pinned(b.url))
-            self.metrics.export_residency(b.url, self.residency.replica(b.url), pinned)
+
+    async def store_upkeep(self) -> None:
+        """What the store needs after a health round: its start (a shared store names the
+        owner), each healthy decode's watermark and pinned count, the TTL sweep, the count."""
+        await self._start_store()
+        if self.cfg.bidirectional:
+            for b in self.decode.healthy():
+                await self.keep_under_watermark(b.url)
+                pinned = await self._quietly(self.store.pinned(b.url))
+                self.metrics.export_residency(b.url, self.residency.replica(b.url), pinned)
+        await self._quietly(self.store.sweep())
+        count = await self._quietly(self.store.count())
+        if count is not None:
+            self.metrics.handles.set(count)
+        self.metrics.store_up.set(1 if self.store.available else 0)
 
     async def _health_loop(self) -> None:
         while True:
@@ -114,15 +128,21 @@ class Upkeep:
             try:
                 await self.check_health()
                 await self.learn_model_len()
-                await self._start_store()
                 await self.renew_residency()
-                await self._quietly(self.store.sweep())
-                count = await self._quietly(self.store.count())
-                if count is not None:
-                    self.metrics.handles.set(count)
-                self.metrics.store_up.set(1 if self.store.available else 0)
             except Exception:  # noqa: BLE001 - the loop must outlive any one bad round
                 log.exception("health check round failed")
+            self._store_due.set()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(),
                                        self.cfg.health_check_interval_seconds)
+
+    async def _store_loop(self) -> None:
+        """Store upkeep in a task of its own, after each health round (its capacities
+        are fresh then), so however long a store call takes, renewals stay on time."""
+        while True:
+            await self._store_due.wait()
+            self._store_due.clear()
+            try:
+                await self.store_upkeep()
+            except Exception:  # noqa: BLE001 - the loop must outlive any one bad round
+                log.exception("handle store upkeep failed")

@@ -100,7 +100,9 @@ class Router(Upkeep, Legs, Sessions, PrefillOnly, Conversations):
         self.session: aiohttp.ClientSession | None = None
         self.fresh: aiohttp.ClientSession | None = None  # no pool: see router/sessions.py
         self._health_task: asyncio.Task[None] | None = None
+        self._store_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._store_due = asyncio.Event()  # set after each health round (health.py)
         self._set_timeouts()
         self.residency = Residency(cfg.owner_lease_seconds, self._t_probe,
                                    on_result=self._on_residency_call)
@@ -112,6 +114,7 @@ class Router(Upkeep, Legs, Sessions, PrefillOnly, Conversations):
         self.session, self.fresh = open_sessions()
         await self._start_store()
         self._health_task = asyncio.create_task(self._health_loop(), name="router-health")
+        self._store_task = asyncio.create_task(self._store_loop(), name="router-store")
         self.residency.start(self.session)
 
     async def _start_store(self) -> None:
@@ -143,11 +146,13 @@ class Router(Upkeep, Legs, Sessions, PrefillOnly, Conversations):
         await self.residency.close()
         for task in list(self._tasks):
             task.cancel()
+        # The loops first: none of them may call the store once it is closed.
+        for task in (self._health_task, self._store_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.store.close()
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
         for session in (self.session, self.fresh):
             if session is not None:
                 await session.close()

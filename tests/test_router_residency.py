@@ -177,3 +177,17 @@ async def test_a_long_client_request_id_never_reaches_decode():
         assert r["status"] == 200
         sent = [g.headers["X-Request-Id"] for g in c.d[0].generations() + c.p[0].generations()]
         assert sent and all(len(rid) <= 128 for rid in sent)
+
+
+async def test_a_slow_store_never_makes_a_lease_renewal_late():
+    async with Cluster(config={"healthCheckIntervalSeconds": 0.05}) as c:
+        async def slow_sweep():
+            await asyncio.sleep(5)  # a store that takes seconds to answer
+            return 0
+
+        c.router.store.sweep = slow_sweep
+        await asyncio.sleep(0.1)
+        before = len(c.d[0].residency_calls)
+        await asyncio.sleep(1.0)
+        # Renewals keep their 50 ms rounds while the store's upkeep is stuck.
+        assert len(c.d[0].residency_calls) - before >= 5
