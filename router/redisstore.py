@@ -33,6 +33,13 @@ from .store import EXPIRED, HIT, MISS, Entry
 SAFETY_TTL_MS = 60_000
 POOL = 64
 SCAN = 200
+# A store call is on a request's path: a healthy server answers in a millisecond, so a
+# call that takes this long counts as a failure.
+CALL_TIMEOUT_S = 0.5
+# The breaker: after this many failures in a row, calls fail at once (the turn is served
+# without reuse) for BREAKER_OPEN_S; then one call tries again.
+BREAKER_FAILURES = 3
+BREAKER_OPEN_S = 5.0
 
 TRIM_LIMIT = 1000
 
@@ -75,6 +82,8 @@ class RedisStore:
         self._trim_script = client.register_script(TRIM)
         self.owner: str | None = None
         self._available = True
+        self._failures = 0  # in a row
+        self._open_until = 0.0  # monotonic; calls fail at once before it
 
     @classmethod
     def from_url(cls, url: str, password: str | None, ttl_seconds: float, max_entries: int,
@@ -84,13 +93,14 @@ class RedisStore:
         # A bounded pool that waits for a free connection: under a burst, requests queue
         # for a moment instead of failing with "too many connections".
         pool = redis.BlockingConnectionPool.from_url(
-            url, password=password or None, max_connections=POOL, timeout=1.0,
-            socket_timeout=1.0, socket_connect_timeout=1.0, health_check_interval=5)
+            url, password=password or None, max_connections=POOL, timeout=CALL_TIMEOUT_S,
+            socket_timeout=CALL_TIMEOUT_S, socket_connect_timeout=CALL_TIMEOUT_S,
+            health_check_interval=5)
         return cls(redis.Redis(connection_pool=pool), ttl_seconds, max_entries, on_evict, **kw)
 
     @property
     def available(self) -> bool:
-        return self._available
+        return self._available and time.monotonic() >= self._open_until
 
     def configure(self, ttl_seconds: float, max_entries: int) -> None:
         self.ttl, self.max_entries = ttl_seconds, max_entries
@@ -102,16 +112,24 @@ class RedisStore:
     async def _call(self, op: str, fn: Any, *args: Any, **kw: Any) -> Any:
         import redis
 
+        if time.monotonic() < self._open_until:
+            self._on_error(op)
+            raise StoreUnavailable(f"handle store {op}: not tried, {self._failures} calls "
+                                   "in a row failed")
         try:
             out = await fn(*args, **kw)
         except (redis.RedisError, OSError) as exc:
             # Every error, not only a lost connection: READONLY after a failover, OOM under
-            # noeviction, NOPERM or a failing script leave the store as unusable, and a
-            # turn served without reuse beats a 500.
+            # noeviction, NOPERM, a failing script or a slow answer leave the store as
+            # unusable, and a turn served without reuse beats a 500 or a stall.
             self._available = False
+            self._failures += 1
+            if self._failures >= BREAKER_FAILURES:
+                self._open_until = time.monotonic() + BREAKER_OPEN_S
             self._on_error(op)
             raise StoreUnavailable(f"handle store {op}: {exc}") from None
         self._available = True
+        self._failures = 0
         return out
 
     async def start(self) -> None:

@@ -82,7 +82,10 @@ async def test_a_restarted_router_keeps_the_conversation(redis_url):
         assert status == 200 and handles_sent(c) == 1
 
 
-async def test_store_down_and_back_requests_keep_succeeding(redis_url):
+async def test_store_down_and_back_requests_keep_succeeding(redis_url, monkeypatch):
+    from bidirkv.router import redisstore
+
+    monkeypatch.setattr(redisstore, "BREAKER_OPEN_S", 0.2)
     cfg = {"handleStore": redis_url.url, "healthCheckIntervalSeconds": 0.05}
     async with Cluster(config=cfg) as c:
         r1 = await c.chat(U1, conversation_id="conv")
@@ -97,6 +100,7 @@ async def test_store_down_and_back_requests_keep_succeeding(redis_url):
         # D kept blocks for the handle the router could not store: released at once.
         assert await c.d[0].wait_released(r2["headers"]["X-Request-Id"])
         redis_url.start()
+        await asyncio.sleep(0.3)  # past the breaker's open time
         r3 = await c.chat(U1, conversation_id="conv2")
         r4 = await c.chat(U1 + [r3["message"], {"role": "user", "content": "y"}],
                           conversation_id="conv2")

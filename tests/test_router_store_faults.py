@@ -50,7 +50,12 @@ async def test_a_user_without_permission_is_a_store_fault_not_a_500(redis_url):
         assert handles_sent(c) == 0
 
 
-async def test_a_read_only_replica_is_a_store_fault_not_a_500(redis_url):
+async def test_a_read_only_replica_is_a_store_fault_not_a_500(redis_url, monkeypatch):
+    import asyncio
+
+    from bidirkv.router import redisstore
+
+    monkeypatch.setattr(redisstore, "BREAKER_OPEN_S", 0.2)  # failures open the breaker
     primary = started()
     try:
         async with Cluster(config={"handleStore": redis_url.url}) as c:
@@ -58,7 +63,63 @@ async def test_a_read_only_replica_is_a_store_fault_not_a_500(redis_url):
             assert await two_turns(c, "ro") == [200, 200]
             assert handles_sent(c) == 0
             admin(redis_url).replicaof("NO", "ONE")
+            await asyncio.sleep(0.3)  # past the breaker's open time: the next call tries
             assert await two_turns(c, "rw") == [200, 200]
             assert handles_sent(c) == 1
     finally:
         primary.stop()
+
+
+class SlowLink:
+    """A TCP proxy in front of the real server that holds every client chunk `delay`
+    seconds before passing it on (a slow network or an overloaded server); counts them."""
+
+    def __init__(self, port: int, delay: float) -> None:
+        self.port, self.delay, self.chunks = port, delay, 0
+        self.server = None
+
+    async def start(self) -> str:
+        import asyncio
+
+        async def pipe(reader, writer, slow):
+            try:
+                while data := await reader.read(65536):
+                    if slow:
+                        self.chunks += 1
+                        await asyncio.sleep(self.delay)
+                    writer.write(data)
+                    await writer.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                writer.close()
+
+        async def handle(client_r, client_w):
+            server_r, server_w = await asyncio.open_connection("127.0.0.1", self.port)
+            asyncio.ensure_future(pipe(client_r, server_w, True))
+            asyncio.ensure_future(pipe(server_r, client_w, False))
+
+        self.server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    def close(self) -> None:
+        self.server.close()
+
+
+async def test_a_slow_store_opens_the_breaker_and_turns_stop_waiting_for_it(redis_url):
+    link = SlowLink(redis_url.port, delay=0.0)
+    url = await link.start()
+    try:
+        async with Cluster(config={"handleStore": url, "healthCheckIntervalSeconds": 3600,
+                                   "ownerLeaseSeconds": 7200}) as c:
+            assert await two_turns(c, "fast") == [200, 200] and handles_sent(c) == 1
+            link.delay = 0.6  # longer than a store call may take
+            for i in range(3):  # each fails on the store's timeout: served, no reuse
+                assert (await c.chat(U1, conversation_id=f"slow{i}"))["status"] == 200
+            assert not c.router.store.available  # the breaker is open
+            sent = link.chunks
+            assert await two_turns(c, "open") == [200, 200]
+            assert link.chunks == sent, "calls went to the store while the breaker was open"
+            assert handles_sent(c) == 1
+    finally:
+        link.close()
