@@ -159,3 +159,30 @@ async def test_a_store_that_went_away_raises_and_comes_back(make):
         await s.close()
     finally:
         server.stop()
+
+
+async def test_entries_the_server_expired_leave_no_pinned_blocks_behind(make):
+    """Redis expires `h:` keys by itself (their safety TTL) once no router swept for a
+    while: the indexes and the pinned count must follow, or every later handle on that
+    replica is trimmed at once (pin stays above the watermark)."""
+    if make.kind != "redis":
+        pytest.skip("only the shared store's server expires entries by itself")
+    import redis.asyncio as aioredis
+
+    s = await make(ttl=0.05)
+    for i in range(3):
+        await put(s, b"k%d" % i, f"r{i}", blocks=4)
+    assert await s.pinned(D0) == 12
+    raw = aioredis.Redis(connection_pool=s.r.connection_pool)
+    for i in range(3):  # what the server's own expiry does
+        assert await raw.delete(s._k("h:" + (b"k%d" % i).hex())) == 1
+    await asyncio.sleep(0.1)
+    await s.sweep()
+    assert await s.pinned(D0) == 0 and await s.count() == 0
+    # A new handle under the watermark stays.
+    await put(s, b"fresh", "rf", blocks=4)
+    assert await s.trim_replica(D0, 8) == 0 and await s.pinned(D0) == 4
+    # The trim path meets expired entries too.
+    await raw.delete(s._k("h:" + b"fresh".hex()))
+    await put(s, b"fresh2", "rf2", blocks=4)
+    assert await s.trim_replica(D0, 4) == 0 and await s.pinned(D0) == 4
