@@ -49,6 +49,9 @@ class Timeouts(_Model):
     # Longest silence allowed on the decode leg, between bytes: a streamed generation may
     # legitimately run for minutes, a stalled one should not hold the client forever.
     decode_seconds: float = Field(default=600.0, gt=0, le=86400)
+    # A streamed decode leg's first byte (the first token, after D's KV read): past it the
+    # turn goes to another replica, as before any byte of a failed leg.
+    decode_first_byte_seconds: float = Field(default=120.0, gt=0, le=86400)
     # A client's whole request body: a slow sender must not hold an admission slot.
     body_read_seconds: float = Field(default=30.0, gt=0, le=3600)
 

@@ -154,16 +154,23 @@ class Legs:
         resp: aiohttp.ClientResponse | None = None
         try:
             try:
-                resp = await self._post(d, PATHS[turn.kind], payload, rid, turn.auth,
-                                        self._t_decode, retry_stale=leg != DECODE)
-                if resp.status != 200:
-                    body = await resp.read()
-                    raise UpstreamFailure(d.role, d, "status", resp.status, body,
-                                          f"HTTP {resp.status}")
-                if not turn.stream:
-                    body = await resp.read()
-                    return await self._finish_json(turn, d, body, t, leg), "ok"
-                first = await resp.content.readany()
+                # Streamed: a replica that takes the connection and never answers would
+                # hold the turn for decodeSeconds; before the first byte the turn can
+                # still go to another replica. (Not streamed, the whole answer is the
+                # first byte: decodeSeconds alone bounds it.)
+                first_byte = self.cfg.timeouts.decode_first_byte_seconds if turn.stream \
+                    else None
+                async with asyncio.timeout(first_byte):
+                    resp = await self._post(d, PATHS[turn.kind], payload, rid, turn.auth,
+                                            self._t_decode, retry_stale=leg != DECODE)
+                    if resp.status != 200:
+                        body = await resp.read()
+                        raise UpstreamFailure(d.role, d, "status", resp.status, body,
+                                              f"HTTP {resp.status}")
+                    if not turn.stream:
+                        body = await resp.read()
+                        return await self._finish_json(turn, d, body, t, leg), "ok"
+                    first = await resp.content.readany()
                 if not first:
                     raise UpstreamFailure(d.role, d, "protocol",
                                           detail="stream ended before any data")

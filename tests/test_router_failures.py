@@ -228,3 +228,13 @@ async def test_cancel_during_prefill_with_handle_discards_it():
         assert c.p[0].generations()[1].has_handle
         # P may have read D's blocks before the cancel: the handle is not handed out again.
         assert len(c.router.store) == 0
+
+
+async def test_a_decode_that_never_sends_a_byte_loses_the_turn_to_another():
+    async with Cluster(decode=2, config={"timeouts": {"decodeFirstByteSeconds": 0.3}}) as c:
+        c.d[0].behaviour.hang = True  # takes the connection, never answers
+        for i in range(2):
+            r = await c.chat([{"role": "user", "content": f"hi {i}"}], stream=True)
+            assert r["status"] == 200 and r["text"] == "Hello from the fake."
+        assert c.d[0].generations(), "no turn went to the silent replica first"
+        assert len(c.d[1].generations()) == 2
