@@ -178,8 +178,13 @@ def _request_finished(orig, keys):
         st.failed.discard(request.request_id)
         proven = request.request_id in st.proven
         st.proven.discard(request.request_id)
-        if delay and out is not None and out.get("do_remote_decode") and not proven:
-            # Not sent by the router: keep nothing, hand out nothing.
+        hands_out = out is not None and (out.get("do_remote_decode")
+                                          or out.get("do_remote_prefill"))
+        if delay and hands_out and not proven:
+            # Not sent by the router: keep nothing, hand out nothing. On D (its blocks
+            # for P's next turn) and on P alike (its blocks for D): a handle taken
+            # straight from an engine and replayed once its blocks held other KV would
+            # read that KV.
             self._reqs_need_send.pop(request.request_id, None)
             self._reqs_not_processed.add(request.request_id)
             st.reports.pop(request.request_id, None)

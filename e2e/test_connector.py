@@ -167,6 +167,19 @@ def _bad_cases(s: Stack, fresh_handle: dict, p_handle: dict) -> list[tuple[str, 
     ]
 
 
+def test_prefill_gives_a_caller_without_the_routers_proof_no_handle(stack):
+    """A handle taken straight from P could be replayed to D once P reused its blocks;
+    without the router's proof P answers, keeps nothing and hands out nothing."""
+    body = chat([{"role": "user", "content": random_text(300, seed=91)}])
+    direct = dict(body, stream=False, max_tokens=1, kv_transfer_params=dict(MISS))
+    status, out = post(stack.p_url + "/v1/chat/completions", direct)
+    assert status == 200 and out["choices"][0]["message"]["content"]
+    kv = out.get("kv_transfer_params") or {}
+    assert not kv.get("remote_block_ids") and MAC_KEY not in kv, kv
+    # With the proof (what the router sends) the same request gets its handle.
+    assert prefill_leg(stack, body)["kv_transfer_params"][MAC_KEY]
+
+
 def test_bad_params_straight_to_a_server_are_served_without_reuse(stack):
     user1 = {"role": "user", "content": random_text(300, seed=41)}
     text1, fresh, p1 = turn(stack, chat([user1]))

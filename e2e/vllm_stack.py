@@ -31,7 +31,8 @@ KEY = "e2e-handle-key"
 
 
 def proof() -> str:
-    """What the router adds to a decode leg; without it decode keeps no KV for reuse."""
+    """What the router adds to each leg: without it prefill keeps nothing for decode and
+    decode keeps nothing for reuse, and neither hands out a handle."""
     return make_proof(KEY.encode())
 BLOCK = 128
 MODEL = "tiny"
@@ -186,6 +187,8 @@ def prefill_leg(s: Stack, body: dict, handle: dict | None = None) -> dict:
     pbody.pop("stream_options", None)
     pbody["kv_transfer_params"] = (dict(handle, do_remote_decode=True,
                                         do_remote_prefill=False) if handle else dict(MISS))
+    # What the router adds to a prefill leg too: without it P hands out no handle.
+    pbody["kv_transfer_params"]["bidirkv_proof"] = proof()
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     status, out = post(s.p_url + path, pbody)
     assert status == 200, out

@@ -166,10 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bidir-kv router: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
     key = os.environ.get(HANDLE_KEY_ENV, "").strip().encode()
-    if cfg.bidirectional and not key:
-        print(f"bidir-kv router: {HANDLE_KEY_ENV} is not set: decode keeps KV for reuse only "
-              "for requests the router proves it sent, with the resource's handle key (the "
-              "operator sets it from the resource's Secret)", file=sys.stderr)
+    if not key:
+        print(f"bidir-kv router: {HANDLE_KEY_ENV} is not set: prefill keeps KV for decode, "
+              "and decode for reuse, only for requests the router proves it sent, with the "
+              "resource's handle key (the operator sets it from the resource's Secret)",
+              file=sys.stderr)
         return 2
     if not 0 <= args.port <= 65535:
         print(f"bidir-kv router: --port {args.port} is not a port (0-65535)", file=sys.stderr)

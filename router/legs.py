@@ -76,7 +76,8 @@ class Legs:
                 raise Unavailable(PREFILL)
             entry = turn.entry
             handle = loads(entry.params) if entry is not None else None
-            payload = dumps(prefill_body(turn.body, handle))
+            proof = make_proof(self.handle_key) if self.handle_key else None
+            payload = dumps(prefill_body(turn.body, handle, proof))
             t = time.perf_counter()
             p.outstanding += 1
             turn.asked_prefill = True

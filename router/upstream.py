@@ -36,9 +36,12 @@ PROOF_KEY = "bidirkv_proof"
 HANDLE_KEY_ENV = "BIDIRKV_HANDLE_KEY"
 
 
-def prefill_body(body: dict[str, Any], handle: dict[str, Any] | None) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], handle: dict[str, Any] | None,
+                 proof: str | None = None) -> dict[str, Any]:
     """The prefill leg's body: one token, not streamed, asking P to keep its blocks for D;
-    with a handle, also telling P where D holds this conversation's earlier blocks."""
+    with a handle, also telling P where D holds this conversation's earlier blocks. The
+    router's proof: without it P keeps nothing for D and hands out no handle, so nobody
+    but the router can obtain one of P's (and replay it after P reused the blocks)."""
     out = dict(body)
     out["stream"] = False
     out["max_tokens"] = 1
@@ -50,6 +53,8 @@ def prefill_body(body: dict[str, Any], handle: dict[str, Any] | None) -> dict[st
         kv["do_remote_prefill"] = False
     else:
         kv = dict(_MISS_PARAMS)
+    if proof is not None:
+        kv[PROOF_KEY] = proof
     out[PARAMS] = kv
     return out
 

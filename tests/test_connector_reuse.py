@@ -103,8 +103,10 @@ def test_decode_keeps_nothing_for_a_request_without_the_routers_proof():
     assert finished(d, again, ([1],)) == (False, None)
 
 
-def prefill_turn(p, handle, prompt, local_cached=0, fail=False):
+def prefill_turn(p, handle, prompt, local_cached=0, fail=False, proof=True):
     params = dict(handle, do_remote_decode=True, do_remote_prefill=False)
+    if proof:
+        params["bidirkv_proof"] = make_proof(KEY)  # what the router adds to a prefill leg
     req = request("p2", prompt, params)
     on_new(p, req)
     count, _ = matched(p, req, local_cached)
@@ -112,6 +114,19 @@ def prefill_turn(p, handle, prompt, local_cached=0, fail=False):
         conn_out(p, SimpleNamespace(failed_recving={"p2"}))
     _, out = finished(p, req, ([1, 2, 3],))
     return req.kv_transfer_params, count, out
+
+
+def test_prefill_hands_out_no_handle_without_the_routers_proof():
+    """A caller of P's port without the key gets its one token and no handle: nothing it
+    could replay to D once P's blocks hold another request's KV."""
+    h = decode_turn(scheduler())
+    p = scheduler()
+    p._reqs_need_send["p2"] = 99.0
+    _, _, out = prefill_turn(p, h, PROMPT1 + OUTPUT1[:-1] + [7], proof=False)
+    assert out is None
+    assert "p2" not in p._reqs_need_send and "p2" in p._reqs_not_processed
+    _, _, out = prefill_turn(scheduler(), h, PROMPT1 + OUTPUT1[:-1] + [7])
+    assert out is not None and out["do_remote_prefill"] and out["bidirkv_mac"]
 
 
 def test_decode_publishes_signed_digests_of_what_it_holds():
