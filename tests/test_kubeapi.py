@@ -523,8 +523,10 @@ async def test_watch_expired_and_timeout() -> None:
         params = {"watch": "1", "resourceVersion": str(srv.resource_version),
                   "timeoutSeconds": "1", "allowWatchBookmarks": "true"}
         async with http.get(cms, params=params) as resp:
-            body = await asyncio.wait_for(resp.text(), 5)
-        assert 0.9 < time.monotonic() - started < 3
+            # The server ends the watch itself (the bound only keeps a hang from lasting)...
+            body = await asyncio.wait_for(resp.text(), 30)
+        # ...and not before timeoutSeconds: a lower bound no slower machine can break.
+        assert time.monotonic() - started >= 0.9
         assert [json.loads(line)["type"] for line in body.splitlines()] == ["BOOKMARK"]
 
 
@@ -533,11 +535,12 @@ async def test_stop_closes_open_watches() -> None:
     await srv.start()
     async with aiohttp.ClientSession(srv.url) as http:
         async with http.get("/api/v1/configmaps", params={"watch": "true"}) as resp:
-            started = time.monotonic()
             await srv.stop()
+            # Ends because the server closed it: a watch left open would run into the
+            # bound (its timeout fails the test), however fast the machine.
             with contextlib.suppress(aiohttp.ClientPayloadError):
-                await asyncio.wait_for(resp.read(), 3)
-    assert time.monotonic() - started < 2
+                await asyncio.wait_for(resp.read(), 30)
+    assert resp.connection is None  # released: the stream is over
 
 
 async def test_discovery_and_crd_lifecycle(aserver: KubeAPIServer) -> None:
@@ -650,6 +653,5 @@ async def test_kopf_operator_runs_handlers_and_patches(aserver: KubeAPIServer) -
             await asyncio.wait_for(event_posted(), 10)
         finally:
             stop.set()
-            started = time.monotonic()
-            await asyncio.wait_for(task, 5)
-            assert time.monotonic() - started < 5
+            # The operator stops when asked; the bound only keeps a hang from lasting.
+            await asyncio.wait_for(task, 30)
