@@ -262,8 +262,8 @@ class RedisStore:
         for m in members:
             keyhex = m.decode() if isinstance(m, bytes) else m
             raw = await self._call("drop", self.r.get, self._k("h:" + keyhex))
-            if raw is None:
-                await self._call("drop", self.r.zrem, rep, m)
+            if raw is None:  # expired by the server: TAKE still clears its indexes
+                await self._take_key(keyhex)
                 continue
             if keep_engine_id is not None and loads(raw).get("engine_id") == keep_engine_id:
                 continue

@@ -186,3 +186,7 @@ async def test_entries_the_server_expired_leave_no_pinned_blocks_behind(make):
     await raw.delete(s._k("h:" + b"fresh".hex()))
     await put(s, b"fresh2", "rf2", blocks=4)
     assert await s.trim_replica(D0, 4) == 0 and await s.pinned(D0) == 4
+    # And dropping a replica whose entries the server expired.
+    await raw.delete(s._k("h:" + b"fresh2".hex()))
+    assert await s.drop_replica(D0, "replica_unhealthy") == 0
+    assert await s.pinned(D0) == 0
