@@ -199,6 +199,7 @@ def run_phase(label: str, patch: dict[str, Any] | None, bench_kw: dict[str, Any]
 def data_plane(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]], Any]
                ) -> int:
     from bidirkv.bench import report
+    from bidirkv.bench.turns import Think, summary_text
     from bidirkv.local.cli import tiny_model_for
     from bidirkv.local.cpu import read_cpu
 
@@ -207,8 +208,6 @@ def data_plane(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]
                                                                not args.no_progress))
     shown = model.relative_to(ROOT) if model.is_relative_to(ROOT) else model
     print(f"    {shown}; CPU {cpu.describe()}\n    {choice.line()}")
-    from bidirkv.bench.turns import Think, summary_text
-
     think = Think(min_s=args.think[0], max_s=args.think[1], pause_s=args.pause,
                   pause_turns=(args.pause_turn,) if args.pause and args.pause_turn else ())
     bench_kw = {"conversations": args.conversations, "turns": args.turns,

@@ -50,8 +50,6 @@ def short_hash(value: str) -> str:
     return hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:10]
 
 
-
-
 # -- chat history ---------------------------------------------------------------------
 def _content(content: Any) -> Any:
     if content is None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -109,13 +110,13 @@ def reason(turn: int, router_outcome: str | None, reused_tokens: float | None,
 def summary(records: list[Mapping], cap_s: float | None = None) -> dict:
     """Turns by reason, and how the turns that came back after a gap fared: those back
     within the retention cap (all of them without a cap) and those beyond it."""
-    counts = {r: 0 for r in REASONS}
-    for rec in records:
-        counts[rec.get("reason") or "other"] = counts.get(rec.get("reason") or "other", 0) + 1
+    counts = Counter(rec.get("reason") or "other" for rec in records)
     later = [r for r in records if r.get("turn", 1) > 1 and r.get("gap_s") is not None]
     within = [r for r in later if cap_s is None or r["gap_s"] <= cap_s]
     return {
-        "by_reason": {k: v for k, v in counts.items() if v},
+        # In REASONS order, then any reason this module does not know.
+        "by_reason": {k: counts[k] for k in (*REASONS, *sorted(set(counts) - set(REASONS)))
+                      if counts[k]},
         "max_gap_s": max((r["gap_s"] for r in later), default=None),
         "cap_s": cap_s,
         "returned_within_cap": len(within),

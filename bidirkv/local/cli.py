@@ -60,8 +60,6 @@ def prepare_stack(spec_file: str | os.PathLike[str], state_dir: pathlib.Path, *,
     stack = LocalStack(plan_stack(spec, ports, state_dir), state_dir, str(spec_file))
     stack.dtype_choice = choice
     stack.spec = spec
-    kv = spec.kv_transfer
-    stack.retention_s = kv.decoder_kv_blocks_ttl_seconds if kv.bidirectional else None
     return stack
 
 

@@ -14,6 +14,7 @@ Pure except `read_cpu`, which reads /proc/cpuinfo (Linux) and the platform modul
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import platform
@@ -73,8 +74,10 @@ def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
     return model or "unknown CPU", flags
 
 
+@functools.lru_cache(maxsize=4)
 def read_cpu(cpuinfo: str | os.PathLike[str] = "/proc/cpuinfo") -> CpuInfo:
-    """This machine's CPU (flags empty where /proc/cpuinfo cannot be read)."""
+    """This machine's CPU (flags empty where /proc/cpuinfo cannot be read); read once per
+    process, as it does not change under it."""
     try:
         text = pathlib.Path(cpuinfo).read_text(errors="replace")
     except OSError:

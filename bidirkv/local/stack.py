@@ -83,8 +83,13 @@ class LocalStack:
         self.dtype_choice = None
         # The validated spec it was planned from (cli.prepare_stack sets it).
         self.spec = None
-        # Decode's retention cap (decoderKvBlocksTtlSeconds) when reuse is on.
-        self.retention_s: float | None = None
+
+    @property
+    def retention_s(self) -> float | None:
+        """Decode's retention cap (decoderKvBlocksTtlSeconds) when reuse is on."""
+        kv = self.spec.kv_transfer if self.spec is not None else None
+        return kv.decoder_kv_blocks_ttl_seconds if kv is not None and kv.bidirectional \
+            else None
 
     @property
     def router_url(self) -> str:
