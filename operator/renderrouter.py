@@ -30,6 +30,9 @@ def router_config(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dict[st
         "decoderKvBlocksTtlSeconds": spec.kv_transfer.decoder_kv_blocks_ttl_seconds,
         "safetyMarginSeconds": api.TTL_SAFETY_MARGIN_SECONDS,
         "maxConversations": spec.router.max_conversations,
+        "tenantRetentionShare": spec.router.tenant_retention_share,
+        **({"maxConversationsPerTenant": spec.router.max_conversations_per_tenant}
+           if spec.router.max_conversations_per_tenant is not None else {}),
         "kvRecomputeThreshold": spec.kv_transfer.kv_recompute_threshold,
         "retentionWatermark": spec.kv_transfer.retention_watermark,
         "ownerLeaseSeconds": spec.kv_transfer.owner_lease_seconds,

@@ -62,6 +62,23 @@ class RouterSpec(_Model):
         le=10_000_000,
         description="Most conversation handles kept per router (least recently used dropped).",
     )
+    max_conversations_per_tenant: int | None = Field(
+        default=None,
+        ge=1,
+        le=10_000_000,
+        description="Most conversation handles one tenant may keep (its least recently "
+        "used dropped first); unset: up to `maxConversations`. Whatever the caps, the "
+        "`maxConversations` bound and the retention watermark evict from the tenant "
+        "holding the most.",
+    )
+    tenant_retention_share: float = Field(
+        default=1.0,
+        ge=0.01,
+        le=1,
+        description="Share of each decode replica's retention budget "
+        "(`kvTransfer.retentionWatermark` of its KV blocks) that one tenant's "
+        "conversations may pin.",
+    )
     prefill_only_fallback: bool = Field(
         default=True,
         description="With no healthy decode replica, prefill serves whole requests itself "

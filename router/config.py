@@ -99,6 +99,11 @@ class RouterConfig(_Model):
     decoder_kv_blocks_ttl_seconds: float = Field(default=480.0, gt=0, le=86400)
     safety_margin_seconds: float = Field(default=10.0, ge=0, le=3600)
     max_conversations: int = Field(default=100_000, ge=1, le=10_000_000)
+    # Fairness between tenants (router/store.py): the most handles one tenant may keep
+    # (None: up to maxConversations), and the share of each decode replica's retention
+    # budget (retentionWatermark x its blocks) one tenant's handles may pin.
+    max_conversations_per_tenant: int | None = Field(default=None, ge=1, le=10_000_000)
+    tenant_retention_share: float = Field(default=1.0, ge=0.01, le=1)
     # vLLM's `kv_recompute_threshold`: P reads from D only at or above this many tokens.
     kv_recompute_threshold: int = Field(default=64, ge=0)
     tenant_header: str = Field(

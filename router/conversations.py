@@ -67,7 +67,7 @@ class Conversations:
             d.engine_id = engine
         rid = params.get("remote_request_id")
         rid = rid if isinstance(rid, str) else None
-        key, tenant, prefix_len = None, None, 0
+        key, prefix_len = None, 0
         if not self.cfg.bidirectional or not d.in_pool or not d.healthy:
             pass
         elif turn.history is not None and collector is not None:
@@ -75,7 +75,7 @@ class Conversations:
         elif turn.prompt is not None and collector is not None:
             text = turn.prompt + collector.text
             key = self.keys.completion_key(turn.tenant, text)
-            tenant, prefix_len = turn.tenant, len(text)
+            prefix_len = len(text)
         elif turn.store_key is not None:
             key = turn.store_key
         if key is None:
@@ -87,9 +87,13 @@ class Conversations:
         n = kv.get("remote_num_tokens")
         n = n if isinstance(n, int) and not isinstance(n, bool) else 0
         try:
-            await self.store.put(key, dumps(kv), d.url, engine, n, tenant=tenant,
-                                 prefix_len=prefix_len, request_id=rid,
-                                 blocks=handle_blocks(kv), max_pinned=self.max_pinned(d.url))
+            limit = self.max_pinned(d.url)
+            share = self.cfg.tenant_retention_share
+            await self.store.put(
+                key, dumps(kv), d.url, engine, n, tenant=turn.tenant, prefix_len=prefix_len,
+                request_id=rid, blocks=handle_blocks(kv), max_pinned=limit,
+                tenant_max_pinned=int(share * limit) if limit is not None and share < 1
+                else None)
         except StoreUnavailable:
             if rid is not None:  # not kept anywhere: D frees the blocks now
                 self.residency.release_ids(d.url, [rid])

@@ -6,9 +6,11 @@
 
 Both keep the same semantics: tenant-scoped keys (the caller hashes them), single use
 (`lookup` takes the entry; `release` puts it back when P was never asked; `consume` and
-`discard` end it), a TTL, a bound on the number of entries (LRU), blocks pinned per
-decode replica with a trim to a watermark, and every entry they drop without P having
-read it handed to `on_evict`, so its decode blocks are released (router/residency.py).
+`discard` end it), a TTL, a bound on the number of entries, blocks pinned per decode
+replica with a trim to a watermark, both fair between tenants (the one holding the most
+loses its oldest first), per-tenant caps (entries; blocks on one replica), and every
+entry they drop without P having read it handed to `on_evict`, so its decode blocks are
+released (router/residency.py).
 
 `owner` is the identity decode holds retained KV for: None means "this router process"
 (a restarted in-process router is a new owner); a shared store has one owner id for all
@@ -36,15 +38,18 @@ class Store(Protocol):
     @property
     def available(self) -> bool: ...
 
-    def configure(self, ttl_seconds: float, max_entries: int) -> None: ...
+    def configure(self, ttl_seconds: float, max_entries: int,
+                  max_per_tenant: int | None = None) -> None: ...
     async def lookup(self, key: bytes) -> tuple[str, Entry | None]: ...
     async def lookup_prefix(self, tenant: bytes, text: str, key_of: PrefixKeys
                             ) -> tuple[str, Entry | None]: ...
     async def put(self, key: bytes, params: bytes, decode_url: str, engine_id: str | None,
                   num_tokens: int, *, tenant: bytes | None = None, prefix_len: int = 0,
                   request_id: str | None = None, blocks: int = 0,
-                  max_pinned: int | None = None) -> None:
-        """Store; then keep the LRU bound and, given `max_pinned`, the replica's watermark."""
+                  max_pinned: int | None = None,
+                  tenant_max_pinned: int | None = None) -> None:
+        """Store; then keep the entry bounds and, given `max_pinned` (the replica's
+        watermark) and `tenant_max_pinned` (the tenant's share of it), the block bounds."""
         ...
     async def release(self, entry: Entry) -> None: ...
     async def consume(self, entry: Entry) -> None: ...
@@ -66,12 +71,17 @@ class Store(Protocol):
 def make_store(cfg: Any, password: str | None, on_evict: EvictHook,
                on_error: Callable[[str], None]) -> Store:
     """The store the config names: a shared one at `handleStore`, else in-process."""
+    store: Store
     if cfg.handle_store:
         from .redisstore import RedisStore
 
-        return RedisStore.from_url(cfg.handle_store, password, cfg.handle_ttl_seconds,
-                                   cfg.max_conversations, on_evict, on_error=on_error)
-    return InProcessStore(cfg.handle_ttl_seconds, cfg.max_conversations, on_evict)
+        store = RedisStore.from_url(cfg.handle_store, password, cfg.handle_ttl_seconds,
+                                    cfg.max_conversations, on_evict, on_error=on_error)
+    else:
+        store = InProcessStore(cfg.handle_ttl_seconds, cfg.max_conversations, on_evict)
+    store.configure(cfg.handle_ttl_seconds, cfg.max_conversations,
+                    cfg.max_conversations_per_tenant)
+    return store
 
 
 class InProcessStore:
@@ -83,8 +93,9 @@ class InProcessStore:
     def __init__(self, ttl_seconds: float, max_entries: int, on_evict: EvictHook) -> None:
         self.local = HandleStore(ttl_seconds, max_entries, on_evict=on_evict)
 
-    def configure(self, ttl_seconds: float, max_entries: int) -> None:
-        self.local.configure(ttl_seconds, max_entries)
+    def configure(self, ttl_seconds: float, max_entries: int,
+                  max_per_tenant: int | None = None) -> None:
+        self.local.configure(ttl_seconds, max_entries, max_per_tenant)
 
     def __len__(self) -> int:
         return len(self.local)
@@ -102,9 +113,12 @@ class InProcessStore:
     async def put(self, key: bytes, params: bytes, decode_url: str, engine_id: str | None,
                   num_tokens: int, *, tenant: bytes | None = None, prefix_len: int = 0,
                   request_id: str | None = None, blocks: int = 0,
-                  max_pinned: int | None = None) -> None:
+                  max_pinned: int | None = None,
+                  tenant_max_pinned: int | None = None) -> None:
         self.local.put(key, params, decode_url, engine_id, num_tokens, tenant=tenant,
                        prefix_len=prefix_len, request_id=request_id, blocks=blocks)
+        if tenant_max_pinned is not None:
+            self.local.trim_tenant_replica(decode_url, tenant, tenant_max_pinned)
         if max_pinned is not None:
             self.local.trim_replica(decode_url, max_pinned)
 

@@ -175,7 +175,8 @@ class Router(Upkeep, Legs, Sessions, PrefillOnly, Conversations):
         if cfg.model != self.cfg.model:
             self.max_model_len = None  # learned again for the new model
         self.cfg = cfg
-        self.store.configure(cfg.handle_ttl_seconds, cfg.max_conversations)
+        self.store.configure(cfg.handle_ttl_seconds, cfg.max_conversations,
+                             cfg.max_conversations_per_tenant)
         self._set_timeouts()
         self.residency.lease_seconds = cfg.owner_lease_seconds
         self.residency.timeout = self._t_probe

@@ -1,20 +1,38 @@
 """The shared store's atomic steps, as Lua run by the Redis-protocol server (one round trip
-each, no other client sees a half-done step). Keys, under the store's prefix: `h:<key>`
-the entry (JSON), `order` all keys by store time, `rep:<decode url>` a replica's keys by
-store time, `pin` blocks pinned per replica, `len:<tenant>` keys by prompt length, and
-`meta` key -> what the indexes hold for it (decode url, blocks, tenant), kept without a
-TTL: when the server itself expires an `h:` key (its safety TTL, once no router swept for
-a minute), the next step that meets the key still takes it out of every index and the
-`pin` count, instead of leaving blocks pinned that no entry holds."""
+each, no other client sees a half-done step). Keys, under the store's prefix:
+
+    h:<key>              the entry (JSON)
+    order                all keys by store time
+    rep:<url>            one decode replica's keys in store order
+    pin                  hash: blocks pinned per replica
+    len:<tenant>         a tenant's completion keys by prompt length
+    ten:<tenant>         a tenant's keys in store order
+    tcount               zset: entries per tenant (the heaviest is the LRU bound's victim)
+    rt:<url>|<tenant>    a tenant's keys on one replica in store order
+    rtp:<url>            zset: blocks one replica pins per tenant (the watermark's victim)
+    meta                 key -> what the indexes hold for it (decode url, blocks, tenant)
+    seq                  a counter: the store order of the three indexes above (store
+                         times in ms tie under load, and a tie orders by key, not age)
+
+`meta` has no TTL: when the server itself expires an `h:` key (its safety TTL, once no
+router swept for a minute), the next step that meets the key still takes it out of every
+index and count, instead of leaving blocks pinned that no entry holds. Tenant counts are
+lowered only for keys their index really held, so entries stored before the tenant
+indexes existed never drive a count below what is there."""
 
 # Every script below takes an entry out of the indexes through this, from its JSON or,
 # once the server expired it, from `meta`.
 _UNINDEX = """
+local function settle(z, member, delta)
+  if delta == 0 then return end
+  local n = tonumber(redis.call('ZINCRBY', z, delta, member))
+  if n <= 0 then redis.call('ZREM', z, member) end
+end
 local function unindex(p, k, v)
   local url, blocks, tenant
   if v then
     local e = cjson.decode(v)
-    url, blocks, tenant = e['decode_url'], e['blocks'] or 0, e['tenant']
+    url, blocks, tenant = e['decode_url'], e['blocks'] or 0, e['tenant'] or ''
   else
     local m = redis.call('HGET', p .. 'meta', k)
     if not m then return end
@@ -24,7 +42,13 @@ local function unindex(p, k, v)
   redis.call('ZREM', p .. 'order', k)
   redis.call('ZREM', p .. 'rep:' .. url, k)
   redis.call('HINCRBY', p .. 'pin', url, -blocks)
-  if tenant and tenant ~= '' then redis.call('ZREM', p .. 'len:' .. tenant, k) end
+  if tenant ~= '' then redis.call('ZREM', p .. 'len:' .. tenant, k) end
+  if redis.call('ZREM', p .. 'ten:' .. tenant, k) == 1 then
+    settle(p .. 'tcount', tenant, -1)
+  end
+  if redis.call('ZREM', p .. 'rt:' .. url .. '|' .. tenant, k) == 1 then
+    settle(p .. 'rtp:' .. url, tenant, -blocks)
+  end
   redis.call('HDEL', p .. 'meta', k)
 end
 """
@@ -40,48 +64,80 @@ return v
 """
 
 # Store an entry, replacing (or, with ARGV[6] == "1", keeping) an existing one. KEYS: entry,
-# order; ARGV: key, entry JSON, store time, TTL ms, prefix, keep-existing.
+# order; ARGV: key, entry JSON, store time, TTL ms, prefix, keep-existing. Returns the old
+# entry and what the caller checks its bounds against, in the same round trip: entries
+# stored, blocks pinned on the replica, the tenant's entries, the tenant's blocks there.
 PUT = _UNINDEX + """
+local p, k = ARGV[5], ARGV[1]
 local old = redis.call('GET', KEYS[1])
-if ARGV[6] == '1' and old then return {old, 0, 0} end
-unindex(ARGV[5], ARGV[1], old)
+if ARGV[6] == '1' and old then return {old, 0, 0, 0, 0} end
+unindex(p, k, old)
 local e = cjson.decode(ARGV[2])
+local url, blocks, t = e['decode_url'], e['blocks'] or 0, e['tenant'] or ''
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[4])
-redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
-redis.call('ZADD', ARGV[5] .. 'rep:' .. e['decode_url'], ARGV[3], ARGV[1])
-redis.call('HINCRBY', ARGV[5] .. 'pin', e['decode_url'], e['blocks'] or 0)
-if e['tenant'] then
-  redis.call('ZADD', ARGV[5] .. 'len:' .. e['tenant'], e['prefix_len'], ARGV[1])
+redis.call('ZADD', KEYS[2], ARGV[3], k)
+local seq = redis.call('INCR', p .. 'seq')
+redis.call('ZADD', p .. 'rep:' .. url, seq, k)
+redis.call('HINCRBY', p .. 'pin', url, blocks)
+if t ~= '' and (e['prefix_len'] or 0) > 0 then
+  redis.call('ZADD', p .. 'len:' .. t, e['prefix_len'], k)
 end
-redis.call('HSET', ARGV[5] .. 'meta', ARGV[1],
-           cjson.encode({e['decode_url'], e['blocks'] or 0, e['tenant'] or ''}))
--- What the caller checks its bounds against, in the same round trip.
+redis.call('ZADD', p .. 'ten:' .. t, seq, k)
+redis.call('ZINCRBY', p .. 'tcount', 1, t)
+redis.call('ZADD', p .. 'rt:' .. url .. '|' .. t, seq, k)
+settle(p .. 'rtp:' .. url, t, blocks)
+redis.call('HSET', p .. 'meta', k, cjson.encode({url, blocks, t}))
 return {old, redis.call('ZCARD', KEYS[2]),
-        tonumber(redis.call('HGET', ARGV[5] .. 'pin', e['decode_url']))}
+        tonumber(redis.call('HGET', p .. 'pin', url)),
+        tonumber(redis.call('ZSCORE', p .. 'tcount', t) or '0'),
+        tonumber(redis.call('ZSCORE', p .. 'rtp:' .. url, t) or '0')}
 """
 
 
-# Take the oldest entries of one index (a replica's, or `order` for the LRU bound) while
-# a bound is exceeded, in one round trip. ARGV: prefix, index suffix, kind ('pin' with
-# the replica url and the most blocks, or 'count' with the most entries), bound, limit.
+# Take entries while a bound is exceeded, in one round trip. ARGV: prefix, kind, replica
+# url, tenant, bound, limit. Kinds, and whose oldest entry goes:
+#   count       all entries > bound: the tenant with the most entries
+#   pin         blocks on the replica > bound: the tenant pinning the most there
+#   tenant      the tenant's entries > bound: the tenant's
+#   tenantpin   the tenant's blocks on the replica > bound: the tenant's, on that replica
+# An empty victim index (entries stored before the tenant indexes) falls back to the
+# oldest overall, or on the replica.
 TRIM = _UNINDEX + """
-local p, index, kind, bound, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[5]),
-  tonumber(ARGV[6])
-local url = ARGV[4]
+local p, kind, url, t = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local bound, limit = tonumber(ARGV[5]), tonumber(ARGV[6])
+local function score(z, m) return tonumber(redis.call('ZSCORE', z, m) or '0') end
+local function heaviest(z)
+  local top = redis.call('ZREVRANGE', z, 0, 0)
+  return top[1] or ''
+end
 local function over()
+  if kind == 'pin' then return tonumber(redis.call('HGET', p .. 'pin', url) or '0') > bound end
+  if kind == 'count' then return redis.call('ZCARD', p .. 'order') > bound end
+  if kind == 'tenant' then return score(p .. 'tcount', t) > bound end
+  return score(p .. 'rtp:' .. url, t) > bound
+end
+local function victim_index()
+  if kind == 'count' then return 'ten:' .. heaviest(p .. 'tcount'), 'order' end
   if kind == 'pin' then
-    return tonumber(redis.call('HGET', p .. 'pin', url) or '0') > bound
+    return 'rt:' .. url .. '|' .. heaviest(p .. 'rtp:' .. url), 'rep:' .. url
   end
-  return redis.call('ZCARD', p .. 'order') > bound
+  if kind == 'tenant' then return 'ten:' .. t, nil end
+  return 'rt:' .. url .. '|' .. t, nil
 end
 local out = {}
-while #out < limit and over() do
+for _ = 1, limit do
+  if not over() then break end
+  local index, fallback = victim_index()
   local m = redis.call('ZRANGE', p .. index, 0, 0)
+  if #m == 0 and fallback then
+    index = fallback
+    m = redis.call('ZRANGE', p .. index, 0, 0)
+  end
   if #m == 0 then break end
   local k = m[1]
   local v = redis.call('GET', p .. 'h:' .. k)
-  redis.call('ZREM', p .. index, k)
   unindex(p, k, v)
+  redis.call('ZREM', p .. index, k)
   if v then
     redis.call('DEL', p .. 'h:' .. k)
     out[#out + 1] = v

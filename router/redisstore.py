@@ -4,10 +4,11 @@ Keys, under a prefix (default `bidirkv:`):
     h:<key>          the entry (JSON), with a store-side TTL (the router's TTL + a minute,
                      a safety net: the routers' sweep removes entries at their TTL)
     order            zset key -> stored-at ms: TTL sweep and the LRU bound
-    rep:<decode url> zset key -> stored-at ms: one replica's entries, oldest first
+    rep:<decode url> zset key -> store order: one replica's entries, oldest first
     pin              hash decode url -> blocks pinned by stored handles
     len:<tenant>     zset key -> prompt-prefix length (completions identified by prefix)
     owner            the id decode keeps retained KV for, shared by every router
+and the per-tenant indexes that make the bounds fair (router/redisscripts.py).
 
 Every change of one entry is one Lua script, so it is atomic: two routers taking the same
 handle, one gets it (single use); a put that replaces an entry returns the old one for
@@ -73,6 +74,7 @@ class RedisStore:
         self.r = client
         self.ttl = ttl_seconds
         self.max_entries = max_entries
+        self.max_per_tenant: int | None = None
         self.prefix = prefix
         self._on_evict = on_evict
         self._on_error = on_error or (lambda op: None)
@@ -102,8 +104,10 @@ class RedisStore:
     def available(self) -> bool:
         return self._available and time.monotonic() >= self._open_until
 
-    def configure(self, ttl_seconds: float, max_entries: int) -> None:
+    def configure(self, ttl_seconds: float, max_entries: int,
+                  max_per_tenant: int | None = None) -> None:
         self.ttl, self.max_entries = ttl_seconds, max_entries
+        self.max_per_tenant = max_per_tenant
 
     # -- plumbing ---------------------------------------------------------------------
     def _k(self, name: str) -> str:
@@ -181,28 +185,38 @@ class RedisStore:
         return outcome, None
 
     async def _store(self, entry: Entry, only_if_absent: bool
-                     ) -> tuple[Entry | None, int, int]:
-        """(the entry that was there, entries stored, blocks pinned on its replica)."""
+                     ) -> tuple[Entry | None, list[int]]:
+        """(the entry that was there, [entries stored, blocks pinned on its replica, the
+        tenant's entries, the tenant's blocks on the replica])."""
         now_ms = int(self._clock() * 1000)
         left_ms = max(1, int((entry.expires_at - self._clock()) * 1000))
         keyhex = entry.key.hex()
-        old, count, pinned = await self._call(
+        old, *counts = await self._call(
             "put", self._put, keys=[self._k("h:" + keyhex), self._k("order")],
             args=[keyhex, _value(entry, now_ms), now_ms, left_ms + SAFETY_TTL_MS, self.prefix,
                   "1" if only_if_absent else "0"])
-        return (_entry(old) if old else None), int(count or 0), int(pinned or 0)
+        return (_entry(old) if old else None), [int(c or 0) for c in counts]
 
     async def put(self, key: bytes, params: bytes, decode_url: str, engine_id: str | None,
                   num_tokens: int, *, tenant: bytes | None = None, prefix_len: int = 0,
                   request_id: str | None = None, blocks: int = 0,
-                  max_pinned: int | None = None) -> None:
+                  max_pinned: int | None = None,
+                  tenant_max_pinned: int | None = None) -> None:
         entry = Entry(key, params, decode_url, engine_id, num_tokens,
                       self._clock() + self.ttl, tenant, prefix_len, request_id, blocks)
-        old, count, pinned = await self._store(entry, only_if_absent=False)
+        old, (count, pinned, mine, mine_pinned) = await self._store(entry,
+                                                                    only_if_absent=False)
         if old is not None:
             self._evicted("replaced", [old])
+        t = tenant.hex() if tenant is not None else ""
+        if self.max_per_tenant is not None and mine > self.max_per_tenant:
+            self._evicted("tenant_cap", await self._trim_index(
+                "tenant", "", t, self.max_per_tenant))
         if count > self.max_entries:
             await self._trim()
+        if tenant_max_pinned is not None and mine_pinned > tenant_max_pinned:
+            self._evicted("tenant_cap", await self._trim_index(
+                "tenantpin", decode_url, t, tenant_max_pinned))
         if max_pinned is not None and pinned > max_pinned:
             await self.trim_replica(decode_url, max_pinned)
 
@@ -211,7 +225,7 @@ class RedisStore:
         if entry.expires_at <= self._clock():
             self._evicted("ttl", [entry])
             return
-        newer, _, _ = await self._store(entry, only_if_absent=True)
+        newer, _ = await self._store(entry, only_if_absent=True)
         if newer is not None:
             self._evicted("replaced", [entry])
 
@@ -240,17 +254,17 @@ class RedisStore:
                 out.append(e)
         return out
 
-    async def _trim_index(self, index: str, kind: str, url: str, bound: int) -> list[Entry]:
+    async def _trim_index(self, kind: str, url: str, tenant: str, bound: int) -> list[Entry]:
         raw = await self._call("trim", self._trim_script, keys=[],
-                               args=[self.prefix, index, kind, url, bound, TRIM_LIMIT])
+                               args=[self.prefix, kind, url, tenant, bound, TRIM_LIMIT])
         return [_entry(v) for v in raw or ()]
 
     async def _trim(self) -> None:
-        self._evicted("lru", await self._trim_index("order", "count", "", self.max_entries))
+        self._evicted("lru", await self._trim_index("count", "", "", self.max_entries))
 
     async def trim_replica(self, decode_url: str, max_blocks: int,
                            reason: str = "watermark") -> int:
-        doomed = await self._trim_index("rep:" + decode_url, "pin", decode_url, max_blocks)
+        doomed = await self._trim_index("pin", decode_url, "", max_blocks)
         self._evicted(reason, doomed)
         return len(doomed)
 

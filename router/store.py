@@ -16,6 +16,13 @@ bytes per id as Python objects, ~5 as text, and 100k handles must fit in a small
 Every handle also pins blocks on its decode replica until it is used or released, so the
 store counts them per replica (`pinned`) and hands every entry it drops to `on_evict`:
 the router tells that replica to free the blocks (router/residency.py).
+
+Bounds are fair between tenants (router/tally.py): the entry bound and a replica's
+watermark take the oldest entry of the tenant holding the most (entries, or blocks on
+that replica), and a tenant over one of its own caps (`max_per_tenant` entries, or the
+blocks it may pin on one replica, `trim_tenant_replica`) loses its own oldest. One
+tenant opening conversations by the thousand therefore spends its own handles, not
+everyone's.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 from .entry import EXPIRED, HIT, MISS, Entry, Lengths
+from .tally import Tally
 
 __all__ = ["EXPIRED", "HIT", "MISS", "Entry", "EvictHook", "HandleStore", "PrefixKeys"]
 
@@ -46,8 +54,14 @@ class HandleStore:
         # Per decode replica: its entries in store order (oldest first) and their blocks.
         self._by_url: dict[str, OrderedDict[bytes, Entry]] = {}
         self.pinned: dict[str, int] = {}
+        # Per tenant: its entries (oldest first), and per (replica, tenant) likewise.
+        self._by_tenant: dict[bytes | None, OrderedDict[bytes, Entry]] = {}
+        self._by_rep_tenant: dict[tuple[str, bytes | None], OrderedDict[bytes, Entry]] = {}
+        self.tenant_entries = Tally()
+        self._rep_blocks: dict[str, Tally] = {}
         self.ttl = ttl_seconds
         self.max_entries = max_entries
+        self.max_per_tenant: int | None = None
         self._clock = clock
         self._on_evict = on_evict
 
@@ -57,12 +71,16 @@ class HandleStore:
     def __iter__(self) -> Iterator[Entry]:
         return iter(list(self._d.values()))
 
-    def configure(self, ttl_seconds: float, max_entries: int) -> None:
+    def configure(self, ttl_seconds: float, max_entries: int,
+                  max_per_tenant: int | None = None) -> None:
         # A shorter TTL applies to new entries; existing ones keep the deadline they were
         # given (they were valid against D's TTL when stored).
         self.ttl = ttl_seconds
         self.max_entries = max_entries
+        self.max_per_tenant = max_per_tenant
         self._trim()
+        for tenant in list(self._by_tenant):
+            self._trim_tenant(tenant)
 
     # -- writes ---------------------------------------------------------------------
     def put(
@@ -94,43 +112,102 @@ class HandleStore:
             request_id,
             blocks,
         )
-        self._d[key] = entry
-        self._by_url.setdefault(decode_url, OrderedDict())[key] = entry
-        self.pinned[decode_url] = self.pinned.get(decode_url, 0) + blocks
-        if tenant is not None:
-            self._lengths.setdefault(tenant, Lengths()).add(prefix_len)
+        self._index(entry)
         self._trim()
+        self._trim_tenant(tenant)
         return entry
+
+    def _index(self, entry: Entry) -> None:
+        key, url, tenant, blocks = entry.key, entry.decode_url, entry.tenant, entry.blocks
+        self._d[key] = entry
+        self._by_url.setdefault(url, OrderedDict())[key] = entry
+        self.pinned[url] = self.pinned.get(url, 0) + blocks
+        self._by_tenant.setdefault(tenant, OrderedDict())[key] = entry
+        self._by_rep_tenant.setdefault((url, tenant), OrderedDict())[key] = entry
+        self.tenant_entries.add(tenant, 1)
+        self._rep_blocks.setdefault(url, Tally()).add(tenant, blocks)
+        if tenant is not None and entry.prefix_len > 0:
+            self._lengths.setdefault(tenant, Lengths()).add(entry.prefix_len)
 
     def _trim(self) -> None:
         doomed = []
         while len(self._d) > self.max_entries:
-            old = next(iter(self._d.values()))
+            mine = self._by_tenant.get(self.tenant_entries.heaviest())
+            old = next(iter((mine or self._d).values()))
             self._remove(old)
             doomed.append(old)
         self._evicted("lru", doomed)
 
+    def _trim_tenant(self, tenant: bytes | None) -> None:
+        """The tenant's own entry cap: its oldest unreserved entries go first."""
+        cap = self.max_per_tenant
+        if cap is None:
+            return
+        doomed: list[Entry] = []
+        for entry in list(self._by_tenant.get(tenant, {}).values()):
+            if self.tenant_entries.get(tenant) <= cap:
+                break
+            if not entry.reserved:
+                self._remove(entry)
+                doomed.append(entry)
+        self._evicted("tenant_cap", doomed)
+
+    def trim_tenant_replica(self, decode_url: str, tenant: bytes | None, max_blocks: int) -> int:
+        """The tenant's oldest unreserved handles on the replica, until it pins at most
+        `max_blocks` there."""
+        doomed: list[Entry] = []
+        tally = self._rep_blocks.get(decode_url)
+        for entry in list(self._by_rep_tenant.get((decode_url, tenant), {}).values()):
+            if tally is None or tally.get(tenant) <= max_blocks:
+                break
+            if not entry.reserved:
+                self._remove(entry)
+                doomed.append(entry)
+        self._evicted("tenant_cap", doomed)
+        return len(doomed)
+
+    def _oldest_free(self, entries: OrderedDict[bytes, Entry] | None) -> Entry | None:
+        for entry in (entries or {}).values():
+            if not entry.reserved:
+                return entry
+        return None
+
     def trim_replica(self, decode_url: str, max_blocks: int, reason: str = "watermark") -> int:
-        """Drop the replica's oldest unreserved handles until it pins at most `max_blocks`."""
+        """Drop unreserved handles of the replica until it pins at most `max_blocks`: the
+        oldest of the tenant pinning the most there, else the replica's oldest."""
         doomed = []
-        entries = self._by_url.get(decode_url)
-        if entries:
-            for entry in list(entries.values()):
-                if self.pinned.get(decode_url, 0) <= max_blocks:
-                    break
-                if not entry.reserved:
-                    self._remove(entry)
-                    doomed.append(entry)
+        while self.pinned.get(decode_url, 0) > max_blocks:
+            tally = self._rep_blocks.get(decode_url)
+            tenant = tally.heaviest() if tally is not None else None
+            victim = (self._oldest_free(self._by_rep_tenant.get((decode_url, tenant)))
+                      or self._oldest_free(self._by_url.get(decode_url)))
+            if victim is None:
+                break
+            self._remove(victim)
+            doomed.append(victim)
         self._evicted(reason, doomed)
         return len(doomed)
 
     def _unindex(self, entry: Entry) -> None:
-        if entry.tenant is not None:
-            lengths = self._lengths.get(entry.tenant)
+        key, url, tenant, blocks = entry.key, entry.decode_url, entry.tenant, entry.blocks
+        if tenant is not None and entry.prefix_len > 0:
+            lengths = self._lengths.get(tenant)
             if lengths is not None:
                 lengths.remove(entry.prefix_len)
                 if not lengths.counts:
-                    del self._lengths[entry.tenant]
+                    del self._lengths[tenant]
+        for index, name in ((self._by_tenant, tenant), (self._by_rep_tenant, (url, tenant))):
+            entries = index.get(name)
+            if entries is not None:
+                entries.pop(key, None)
+                if not entries:
+                    del index[name]
+        self.tenant_entries.add(tenant, -1)
+        tally = self._rep_blocks.get(url)
+        if tally is not None:
+            tally.add(tenant, -blocks)
+            if not len(tally):
+                del self._rep_blocks[url]
 
     def _remove(self, entry: Entry) -> bool:
         if self._d.get(entry.key) is entry:

@@ -129,6 +129,8 @@ BAD_SPECS = [
     {"model": {"name": "m"}, "networkPolicy": {"routerFrom": [
         {"podSelector": {"matchExpressions": [{"key": "a", "operator": "Near"}]}}]}},
     {"model": {"name": "m"}, "kvTransfer": {"retentionWatermark": 0}},
+    {"model": {"name": "m"}, "router": {"tenantRetentionShare": 0}},
+    {"model": {"name": "m"}, "router": {"maxConversationsPerTenant": 0}},
     {"model": {"name": "m"}, "kvTransfer": {"retentionWatermark": 1.5}},
     {"model": {"name": "m"}, "kvTransfer": {"ownerLeaseSeconds": 5}},
     # A lease past vLLM's TTL never matters (CEL rule).

@@ -6,6 +6,7 @@ import pytest
 from bidirkv.operator.render import render_resource
 from bidirkv.operator.spec import SpecError, parse_spec
 from bidirkv.roleconfig import build_role_config, kv_fingerprint
+from bidirkv.router.config import RouterConfig
 from kubeapi.schemas import KUBE_VERSIONS, schema_errors
 
 
@@ -123,6 +124,18 @@ def test_residency_knobs_reach_router_and_both_roles(minimal):
         assert e["VLLM_PLUGINS"] == "bidirkv"  # loads the /bidirkv/residency route
     cfg = json.loads(by_kind_name(objs)[("ConfigMap", "tiny-router")]["data"]["router.json"])
     assert cfg["retentionWatermark"] == 0.3 and cfg["ownerLeaseSeconds"] == 45
+
+
+def test_tenant_caps_reach_the_router(minimal):
+    cfg = json.loads(by_kind_name(render_resource(minimal))[("ConfigMap", "tiny-router")]
+                     ["data"]["router.json"])
+    assert cfg["tenantRetentionShare"] == 1.0 and "maxConversationsPerTenant" not in cfg
+    minimal["spec"]["router"] = {"maxConversationsPerTenant": 500,
+                                 "tenantRetentionShare": 0.25}
+    cfg = json.loads(by_kind_name(render_resource(minimal))[("ConfigMap", "tiny-router")]
+                     ["data"]["router.json"])
+    assert cfg["maxConversationsPerTenant"] == 500 and cfg["tenantRetentionShare"] == 0.25
+    RouterConfig.model_validate(cfg)  # what the router reads, it accepts
 
 
 def test_shared_handle_store_reaches_the_router(minimal):

@@ -190,3 +190,59 @@ async def test_entries_the_server_expired_leave_no_pinned_blocks_behind(make):
     await raw.delete(s._k("h:" + b"fresh2".hex()))
     assert await s.drop_replica(D0, "replica_unhealthy") == 0
     assert await s.pinned(D0) == 0
+
+
+# -- fairness between tenants --------------------------------------------------------------
+A, B = b"a" * 16, b"b" * 16
+
+
+async def test_the_entry_bound_takes_from_the_tenant_holding_the_most(make):
+    """A tenant flooding the store with conversations spends its own handles only."""
+    s = await make(max_entries=10)
+    for i in range(3):
+        await put(s, b"a%d" % i, f"a{i}", tenant=A)
+    for i in range(20):
+        await put(s, b"b%d" % i, f"b{i}", tenant=B)
+    assert await s.count() == 10
+    assert make.made.evicted["lru"] == [f"b{i}" for i in range(13)]
+    for i in range(3):  # the quiet tenant's conversations all survived
+        status, e = await s.lookup(b"a%d" % i)
+        assert status == HIT
+        await s.release(e)
+
+
+async def test_a_tenant_over_its_own_cap_loses_its_oldest(make):
+    s = await make()
+    s.configure(100.0, 100, max_per_tenant=2)
+    for i in range(4):
+        await put(s, b"a%d" % i, f"a{i}", tenant=A)
+    await put(s, b"b0", "b0", tenant=B)
+    assert make.made.evicted["tenant_cap"] == ["a0", "a1"]
+    assert await s.count() == 3
+
+
+async def test_the_watermark_takes_from_the_tenant_pinning_the_most(make):
+    s = await make()
+    for i in range(2):
+        await put(s, b"a%d" % i, f"a{i}", blocks=2, tenant=A)  # the oldest entries
+    for i in range(6):
+        await put(s, b"b%d" % i, f"b{i}", blocks=2, tenant=B)
+    await put(s, b"other", "other", url=D1, blocks=40, tenant=B)  # another replica
+    assert await s.pinned(D0) == 16
+    assert await s.trim_replica(D0, 10) == 3
+    assert make.made.evicted["watermark"] == ["b0", "b1", "b2"]
+    assert await s.pinned(D0) == 10 and await s.pinned(D1) == 40
+    # Heaviest first (B: 6 blocks), then, even at 4 each, either tenant's oldest.
+    assert await s.trim_replica(D0, 6) == 2
+    assert make.made.evicted["watermark"][3] == "b3"
+    assert make.made.evicted["watermark"][4] in ("a0", "b4")
+
+
+async def test_a_tenant_over_its_share_of_a_replica_loses_its_oldest_there(make):
+    s = await make()
+    await put(s, b"elsewhere", "elsewhere", url=D1, blocks=3, tenant=A)
+    for i in range(4):
+        await put(s, b"a%d" % i, f"a{i}", blocks=3, tenant=A, tenant_max_pinned=7)
+    await put(s, b"b0", "b0", blocks=3, tenant=B, tenant_max_pinned=7)
+    assert make.made.evicted["tenant_cap"] == ["a0", "a1"]
+    assert await s.pinned(D0) == 9 and await s.pinned(D1) == 3
