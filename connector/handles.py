@@ -10,7 +10,12 @@ dropped and the request is served without reuse.
 
 The signature is an HMAC over everything the reading engine acts on: engine, request,
 host and port (the reader connects only where the signature says), blocks, token counts,
-expiry and digests. It leaves out only the direction flags, which the router sets per
+expiry and digests. `bidirkv_expires` is the issuer's wall-clock deadline for the blocks
+(D: `decoder_kv_blocks_ttl`; P: its lease), signed with the rest: a handle admitted after
+it (beyond a few seconds of clock skew between nodes) is dropped, so a handle that
+leaked is worthless once its blocks may hold other KV, whatever the replay guard still
+remembers. vLLM's own `remote_blocks_expiry_time` is the issuer's `perf_counter`, which
+another node cannot compare. It leaves out only the direction flags, which the router sets per
 leg. Its key is `BIDIRKV_HANDLE_KEY`, identical on every engine of a resource (the
 operator's Secret); `BIDIRKV_HANDLE_KEY_PREVIOUS` is also accepted during a rotation.
 There is no default key: an engine without one does not start (plugin.py).
@@ -36,11 +41,15 @@ MAC_KEY = "bidirkv_mac"
 PROOF_KEY = "bidirkv_proof"
 BLOCKS_KEY = "bidirkv_blocks"
 REPORT_KEY = "bidirkv"
+EXPIRES_KEY = "bidirkv_expires"
 HANDLE_KEYS = (
     "remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host",
     "remote_port", "remote_num_tokens", "remote_blocks_expiry_time", "tp_size", "dcp_size",
-    "pp_size", BLOCKS_KEY, MAC_KEY,
+    "pp_size", BLOCKS_KEY, EXPIRES_KEY, MAC_KEY,
 )
+# Nodes keep time with NTP (milliseconds apart); a few seconds of slack never lets a
+# handle outlive its blocks, which the issuer keeps well past a router's TTL for them.
+CLOCK_SKEW_S = 5.0
 FLAGS = ("do_remote_prefill", "do_remote_decode")
 MAX_GROUPS = 16
 MAX_ID_LEN = 512
@@ -88,15 +97,26 @@ def handle_problem(params: dict[str, Any], max_tokens: int) -> str | None:
         isinstance(exp, int | float) and not isinstance(exp, bool) and math.isfinite(exp)
     ):
         return "remote_blocks_expiry_time must be a finite number"
+    if not _is_finite(params.get(EXPIRES_KEY)):
+        return f"{EXPIRES_KEY} must be a finite number (the issuer's deadline)"
     mac = params.get(MAC_KEY)
     if not (isinstance(mac, str) and len(mac) == MAC_HEX):
         return "the handle is not signed (no bidirkv_mac)"
     return None
 
 
+def _is_finite(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def stamp_expiry(params: dict[str, Any], lifetime_s: float, wall: float | None = None) -> None:
+    """The issuer's deadline for its blocks, to be signed with the handle."""
+    params[EXPIRES_KEY] = round((time.time() if wall is None else wall) + lifetime_s, 3)
+
+
 def _mac_message(params: dict[str, Any]) -> bytes:
     fields = [
-        2,
+        3,
         params.get("remote_engine_id"),
         params.get("remote_request_id"),
         params.get("remote_host"),
@@ -108,6 +128,7 @@ def _mac_message(params: dict[str, Any]) -> bytes:
         params.get("dcp_size"),
         params.get("pp_size"),
         params.get(BLOCKS_KEY),
+        params.get(EXPIRES_KEY),
     ]
     return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
@@ -150,8 +171,12 @@ class Admission:
 
 
 def admit(params: dict[str, Any], keys: Keys, max_tokens: int,
-          seen: ReplayGuard | None = None, now: float | None = None) -> Admission:
-    """The params an engine may act on: internal keys and bad handles removed."""
+          seen: ReplayGuard | None = None, now: float | None = None,
+          wall: float | None = None) -> Admission:
+    """The params an engine may act on: internal keys and bad handles removed.
+
+    `now` is the replay guard's (monotonic) clock, `wall` the wall clock expiry is
+    checked against."""
     # Keys with a leading underscore are vLLM's own per-request state; the proof is
     # checked by the caller before this.
     out = {k: v for k, v in params.items()
@@ -165,6 +190,9 @@ def admit(params: dict[str, Any], keys: Keys, max_tokens: int,
     problem, reason = handle_problem(out, max_tokens), "malformed"
     if problem is None and not signature_ok(out, keys):
         problem, reason = "the handle's signature does not match", "unauthenticated"
+    if problem is None and (time.time() if wall is None else wall) > (
+            out[EXPIRES_KEY] + CLOCK_SKEW_S):
+        problem, reason = "the handle expired (its issuer may have freed the blocks)", "expired"
     if problem is None and seen is not None and not seen.first_use(out[MAC_KEY], now):
         problem, reason = "the handle was already used", "replayed"
     if problem is None:

@@ -34,6 +34,7 @@ from .handles import (
     admit,
     normalized,
     sign,
+    stamp_expiry,
 )
 from .patching import Skip, Target, resolve, wrap
 from .reuse import Report, offered_tokens, plan, record_load_failure, record_match
@@ -221,6 +222,11 @@ def _finish(sched: Any, st: State, request: Any, out: dict, delay: bool) -> dict
             digests.block_digests(_request_seed(st, request), held, sched.block_size),
         ).to_wire()
     if out.get("remote_block_ids"):
+        # How long the issuer keeps the blocks: D its TTL, P its lease (which D's
+        # heartbeats extend once it admitted the handle; admission is what is checked).
+        lifetime = (sched.decoder_kv_blocks_ttl if out.get("do_remote_decode")
+                    else sched._kv_lease_duration)
+        stamp_expiry(out, float(lifetime))
         out[MAC_KEY] = sign(out, st.keys[0])
     return out
 

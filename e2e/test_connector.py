@@ -18,7 +18,7 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
     pytest.skip("the vLLM CPU engine stack is not installed (make engine)",
                 allow_module_level=True)
 
-from bidirkv.connector.handles import MAC_KEY, sign  # noqa: E402
+from bidirkv.connector.handles import EXPIRES_KEY, MAC_KEY, sign  # noqa: E402
 from bidirkv.local.model import random_text  # noqa: E402
 
 from .vllm_stack import (  # noqa: E402
@@ -237,6 +237,14 @@ def test_only_handles_sealed_with_the_resources_key_are_read(stack):
         rep = p_out["kv_transfer_params"]["bidirkv"]
         assert rep["reused_tokens"] == 0 and rep["reason"] == "unauthenticated", (name, rep)
         assert decode_leg(stack, body, p_out, streamed=False)[0] == want, name
+    # Sealed with the key, but past its deadline (a leaked handle, replayed late).
+    late = dict(handle, **{EXPIRES_KEY: time.time() - 60})
+    late[MAC_KEY] = sign(late, KEY.encode())
+    before = metric(stack.p_url, "vllm:nixl_bytes_transferred_sum")
+    p_out = prefill_leg(stack, body, late)
+    assert metric(stack.p_url, "vllm:nixl_bytes_transferred_sum") == before
+    assert p_out["kv_transfer_params"]["bidirkv"]["reason"] == "expired"
+    assert decode_leg(stack, body, p_out, streamed=False)[0] == want
     # The sealed handle is read once; its replay reads nothing.
     before = metric(stack.p_url, "vllm:nixl_bytes_transferred_sum")
     p_out = prefill_leg(stack, body, handle)

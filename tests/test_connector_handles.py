@@ -1,8 +1,12 @@
 """Admission of kv_transfer_params (connector/handles.py)."""
 
+import time
+
 import pytest
 
 from bidirkv.connector.handles import (
+    CLOCK_SKEW_S,
+    EXPIRES_KEY,
     MAC_KEY,
     ReplayGuard,
     admit,
@@ -22,6 +26,7 @@ def d_handle(**over):
         "remote_request_id": "req-1", "remote_host": "10.0.0.2", "remote_port": 5600,
         "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 300,
         "remote_blocks_expiry_time": 1234.5678, "transfer_mode": "pull",
+        EXPIRES_KEY: time.time() + 600,
     }
     h.update(over)
     h[MAC_KEY] = sign(h, KEY)
@@ -56,6 +61,7 @@ def test_the_previous_key_is_accepted_during_a_rotation():
     ("remote_block_ids", [[3, 4, 6]]), ("remote_engine_id", "eng-x"),
     ("remote_request_id", "req-2"), ("remote_port", 5601), ("remote_num_tokens", 900),
     ("remote_blocks_expiry_time", 99999.0), ("tp_size", 2), ("remote_host", "10.6.6.6"),
+    (EXPIRES_KEY, 4e9),
 ])
 def test_any_change_of_what_is_read_breaks_the_signature(field, value):
     h = d_handle()
@@ -82,6 +88,7 @@ def test_wrong_key_and_missing_signature():
     {"remote_host": ["h"]}, {"remote_port": "5600"}, {"remote_port": 70000},
     {"remote_num_tokens": "many"}, {"remote_num_tokens": -1}, {"tp_size": 0},
     {"remote_blocks_expiry_time": "soon"}, {"remote_blocks_expiry_time": float("nan")},
+    {EXPIRES_KEY: None}, {EXPIRES_KEY: "later"}, {EXPIRES_KEY: float("inf")},
 ])
 def test_malformed_handles_are_dropped(over):
     a = admit(d_handle(**over), KEY, MAX)
@@ -117,3 +124,16 @@ def test_upstream_tuple_block_ids_sign_like_their_json_form():
     h = normalized({**d_handle(), "remote_block_ids": ([3, 4, 5],)})
     assert h["remote_block_ids"] == [[3, 4, 5]]
     assert signature_ok(h, KEY)
+
+
+def test_a_handle_past_its_signed_expiry_is_dropped():
+    """A leaked handle is worthless once its issuer may have freed the blocks, even where
+    the replay guard has forgotten it; a few seconds of clock skew are tolerated."""
+    h = d_handle(**{EXPIRES_KEY: 1000.0})
+    assert admit(h, KEY, MAX, ReplayGuard(ttl=60), now=0, wall=1000.0 + CLOCK_SKEW_S).handle
+    late = admit(h, KEY, MAX, ReplayGuard(ttl=60), now=0, wall=1000.1 + CLOCK_SKEW_S)
+    assert not late.handle and late.reason == "expired"
+    assert "remote_block_ids" not in late.params and late.params["do_remote_prefill"] is False
+    # A later deadline written over the signed one breaks the signature.
+    forged = dict(h, **{EXPIRES_KEY: 5000.0})
+    assert admit(forged, KEY, MAX, now=0, wall=2000.0).reason == "unauthenticated"
