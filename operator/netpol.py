@@ -5,7 +5,8 @@
 - Engines accept anything from this resource's other engine pods: the NIXL side channel
   has a fixed port, but UCX (and libfabric over TCP) pick their transfer ports at run
   time, so the policy cannot name them.
-- The router accepts its port from `routerFrom`, or from anyone when that is empty.
+- The router accepts its port from `routerFrom`, or from anyone when that is empty, and
+  its metrics port from the `metricsFrom` peers only.
 EFA (SRD) traffic bypasses the IP stack, so no NetworkPolicy sees it; on EFA, isolation
 of the KV transport is the security groups' job.
 """
@@ -38,7 +39,7 @@ def engine_selector(instance_labels: dict[str, str]) -> dict[str, Any]:
 
 
 def network_policies(metadata: Any, instance_labels: dict[str, str],
-                     router_labels: dict[str, str], router_port: int,
+                     router_labels: dict[str, str], router_port: int, metrics_port: int,
                      spec: api.DisaggregatedInferenceSpec) -> list[dict[str, Any]]:
     """`metadata(component)` gives a child's metadata; labels select this resource's pods."""
     np = spec.network_policy
@@ -63,6 +64,10 @@ def network_policies(metadata: Any, instance_labels: dict[str, str],
     rule: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": router_port}]}
     if np.router_from:
         rule["from"] = _peers(np.router_from)
+    rules = [rule]
+    if np.metrics_from:
+        rules.append({"from": _peers(np.metrics_from),
+                      "ports": [{"protocol": "TCP", "port": metrics_port}]})
     router_policy = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -70,7 +75,7 @@ def network_policies(metadata: Any, instance_labels: dict[str, str],
         "spec": {
             "podSelector": {"matchLabels": router_labels},
             "policyTypes": ["Ingress"],
-            "ingress": [rule],
+            "ingress": rules,
         },
     }
     return [engine_policy, router_policy]

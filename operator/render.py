@@ -33,6 +33,7 @@ from .renderengine import (  # noqa: F401 - re-exported
 )
 from .renderrouter import (  # noqa: F401 - re-exported
     ROUTER_CONTAINER_PORT,
+    ROUTER_METRICS_PORT,
     RouterPlacement,
     router_config,
     router_configmap,
@@ -70,7 +71,8 @@ def render(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> list[dict[str,
     instance = {k: v for k, v in selector_labels(owner, "router").items()
                 if k != "app.kubernetes.io/component"}
     children += network_policies(lambda c: child_metadata(owner, c), instance,
-                                 selector_labels(owner, "router"), ROUTER_CONTAINER_PORT, spec)
+                                 selector_labels(owner, "router"), ROUTER_CONTAINER_PORT,
+                                 ROUTER_METRICS_PORT, spec)
     return children
 
 

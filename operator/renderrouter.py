@@ -17,6 +17,9 @@ from .renderengine import http_probe
 ROUTER_CONFIG_KEY = "router.json"
 ROUTER_CONFIG_DIR = "/etc/bidir-kv"
 ROUTER_CONTAINER_PORT = 8000
+# /metrics is served here, not on the client port: a scraper needs no access to the port
+# conversations go through, and the NetworkPolicy can tell the two apart.
+ROUTER_METRICS_PORT = 9090
 
 
 def router_config(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dict[str, Any]:
@@ -68,6 +71,8 @@ class RouterPlacement:
     config_path: str = f"{ROUTER_CONFIG_DIR}/{ROUTER_CONFIG_KEY}"
     bind_host: str = "0.0.0.0"
     port: int = ROUTER_CONTAINER_PORT
+    # None: /metrics on the client port (the local stack: one user, one machine).
+    metrics_port: int | None = ROUTER_METRICS_PORT
 
 
 def router_deployment(owner: Owner, spec: api.DisaggregatedInferenceSpec,
@@ -100,6 +105,10 @@ def router_deployment(owner: Owner, spec: api.DisaggregatedInferenceSpec,
         },
         "volumeMounts": [{"name": "config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True}],
     }
+    if placement.metrics_port is not None:
+        container["args"] += ["--metrics-port", str(placement.metrics_port)]
+        container["ports"].append({"name": "metrics", "containerPort": placement.metrics_port,
+                                   "protocol": "TCP"})
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

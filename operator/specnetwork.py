@@ -49,7 +49,8 @@ class NetworkPolicySpec(_Model):
     )
     metrics_from: list[PolicyPeer] = Field(
         default_factory=list,
-        description="Who may also reach the engines' HTTP port (e.g. Prometheus scrapers).",
+        description="Who may also reach the engines' HTTP port and the router's metrics "
+        "port, 9090 (e.g. Prometheus scrapers); empty: nobody else.",
     )
     router_from: list[PolicyPeer] = Field(
         default_factory=list,

@@ -18,7 +18,7 @@ from aiohttp import web
 from .config import ConfigError, RouterConfig, load_config
 from .proxy import HANDLE_KEY_ENV, Router
 from .reload import ConfigWatcher
-from .routes import ROUTER, add_routes, json_errors
+from .routes import ROUTER, add_metrics_routes, add_routes, json_errors
 
 log = logging.getLogger("bidirkv.router")
 
@@ -37,14 +37,18 @@ def build_app(
     debug: bool | None = None,
     handle_key: bytes | None = None,
     store_password: str | None = None,
+    metrics_apart: bool = False,
 ) -> web.Application:
+    """The router's application; with `metrics_apart`, `/metrics` is left out of it and
+    served by `metrics_app(app)` on a port of its own."""
     # aiohttp's own body limit is lifted: the router applies maxBodyBytes itself, which a
     # reload can change, with a JSON 413.
     app = web.Application(middlewares=[json_errors], client_max_size=2**40)
     router = Router(cfg, handle_key=handle_key,
                     store_password=store_password or os.environ.get(STORE_PASSWORD_ENV))
     app[ROUTER] = router
-    add_routes(app, debug if debug is not None else os.environ.get(DEBUG_ENV) == "1")
+    add_routes(app, debug if debug is not None else os.environ.get(DEBUG_ENV) == "1",
+               metrics=not metrics_apart)
     if config_path is not None:
         app[WATCHER] = ConfigWatcher(
             config_path, overrides or {}, router.apply_config,
@@ -67,25 +71,34 @@ def build_app(
     return app
 
 
+def metrics_app(app: web.Application) -> web.Application:
+    """`/metrics` (and `/health`) of the router `app`, for a port of its own: scrapers
+    then need no access to the port clients send conversations to."""
+    side = web.Application(middlewares=[json_errors])
+    side[ROUTER] = app[ROUTER]
+    add_metrics_routes(side)
+    return side
+
+
 @dataclass
 class RunningRouter:
     runner: web.AppRunner
     app: web.Application
     url: str
+    metrics_runner: web.AppRunner | None = None
+    metrics_url: str | None = None
 
     @property
     def router(self) -> Router:
         return self.app[ROUTER]
 
     async def stop(self) -> None:
+        if self.metrics_runner is not None:
+            await self.metrics_runner.cleanup()
         await self.runner.cleanup()
 
 
-async def start_router(app: web.Application, host: str = "127.0.0.1", port: int = 0
-                       ) -> RunningRouter:
-    # handler_cancellation: a client that goes away cancels its handler, which closes
-    # both upstream requests (the engines stop working for nobody).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+async def _listen(runner: web.AppRunner, host: str, port: int) -> str:
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()
@@ -93,7 +106,24 @@ async def start_router(app: web.Application, host: str = "127.0.0.1", port: int 
     assert server is not None
     bound = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     shown = f"[{host}]" if ":" in host else host
-    return RunningRouter(runner, app, f"http://{shown}:{bound}")
+    return f"http://{shown}:{bound}"
+
+
+async def start_router(app: web.Application, host: str = "127.0.0.1", port: int = 0,
+                       metrics_port: int | None = None) -> RunningRouter:
+    # handler_cancellation: a client that goes away cancels its handler, which closes
+    # both upstream requests (the engines stop working for nobody).
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    url = await _listen(runner, host, port)
+    running = RunningRouter(runner, app, url)
+    if metrics_port is not None:
+        running.metrics_runner = web.AppRunner(metrics_app(app), access_log=None)
+        try:
+            running.metrics_url = await _listen(running.metrics_runner, host, metrics_port)
+        except BaseException:
+            await running.stop()
+            raise
+    return running
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -106,6 +136,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--decode", action="append", metavar="URL",
                     help="decode engine base URL (repeatable; overrides the file's list)")
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--metrics-port", type=int, metavar="PORT",
+                    help="serve /metrics on this port only (not on --port)")
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--handle-store", metavar="URL",
                     help="redis://HOST:PORT/DB (rediss:// for TLS) shared by router replicas; "
@@ -117,9 +149,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-async def _serve(app: web.Application, host: str, port: int) -> None:
-    running = await start_router(app, host, port)
-    log.info("router listening on %s", running.url)
+async def _serve(app: web.Application, host: str, port: int,
+                 metrics_port: int | None) -> None:
+    running = await start_router(app, host, port, metrics_port)
+    log.info("router listening on %s%s", running.url,
+             f", metrics on {running.metrics_url}" if running.metrics_url else "")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -172,15 +206,22 @@ def main(argv: list[str] | None = None) -> int:
               "resource's handle key (the operator sets it from the resource's Secret)",
               file=sys.stderr)
         return 2
-    if not 0 <= args.port <= 65535:
-        print(f"bidir-kv router: --port {args.port} is not a port (0-65535)", file=sys.stderr)
+    for flag, value in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if value is not None and not 0 <= value <= 65535:
+            print(f"bidir-kv router: {flag} {value} is not a port (0-65535)", file=sys.stderr)
+            return 2
+    if args.metrics_port is not None and args.metrics_port == args.port != 0:
+        print(f"bidir-kv router: --metrics-port {args.metrics_port} is --port too; it must "
+              "be another port (or left out: /metrics on --port)", file=sys.stderr)
         return 2
-    app = build_app(cfg, config_path=args.config, overrides=overrides, handle_key=key or None)
+    app = build_app(cfg, config_path=args.config, overrides=overrides, handle_key=key or None,
+                    metrics_apart=args.metrics_port is not None)
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(_serve(app, args.host, args.port))
+            runner.run(_serve(app, args.host, args.port, args.metrics_port))
     except OSError as exc:
-        print(f"bidir-kv router: cannot listen on {args.host}:{args.port}: {exc}",
+        print(f"bidir-kv router: cannot listen on {args.host}:{args.port}"
+              f"{f' or {args.metrics_port}' if args.metrics_port is not None else ''}: {exc}",
               file=sys.stderr)
         return 1
     return 0

@@ -132,13 +132,20 @@ async def _debug_fill(request: web.Request) -> web.Response:
     return json_response(200, dumps({"stored": await router.store.count()}))
 
 
-def add_routes(app: web.Application, debug: bool) -> None:
+def add_metrics_routes(app: web.Application) -> None:
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/health", _health)
+
+
+def add_routes(app: web.Application, debug: bool, metrics: bool = True) -> None:
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_delete("/v1/conversations/{conversation_id}", _end_conversation)
-    app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
-    app.router.add_get("/metrics", _metrics)
+    if metrics:
+        add_metrics_routes(app)
+    else:
+        app.router.add_get("/health", _health)
     if debug:
         app.router.add_post("/debug/fill-handles", _debug_fill)

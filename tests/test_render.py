@@ -91,7 +91,12 @@ def test_network_policies_isolate_the_engines(minimal):
             assert schema_errors(objs[("NetworkPolicy", name)], version) == []
     router = objs[("NetworkPolicy", "tiny-router")]["spec"]["ingress"]
     assert router == [{"ports": [{"protocol": "TCP", "port": 8000}],
-                       "from": [{"podSelector": {"matchLabels": {"role": "agent"}}}]}]
+                       "from": [{"podSelector": {"matchLabels": {"role": "agent"}}}]},
+                      {"ports": [{"protocol": "TCP", "port": 9090}],
+                       "from": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]}]
+    c = objs[("Deployment", "tiny-router")]["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"][c["args"].index("--metrics-port") + 1] == "9090"
+    assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in c["ports"]
     minimal["spec"]["networkPolicy"] = {"enabled": False}
     assert not any(k[0] == "NetworkPolicy" for k in by_kind_name(render_resource(minimal)))
 

@@ -144,7 +144,8 @@ def router_process(config_path: pathlib.Path, port: int, spec: DisaggregatedInfe
                    secrets: LocalSecrets) -> tuple[list[str], dict[str, str]]:
     """The router container rendered for this machine (its config file, the loopback
     address, its own port) as a command and env."""
-    where = RouterPlacement(config_path=str(config_path), bind_host=LOOPBACK, port=port)
+    where = RouterPlacement(config_path=str(config_path), bind_host=LOOPBACK, port=port,
+                            metrics_port=None)
     c = router_deployment(LOCAL_OWNER, spec, where)["spec"]["template"]["spec"]["containers"][0]
     command = list(c["command"])
     if command[0] == "bidir-kv":
