@@ -8,12 +8,17 @@ message of ours:
     reply    msgpack ["granted" | "refused", reason]  (one frame)
 
 Prefill reads only after "granted"; anything else (refused, no answer in time, a reply
-it cannot parse) makes it recompute, the outcome that can never be wrong. All peers of
+it cannot parse) makes it recompute, the outcome that can never be wrong. The ask runs in
+prefill's worker, one read after another, so it is bounded per peer (`PeerGate`): a
+decode that did not answer within `CONFIRM_TIMEOUT_MS` is not asked again for
+`QUIET_S`, and reads from it are recomputed at once meanwhile; one hung decode costs one
+timeout per window, not one per read. All peers of
 a pool run the plugin (one image): an unpatched listener would not understand LEASE_MSG.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +27,10 @@ import msgspec
 
 LEASE_MSG = b"bidirkv_lease"
 GRANTED = "granted"
-CONFIRM_TIMEOUT_MS = 2000
+# A healthy side channel answers in about a millisecond, from a thread of its own.
+CONFIRM_TIMEOUT_MS = 1000
+QUIET_S = 10.0
+NO_ANSWER = "no answer"
 _decode = msgspec.msgpack.Decoder()
 _encode = msgspec.msgpack.Encoder()
 
@@ -75,8 +83,34 @@ def confirm(host: str, port: int, req_id: str, timeout_ms: int = CONFIRM_TIMEOUT
         sock.send(lease_request(req_id))
         return parse_reply(sock.recv_multipart())
     except zmq.Again:
-        return False, f"no answer in {timeout_ms} ms"
+        return False, f"{NO_ANSWER} in {timeout_ms} ms"
     except zmq.ZMQError as exc:
         return False, f"side channel error: {exc}"
     finally:
         sock.close(0)
+
+
+class PeerGate:
+    """`confirm`, except towards a peer that lately gave no answer (see the module doc)."""
+
+    def __init__(self, quiet_s: float = QUIET_S, ask: Callable[..., tuple[bool, str]] = confirm,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.quiet_s = quiet_s
+        self._ask = ask
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._quiet_until: dict[tuple[str, int], float] = {}
+
+    def confirm(self, host: str, port: int, req_id: str) -> tuple[bool, str]:
+        peer = (host, port)
+        with self._lock:
+            until = self._quiet_until.get(peer)
+            if until is not None and self._clock() < until:
+                return False, f"peer gave no answer lately; not asked for {self.quiet_s:g} s"
+        ok, why = self._ask(host, port, req_id)
+        with self._lock:
+            if why.startswith(NO_ANSWER):
+                self._quiet_until[peer] = self._clock() + self.quiet_s
+            else:
+                self._quiet_until.pop(peer, None)
+        return ok, why

@@ -20,6 +20,8 @@ from .patching import MARK, Skip, Target, resolve, wrap
 from .residency import current
 
 log = logging.getLogger("vllm.bidirkv")
+# One per worker process: which decode peers lately left a grant unanswered.
+_GATE = lease.PeerGate()
 
 BASE_SCHEDULER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler"
 PULL_WORKER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
@@ -84,7 +86,7 @@ def _read_blocks_for_req(orig):
             and remote.engine_id not in self._invalid_remote_engines
             and any(len(g) for g in meta.local_physical_block_ids)
         ):
-            ok, why = lease.confirm(remote.host, remote.port, remote.request_id)
+            ok, why = _GATE.confirm(remote.host, remote.port, remote.request_id)
             if not ok:
                 log.warning("bidir-kv: decode refused the read of %s for %s (%s); "
                             "recomputing", remote.request_id, req_id, why)

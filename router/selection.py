@@ -45,15 +45,26 @@ def holder_of(
     return None
 
 
+# How many more legs in flight the holder may have than the least loaded replica and still
+# get the turn. The holder is worth a little: its prefix cache still has the history, so
+# D pulls less from P. It is not worth a queue: P reads the holder's blocks on its own leg
+# whichever replica decodes, so any replica can decode the turn.
+HOLDER_SLACK = 4
+
+
 def pick_decode(
     decodes: Sequence[Backend],
     start: int = 0,
     exclude: Collection[Backend] = (),
     decode_url: str | None = None,
     remote_host: str | None = None,
+    slack: int = HOLDER_SLACK,
 ) -> Backend | None:
-    """The conversation's holder when it is usable, else the least loaded replica."""
+    """The conversation's holder when it is usable and not much busier than the least
+    loaded replica (`slack` legs), else the least loaded replica."""
+    best = least_outstanding(decodes, start, exclude)
     holder = holder_of(decodes, decode_url, remote_host)
-    if holder is not None and holder.healthy and holder not in exclude:
+    if holder is not None and holder.healthy and holder not in exclude and (
+            best is None or holder.outstanding <= best.outstanding + slack):
         return holder
-    return least_outstanding(decodes, start, exclude)
+    return best

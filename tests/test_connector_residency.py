@@ -164,3 +164,40 @@ def test_parked_counts_retained_entries_nothing_acts_on():
     res.on_freed(["a", "b", "c"])  # read, released, expired
     assert res.parked() == 1
     assert res.parked() == sum(1 for h in res.held.values() if h.state == "held")
+
+
+def test_a_peer_that_gave_no_answer_is_not_asked_again_for_a_while():
+    """Prefill's grant asks run in its worker, one read after another: a hung decode must
+    cost one timeout per quiet window, not one per read."""
+    asked: list[tuple[str, int]] = []
+    answers = {("d0", 1): (False, "no answer in 1000 ms"), ("d1", 1): (True, "granted")}
+    now = [0.0]
+
+    def ask(host, port, req_id):
+        asked.append((host, port))
+        return answers[(host, port)]
+
+    gate = lease.PeerGate(quiet_s=10, ask=ask, clock=lambda: now[0])
+    assert gate.confirm("d0", 1, "r1") == (False, "no answer in 1000 ms")
+    for i in range(5):  # refused at once: recomputed, nothing waits
+        ok, why = gate.confirm("d0", 1, f"r{i + 2}")
+        assert not ok and "not asked" in why
+    assert gate.confirm("d1", 1, "r9") == (True, "granted")  # other peers unaffected
+    assert asked == [("d0", 1), ("d1", 1)]
+    now[0] = 10.5
+    answers[("d0", 1)] = (True, "granted")
+    assert gate.confirm("d0", 1, "r10") == (True, "granted")  # asked again, answered
+    assert gate.confirm("d0", 1, "r11") == (True, "granted") and len(asked) == 4
+
+
+def test_confirm_gives_up_on_a_side_channel_that_never_answers():
+    import zmq
+
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)  # accepts the request, never replies
+    try:
+        port = silent.bind_to_random_port("tcp://127.0.0.1")
+        ok, why = lease.confirm("127.0.0.1", port, "r1", timeout_ms=200)
+        assert not ok and why.startswith(lease.NO_ANSWER)
+    finally:
+        silent.close(0)

@@ -28,13 +28,23 @@ def test_ties_rotate_with_start():
 
 def test_decode_prefers_the_holder():
     ds = backends(3, DECODE)
-    ds[1].outstanding = 5
+    ds[1].outstanding = 2  # a little busier than the others: still the holder
     assert pick_decode(ds, decode_url=ds[1].url) is ds[1]
     ds[1].healthy = False
     assert pick_decode(ds, decode_url=ds[1].url) is ds[0]
     ds[1].healthy = True
     assert pick_decode(ds, decode_url=ds[1].url, exclude=[ds[1]]) is ds[0]
     assert pick_decode(ds, remote_host="10.0.0.2") is ds[2]
+
+
+def test_a_busy_holder_loses_the_turn_to_an_idle_replica():
+    ds = backends(3, DECODE)
+    ds[1].outstanding = 4
+    assert pick_decode(ds, decode_url=ds[1].url, slack=4) is ds[1]  # within the slack
+    ds[1].outstanding = 5
+    assert pick_decode(ds, decode_url=ds[1].url, slack=4) is ds[0]  # a queue: elsewhere
+    ds[0].outstanding = ds[2].outstanding = 3
+    assert pick_decode(ds, decode_url=ds[1].url, slack=4) is ds[1]  # all busy alike
 
 
 def test_holder_by_host_only_when_unambiguous():
