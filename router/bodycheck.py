@@ -6,6 +6,11 @@
   body's strings and brackets (found by one regex scan, in C) that counts the depth and
   stops at the first bracket past MAX_DEPTH: a deep body costs MAX_DEPTH + 1 brackets,
   a wide one a step per bracket, never a pass per level.
+- Size in values: parsing, validating and hashing a body cost per JSON object or array
+  (~12 us each here, on the event loop), not per byte: 8 MiB of text parses in 36 ms,
+  while 4 MiB of one-word messages (140k objects) stalls every other request for a
+  second. Bodies with more than `max_containers` objects and arrays are refused in the
+  same pass as the nesting check (brackets inside strings do not count).
 - Lone surrogates: `"\\ud800"` is valid JSON but no UTF-8; the router re-encodes the
   body for both legs and would fail there. Only bodies with such an escape are walked.
 """
@@ -24,17 +29,24 @@ _CLOSE = frozenset(b"]}")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
-def nesting_problem(raw: bytes, max_depth: int = MAX_DEPTH) -> str | None:
-    """Why the body is nested too deeply to parse (None: it is not)."""
-    if raw.count(b"[") + raw.count(b"{") <= max_depth:
-        return None  # not enough brackets to be deeper
-    depth = 0
+def nesting_problem(raw: bytes, max_depth: int = MAX_DEPTH,
+                    max_containers: int | None = None) -> str | None:
+    """Why the body is nested too deeply, or holds too many objects and arrays, to be
+    handled (None: neither)."""
+    brackets = raw.count(b"[") + raw.count(b"{")
+    if brackets <= max_depth and (max_containers is None or brackets <= max_containers):
+        return None  # not enough brackets to be deeper, or more
+    depth = containers = 0
     for m in _TOKEN.finditer(raw):
         c = raw[m.start()]
         if c in _OPEN:
             depth += 1
+            containers += 1
             if depth > max_depth:
                 return f"JSON nested deeper than {max_depth} levels is not accepted"
+            if max_containers is not None and containers > max_containers:
+                return (f"request body has more than {max_containers} JSON objects and "
+                        "arrays (maxJsonContainers)")
         elif c in _CLOSE:
             if depth == 0:
                 return None  # unbalanced: the parser says what is wrong

@@ -117,6 +117,10 @@ class RouterConfig(_Model):
     # bodies in flight stays well inside the router pod's 1 GiB.
     max_inflight_body_bytes: int = Field(default=32 * MIB, ge=1024, le=16 * 1024 * MIB)
     max_inflight_requests: int = Field(default=512, ge=1, le=1_000_000)
+    # Objects and arrays in one body (router/bodycheck.py): their count, not the bytes,
+    # is what a body costs on the event loop (~12 us each). 8192 is ~2700 messages with
+    # content parts, past any 100k-token history, and at most ~0.1 s of work.
+    max_json_containers: int = Field(default=8192, ge=64, le=10_000_000)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     health_check_interval_seconds: float = Field(default=5.0, gt=0, le=3600)
     # Share of each decode replica's KV blocks that this router's handles may pin; above

@@ -56,6 +56,8 @@ from .upstream import (
 )
 from .validation import ClientError, error_body, parse_request
 
+# Bodies above this take their parse and hashing steps one at a time (_admitted).
+BIG_BODY_BYTES = 256 * 1024
 log = logging.getLogger("bidirkv.router")
 
 __all__ = ["HANDLE_KEY_ENV", "Router", "json_error", "json_response", "request_id"]
@@ -92,6 +94,7 @@ class Router(Upkeep, Legs, Sessions, PrefillOnly, Conversations):
         # Admission (handle_generate): requests and body bytes in flight.
         self.inflight = 0
         self.inflight_bytes = 0
+        self._big_bodies = asyncio.Lock()
         self.store: Store = make_store(cfg, store_password, self._on_evict,
                                        self._on_store_error)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -243,27 +246,41 @@ class Router(Upkeep, Legs, Sessions, PrefillOnly, Conversations):
         t0 = time.perf_counter()
         cfg = self.cfg
         try:
-            try:
-                raw = await asyncio.wait_for(self.read_body(request, cfg.max_body_bytes),
-                                             cfg.timeouts.body_read_seconds)
-            except TimeoutError:
-                raise ClientError(408, "request body not received within "
-                                  f"{cfg.timeouts.body_read_seconds:g} s "
-                                  "(timeouts.bodyReadSeconds)", type_="request_timeout") from None
-            req = parse_request(raw, kind, request.headers.get("X-Conversation-Id"),
-                                self.max_model_len)
+            raw = await asyncio.wait_for(self.read_body(request, cfg.max_body_bytes),
+                                         cfg.timeouts.body_read_seconds)
+        except TimeoutError:
+            self.metrics.request(kind, "client_error")
+            return json_error(408, "request body not received within "
+                              f"{cfg.timeouts.body_read_seconds:g} s "
+                              "(timeouts.bodyReadSeconds)", "request_timeout")
         except ClientError as e:
             self.metrics.request(kind, "client_error")
             return json_error(e.status, e.message, e.type, e.param)
-        if cfg.model is not None and "model" not in req.body:
-            req.body["model"] = cfg.model
-        rid = request_id(request.headers.get("X-Request-Id"))
-        turn = Turn(kind, req.stream, req.body, rid, request.headers.get("Authorization"),
-                    self.keys.tenant_of(request.headers.get(cfg.tenant_header)), t0)
-        if cfg.bidirectional:
-            await self._identify(turn, req.conversation_id)
-        elif req.conversation_id is not None:
-            turn.conv = short_hash(req.conversation_id)
+        # Parsing, validating and hashing a body is work on the loop in one piece per
+        # step: big bodies take those steps one body at a time, yielding in between, so a
+        # burst of them delays everyone else by one step, not by all of them.
+        big = len(raw) > BIG_BODY_BYTES
+        async with self._big_bodies if big else contextlib.nullcontext():
+            if big:
+                await asyncio.sleep(0)
+            try:
+                req = parse_request(raw, kind, request.headers.get("X-Conversation-Id"),
+                                    self.max_model_len, cfg.max_json_containers)
+            except ClientError as e:
+                self.metrics.request(kind, "client_error")
+                return json_error(e.status, e.message, e.type, e.param)
+            del raw
+            if cfg.model is not None and "model" not in req.body:
+                req.body["model"] = cfg.model
+            rid = request_id(request.headers.get("X-Request-Id"))
+            turn = Turn(kind, req.stream, req.body, rid, request.headers.get("Authorization"),
+                        self.keys.tenant_of(request.headers.get(cfg.tenant_header)), t0)
+            if big:
+                await asyncio.sleep(0)
+            if cfg.bidirectional:
+                await self._identify(turn, req.conversation_id)
+            elif req.conversation_id is not None:
+                turn.conv = short_hash(req.conversation_id)
         try:
             resp, outcome = await self._run(request, turn)
         except asyncio.CancelledError:

@@ -103,13 +103,14 @@ def _within_model(body: dict[str, Any], max_model_len: int | None) -> None:
 
 
 def parse_request(raw: bytes, kind: str, header_conversation_id: str | None,
-                  max_model_len: int | None = None) -> ParsedRequest:
+                  max_model_len: int | None = None,
+                  max_containers: int | None = None) -> ParsedRequest:
     """Validate and take apart a client body.
 
     Consumed here and never forwarded upstream: `conversation_id` (ours) and
     `kv_transfer_params` (only the router may tell engines where KV lives).
     """
-    if problem := nesting_problem(raw) or surrogate_problem(raw):
+    if problem := nesting_problem(raw, max_containers=max_containers) or surrogate_problem(raw):
         raise ClientError(400, problem)
     try:
         body = loads(raw)

@@ -63,3 +63,12 @@ def test_header_id_and_body_precedence():
 @pytest.mark.parametrize("prompt", ["a", ["a", "b"], [1, 2], [[1], [2, 3]]])
 def test_prompt_forms(prompt):
     assert parse({"prompt": prompt, "stream": None}, COMPLETIONS).stream is False
+
+
+def test_brackets_inside_strings_do_not_count_as_containers():
+    code = "{[" * 50_000  # a message quoting code: one string, no containers
+    body = json.dumps({"messages": [{"role": "user", "content": code}] * 3}).encode()
+    assert parse_request(body, CHAT, None, max_containers=100).body["messages"]
+    many = json.dumps({"messages": [{"role": "user", "content": "x"}] * 100}).encode()
+    with pytest.raises(ClientError, match="more than 100 JSON objects and arrays"):
+        parse_request(many, CHAT, None, max_containers=100)
