@@ -32,10 +32,15 @@ except ImportError:  # pragma: no cover - depends on the environment
 
     HAVE_ORJSON = False
 
-# Canonical form for hashing: stable key order, no whitespace; the same process always
-# produces the same bytes, which is all a lookup key needs.
-_canonical = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+# Canonical form for hashing: stable key order, no whitespace. Every router replica of a
+# resource runs the same image, so they all produce the same bytes, which is all a
+# lookup key needs.
+if HAVE_ORJSON:  # pragma: no cover - depends on the environment
 
+    def canonical(obj: Any) -> bytes:
+        return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
+else:  # pragma: no cover - depends on the environment
+    _canonical = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=True)
 
-def canonical(obj: Any) -> bytes:
-    return _canonical.encode(obj).encode()
+    def canonical(obj: Any) -> bytes:
+        return _canonical.encode(obj).encode()

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .bodycheck import nesting_problem, surrogate_problem
-from .codec import dumps, loads
+from .bodycheck import (
+    container_problem,
+    deep_message,
+    depth_problem,
+    nesting_problem,
+    surrogate_problem,
+)
+from .codec import HAVE_ORJSON, dumps, loads
 
 CHAT = "chat"
 COMPLETIONS = "completions"
@@ -110,12 +116,20 @@ def parse_request(raw: bytes, kind: str, header_conversation_id: str | None,
     Consumed here and never forwarded upstream: `conversation_id` (ours) and
     `kv_transfer_params` (only the router may tell engines where KV lives).
     """
-    if problem := nesting_problem(raw, max_containers=max_containers) or surrogate_problem(raw):
+    if HAVE_ORJSON:  # it stops past 1024 levels by itself; the depth is checked after
+        problem = max_containers is not None and container_problem(raw, max_containers)
+    else:
+        problem = nesting_problem(raw, max_containers=max_containers)
+    if problem := problem or surrogate_problem(raw):
         raise ClientError(400, problem)
     try:
         body = loads(raw)
     except (ValueError, RecursionError) as exc:
+        if "depth limit" in str(exc):  # orjson, past its own limit
+            raise ClientError(400, deep_message()) from None
         raise ClientError(400, f"request body is not valid JSON: {exc}") from None
+    if HAVE_ORJSON and (problem := depth_problem(body)):
+        raise ClientError(400, problem)
     if not isinstance(body, dict):
         raise ClientError(400, f"request body must be a JSON object, got {type(body).__name__}")
     if kind == CHAT:

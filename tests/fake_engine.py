@@ -94,7 +94,8 @@ class FakeEngine:
 
     # -- lifecycle ---------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application()
+        # vLLM takes bodies of any size; so does the stand-in (aiohttp's default is 1 MiB).
+        app = web.Application(client_max_size=1 << 30)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_get("/v1/models", self._models)

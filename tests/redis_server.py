@@ -6,6 +6,7 @@ stopped by pid. `restart()` keeps the port (a store that went away and came back
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import shutil
@@ -87,3 +88,37 @@ class RedisServer:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+
+class SlowLink:
+    """A TCP proxy in front of the real server that holds every client chunk `delay`
+    seconds before passing it on (a slow network or an overloaded server); counts them."""
+
+    def __init__(self, port: int, delay: float) -> None:
+        self.port, self.delay, self.chunks = port, delay, 0
+        self.server = None
+
+    async def start(self) -> str:
+        async def pipe(reader, writer, slow):
+            try:
+                while data := await reader.read(65536):
+                    if slow:
+                        self.chunks += 1
+                        await asyncio.sleep(self.delay)
+                    writer.write(data)
+                    await writer.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                writer.close()
+
+        async def handle(client_r, client_w):
+            server_r, server_w = await asyncio.open_connection("127.0.0.1", self.port)
+            asyncio.ensure_future(pipe(client_r, server_w, True))
+            asyncio.ensure_future(pipe(server_r, client_w, False))
+
+        self.server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    def close(self) -> None:
+        self.server.close()

@@ -13,7 +13,7 @@ U1 = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture
 async def cluster():
-    async with Cluster(config={"maxBodyBytes": 4096, "maxJsonContainers": 512}) as c:
+    async with Cluster(config={"maxBodyBytes": 4096, "maxJsonContainers": 1024}) as c:
         yield c
 
 
@@ -33,13 +33,13 @@ async def cluster():
         ("/v1/chat/completions",
          b'{"messages":[{"role":"user","content":"a\\ud800"}]}',
          "messages[0].content: contains a lone UTF-16 surrogate"),
-        ("/v1/chat/completions", b'{"messages":' + b"[" * 1500 + b"]" * 1500 + b"}",
+        ("/v1/chat/completions", b'{"messages":' + b"[" * 100 + b"]" * 100 + b"}",
          "nested deeper than 64 levels"),
         ("/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi"}],"x":'
          + b"{\"a\":" * 200 + b"0" + b"}" * 200 + b"}", "nested deeper than 64 levels"),
         # Many tiny values: what a body costs on the loop is its objects, not its bytes.
-        ("/v1/chat/completions", b'{"messages":[' + b",".join([b"[]"] * 600) + b"]}",
-         "more than 512 JSON objects and arrays (maxJsonContainers)"),
+        ("/v1/chat/completions", b'{"messages":[' + b",".join([b"[]"] * 1100) + b"]}",
+         "more than 1024 JSON objects and arrays (maxJsonContainers)"),
     ],
 )
 async def test_bad_requests_get_a_400_naming_field_and_value(cluster, path, body, needle):

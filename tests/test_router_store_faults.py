@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import redis
 from fake_engine import Cluster
-from redis_server import started
+from redis_server import SlowLink, started
 
 pytestmark = pytest.mark.timeout(60)
 U1 = [{"role": "user", "content": "hi"}]
@@ -68,42 +68,6 @@ async def test_a_read_only_replica_is_a_store_fault_not_a_500(redis_url, monkeyp
             assert handles_sent(c) == 1
     finally:
         primary.stop()
-
-
-class SlowLink:
-    """A TCP proxy in front of the real server that holds every client chunk `delay`
-    seconds before passing it on (a slow network or an overloaded server); counts them."""
-
-    def __init__(self, port: int, delay: float) -> None:
-        self.port, self.delay, self.chunks = port, delay, 0
-        self.server = None
-
-    async def start(self) -> str:
-        import asyncio
-
-        async def pipe(reader, writer, slow):
-            try:
-                while data := await reader.read(65536):
-                    if slow:
-                        self.chunks += 1
-                        await asyncio.sleep(self.delay)
-                    writer.write(data)
-                    await writer.drain()
-            except (ConnectionError, OSError):
-                pass
-            finally:
-                writer.close()
-
-        async def handle(client_r, client_w):
-            server_r, server_w = await asyncio.open_connection("127.0.0.1", self.port)
-            asyncio.ensure_future(pipe(client_r, server_w, True))
-            asyncio.ensure_future(pipe(server_r, client_w, False))
-
-        self.server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
-
-    def close(self) -> None:
-        self.server.close()
 
 
 async def test_a_slow_store_opens_the_breaker_and_turns_stop_waiting_for_it(redis_url):

@@ -72,3 +72,12 @@ def test_brackets_inside_strings_do_not_count_as_containers():
     many = json.dumps({"messages": [{"role": "user", "content": "x"}] * 100}).encode()
     with pytest.raises(ClientError, match="more than 100 JSON objects and arrays"):
         parse_request(many, CHAT, None, max_containers=100)
+
+
+@pytest.mark.parametrize("depth", [65, 1000, 1500, 2_000_000])
+def test_deep_bodies_are_refused_with_one_message(depth):
+    """Below the parser's own limit (orjson: 1024) the parsed body is walked without
+    recursion; past it the parser stops at once. Either way, the same 400."""
+    raw = b'{"messages":' + b"[" * depth + b"]" * min(depth, 2000) + b"}"
+    with pytest.raises(ClientError, match="nested deeper than 64 levels"):
+        parse_request(raw, CHAT, None)
