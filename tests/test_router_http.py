@@ -86,6 +86,22 @@ async def test_body_over_the_limit_is_413(cluster):
     assert cluster.p[0].generations() == []
 
 
+async def test_a_client_that_sends_its_whole_body_first_still_reads_the_413(cluster):
+    """httpx (the OpenAI SDK's client) reads the answer only once it has sent the body:
+    the router answers at once, then reads and drops the rest instead of resetting the
+    connection; the next request on the same client works."""
+    import httpx
+
+    big = b'{"messages":[{"role":"user","content":"' + b"x" * (4 << 20) + b'"}]}'
+    async with httpx.AsyncClient(timeout=30) as client:
+        r = await client.post(cluster.url + "/v1/chat/completions", content=big,
+                              headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and "maxBodyBytes" in r.json()["error"]["message"]
+        r = await client.post(cluster.url + "/v1/chat/completions", json={"messages": U1})
+        assert r.status_code == 200
+    assert len(cluster.p[0].generations()) == 1
+
+
 async def test_unknown_route_404_and_wrong_method_405(cluster):
     async with cluster.session.get(cluster.url + "/v2/nothing") as r:
         assert r.status == 404 and "no route" in (await r.json())["error"]["message"]
