@@ -113,7 +113,9 @@ async def start_router(app: web.Application, host: str = "127.0.0.1", port: int 
                        metrics_port: int | None = None) -> RunningRouter:
     # handler_cancellation: a client that goes away cancels its handler, which closes
     # both upstream requests (the engines stop working for nobody).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    idle = app[ROUTER].cfg.timeouts.idle_connection_seconds
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           keepalive_timeout=idle)
     url = await _listen(runner, host, port)
     running = RunningRouter(runner, app, url)
     if metrics_port is not None:

@@ -54,6 +54,11 @@ class Timeouts(_Model):
     decode_first_byte_seconds: float = Field(default=120.0, gt=0, le=86400)
     # A client's whole request body: a slow sender must not hold an admission slot.
     body_read_seconds: float = Field(default=30.0, gt=0, le=3600)
+    # A connection that has not sent a complete request head this long after it opened,
+    # or after its last response, is closed: a client trickling headers (or holding an
+    # idle connection) does not keep a socket forever. Like nginx's keepalive_timeout;
+    # read when the router starts.
+    idle_connection_seconds: float = Field(default=75.0, gt=0, le=86400)
 
 
 def normalise_url(value: str) -> str:

@@ -213,3 +213,24 @@ def test_a_body_limit_the_in_flight_bound_cannot_hold_is_refused():
     with pytest.raises(ConfigError, match="maxInflightBodyBytes"):
         load_config(None, {"prefill": ["http://p:1"], "decode": ["http://d:1"],
                            "maxBodyBytes": 8192, "maxInflightBodyBytes": 4096})
+
+
+async def test_a_client_trickling_its_request_head_is_disconnected():
+    """Slowloris: headers that never end must not hold a socket (timeouts.
+    idleConnectionSeconds, from the connection's start, data or not)."""
+    import urllib.parse
+
+    async with Cluster(config={"timeouts": {"idleConnectionSeconds": 0.5}}) as c:
+        u = urllib.parse.urlsplit(c.url)
+        reader, writer = await asyncio.open_connection(u.hostname, u.port)
+        try:
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            await writer.drain()
+            for i in range(3):  # still trickling: data does not extend the deadline
+                await asyncio.sleep(0.1)
+                writer.write(b"X-Slow-%d: 1\r\n" % i)
+                await writer.drain()
+            assert await asyncio.wait_for(reader.read(), 15) == b""  # closed, no answer
+        finally:
+            writer.close()
+        assert (await c.chat(U1))["status"] == 200  # everyone else is served
