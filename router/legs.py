@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -76,8 +77,7 @@ class Legs:
                 raise Unavailable(PREFILL)
             entry = turn.entry
             handle = loads(entry.params) if entry is not None else None
-            proof = make_proof(self.handle_key) if self.handle_key else None
-            payload = dumps(prefill_body(turn.body, handle, proof))
+            payload = functools.partial(self._prefill_payload, turn.body, handle)
             t = time.perf_counter()
             p.outstanding += 1
             turn.asked_prefill = True
@@ -121,6 +121,12 @@ class Legs:
             return p, data
         assert last is not None
         raise last
+
+    def _prefill_payload(self, body: dict[str, Any], handle: dict[str, Any] | None) -> bytes:
+        """The prefill leg's body, with a fresh single-use proof each time it is built
+        (a stale-connection retry builds it again: P may have seen the first proof)."""
+        proof = make_proof(self.handle_key) if self.handle_key else None
+        return dumps(prefill_body(body, handle, proof))
 
     async def _account_reuse(self, turn: Turn, data: dict[str, Any]) -> None:
         report = reuse_report(data)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
@@ -86,26 +87,31 @@ def open_sessions() -> tuple[aiohttp.ClientSession, aiohttp.ClientSession]:
 class Sessions:
     """POSTs to P with the stale-connection retry, and the prefill leg's request."""
 
-    async def _post(self, b: Backend, path: str, payload: bytes, rid: str, auth: str | None,
-                    timeout: aiohttp.ClientTimeout, retry_stale: bool = True
-                    ) -> aiohttp.ClientResponse:
-        """The response, its head read; the caller closes it."""
+    async def _post(self, b: Backend, path: str, payload: bytes | Callable[[], bytes],
+                    rid: str, auth: str | None, timeout: aiohttp.ClientTimeout,
+                    retry_stale: bool = True) -> aiohttp.ClientResponse:
+        """The response, its head read; the caller closes it. A callable payload is built
+        again for the stale-connection retry: the body carries a single-use proof, which
+        the engine may have seen on the first attempt."""
         assert self.session is not None and self.fresh is not None
         headers = self._headers(rid, auth)
         _REUSED.set(False)
         try:
-            return await self.session.post(b.url + path, data=payload, headers=headers,
-                                           timeout=timeout)
+            return await self.session.post(
+                b.url + path, data=payload() if callable(payload) else payload,
+                headers=headers, timeout=timeout)
         except UPSTREAM_FAILURES as exc:
             if not retry_stale or not _REUSED.get() or not stale_connection(exc):
                 raise
             self.metrics.retries.labels(STALE_RETRY).inc()
             log.info("kept-alive connection to %s failed before a response (%s); retrying "
                      "on a new connection rid=%s", b.url, classify(exc)[1], rid)
-        return await self.fresh.post(b.url + path, data=payload, headers=headers,
-                                     timeout=timeout)
+        return await self.fresh.post(
+            b.url + path, data=payload() if callable(payload) else payload,
+            headers=headers, timeout=timeout)
 
-    async def _post_prefill(self, p: Backend, path: str, payload: bytes, rid: str,
+    async def _post_prefill(self, p: Backend, path: str,
+                            payload: bytes | Callable[[], bytes], rid: str,
                             auth: str | None) -> dict[str, Any]:
         try:
             resp = await self._post(p, path, payload, rid, auth, self._t_prefill)

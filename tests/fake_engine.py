@@ -356,7 +356,7 @@ class Cluster:
 
     def __init__(self, prefill: int = 1, decode: int = 1, config: dict[str, Any] | None = None,
                  config_path: Any = None, file_config: Any = None,
-                 reload_interval: float = 0.05) -> None:
+                 reload_interval: float = 0.05, handle_key: bytes | None = None) -> None:
         self.p = [FakeEngine("prefill", nixl_host="10.0.1.1") for _ in range(prefill)]
         self.d = [FakeEngine("decode", nixl_host="10.0.2.2") for _ in range(decode)]
         self.config = config or {}
@@ -365,6 +365,7 @@ class Cluster:
         self.config_path = config_path
         self.file_config = file_config
         self.reload_interval = reload_interval
+        self.handle_key = handle_key
         self.running: Any = None
         self.session: Any = None
 
@@ -384,7 +385,7 @@ class Cluster:
             overrides.update(self.config)
         cfg = load_config(self.config_path, overrides)
         app = build_app(cfg, config_path=self.config_path, overrides=overrides,
-                        reload_interval=self.reload_interval)
+                        reload_interval=self.reload_interval, handle_key=self.handle_key)
         self.running = await start_router(app)
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20))
         return self

@@ -35,7 +35,7 @@ async def decodes_down(c, *decodes):
 
 
 async def test_prefill_closing_a_kept_alive_connection_is_retried_on_a_new_one():
-    async with Cluster() as c:
+    async with Cluster(handle_key=b"k" * 32) as c:
         await without_health_rounds(c)
         assert (await c.chat(U1))["status"] == 200  # leaves a kept-alive connection to P
         c.p[0].behaviour.close_next = 1
@@ -43,7 +43,10 @@ async def test_prefill_closing_a_kept_alive_connection_is_retried_on_a_new_one()
         assert r["status"] == 200 and r["text"] == "Hello from the fake."
         first, retry = c.p[0].generations()[1:]
         assert first.headers["X-Request-Id"] == retry.headers["X-Request-Id"] == "rid-2"
-        assert first.body == retry.body
+        # The same request, with a fresh single-use proof: P may have seen the first one
+        # (and would then keep nothing for D).
+        proofs = [g.kv.pop("bidirkv_proof") for g in (first, retry)]
+        assert proofs[0] != proofs[1] and first.body == retry.body
         assert c.d[0].generations()[1].headers["X-Request-Id"] == "rid-2"
         assert c.router.prefill.backends[0].healthy
         m = await c.metrics()
