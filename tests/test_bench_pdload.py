@@ -43,3 +43,11 @@ def test_a_run_asks_vllm_for_fresh_prompts_and_percentiles():
     for flag, value in (("--seed", "7"), ("--max-concurrency", "4"), ("--num-prompts", "48"),
                         ("--tokenizer", "/tok"), ("--metric-percentiles", "50,99")):
         assert argv[argv.index(flag) + 1] == value
+
+
+def test_a_router_with_lower_itl_than_the_single_server_meets_the_itl_aim():
+    faster = [result(pdload.SINGLE, 4, 20.0, 130.0, 200.0, 17.0),
+              result(pdload.ROUTER, 4, 21.0, 128.0, 190.0, 15.6)]
+    (four,) = pdload.verdicts(faster)
+    assert round(four["itl_delta_ms"], 1) == -1.4 and four["itl_ok"]
+    assert "ITL p50 -1.4 ms (aim <= +1) met" in pdload.table(faster)

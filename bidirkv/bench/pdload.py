@@ -4,8 +4,8 @@ the same run, on prompts no prefix cache has seen (a fresh seed per run).
 
 Aims (this 2-core machine): P/D overhead at concurrency 1 (router TTFT p50 minus the
 single server's) <= 20 ms; at concurrency 4, router throughput >= the single server's and
-TTFT p99 <= 2x; ITL p50 through the router within 1 ms of the single server's at every
-concurrency.
+TTFT p99 <= 2x; ITL p50 through the router at most 1 ms above the single server's at
+every concurrency (lower is no problem: P/D takes prefill off the decode server).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def verdicts(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "p99_ratio": p["p99_ttft_ms"] / s["p99_ttft_ms"],
             "itl_delta_ms": p["median_itl_ms"] - s["median_itl_ms"],
         }
-        row["itl_ok"] = abs(row["itl_delta_ms"]) <= AIMS["itl_delta_ms"]
+        row["itl_ok"] = row["itl_delta_ms"] <= AIMS["itl_delta_ms"]
         if c == 1:
             row["overhead_ok"] = row["overhead_ms"] <= AIMS["overhead_ms"]
         else:
@@ -88,7 +88,7 @@ def table(results: list[dict[str, Any]]) -> str:
             parts.append(f"req/s ratio {v['throughput_ratio']:.2f} (aim >= 1) "
                          f"{'met' if v['throughput_ok'] else 'NOT met'}; TTFT p99 ratio "
                          f"{v['p99_ratio']:.2f} (aim <= 2) {'met' if v['p99_ok'] else 'NOT met'};")
-        parts.append(f"ITL p50 {v['itl_delta_ms']:+.1f} ms (aim within 1) "
+        parts.append(f"ITL p50 {v['itl_delta_ms']:+.1f} ms (aim <= +1) "
                      f"{'met' if v['itl_ok'] else 'NOT met'}")
         lines.append(" ".join(parts))
     return "\n".join(lines)
