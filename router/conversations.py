@@ -9,7 +9,7 @@ import logging
 from typing import Any
 
 from .backends import Backend
-from .codec import dumps
+from .codec import dumps_kept
 from .handlestore import StoreUnavailable
 from .identity import short_hash
 from .sse import MessageCollector
@@ -90,7 +90,7 @@ class Conversations:
             limit = self.max_pinned(d.url)
             share = self.cfg.tenant_retention_share
             await self.store.put(
-                key, dumps(kv), d.url, engine, n, tenant=turn.tenant, prefix_len=prefix_len,
+                key, dumps_kept(kv), d.url, engine, n, tenant=turn.tenant, prefix_len=prefix_len,
                 request_id=rid, blocks=handle_blocks(kv), max_pinned=limit,
                 tenant_max_pinned=int(share * limit) if limit is not None and share < 1
                 else None)

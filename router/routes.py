@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .codec import dumps, loads
+from .codec import dumps, dumps_kept, loads
 from .handlestore import StoreUnavailable
 from .prefillonly import UNAVAILABLE
 from .proxy import Router, json_error, json_response
@@ -127,7 +127,7 @@ async def _debug_fill(request: web.Request) -> web.Response:
             "transfer_mode": "pull",
         }
         key = n.to_bytes(16, "big")
-        await router.store.put(key, dumps(params), decode, params["remote_engine_id"],
+        await router.store.put(key, dumps_kept(params), decode, params["remote_engine_id"],
                                params["remote_num_tokens"])
     return json_response(200, dumps({"stored": await router.store.count()}))
 

@@ -51,12 +51,12 @@ class HandleStore:
     ) -> None:
         self._d: OrderedDict[bytes, Entry] = OrderedDict()
         self._lengths: dict[bytes, Lengths] = {}
-        # Per decode replica: its entries in store order (oldest first) and their blocks.
-        self._by_url: dict[str, OrderedDict[bytes, Entry]] = {}
+        # Blocks pinned per decode replica; per tenant its entries in store order (oldest
+        # first), and per replica, per tenant likewise (an OrderedDict entry costs ~110
+        # bytes: 100k handles are held in three of them).
         self.pinned: dict[str, int] = {}
-        # Per tenant: its entries (oldest first), and per (replica, tenant) likewise.
         self._by_tenant: dict[bytes | None, OrderedDict[bytes, Entry]] = {}
-        self._by_rep_tenant: dict[tuple[str, bytes | None], OrderedDict[bytes, Entry]] = {}
+        self._by_rep: dict[str, dict[bytes | None, OrderedDict[bytes, Entry]]] = {}
         self.tenant_entries = Tally()
         self._rep_blocks: dict[str, Tally] = {}
         self.ttl = ttl_seconds
@@ -120,10 +120,9 @@ class HandleStore:
     def _index(self, entry: Entry) -> None:
         key, url, tenant, blocks = entry.key, entry.decode_url, entry.tenant, entry.blocks
         self._d[key] = entry
-        self._by_url.setdefault(url, OrderedDict())[key] = entry
         self.pinned[url] = self.pinned.get(url, 0) + blocks
         self._by_tenant.setdefault(tenant, OrderedDict())[key] = entry
-        self._by_rep_tenant.setdefault((url, tenant), OrderedDict())[key] = entry
+        self._by_rep.setdefault(url, {}).setdefault(tenant, OrderedDict())[key] = entry
         self.tenant_entries.add(tenant, 1)
         self._rep_blocks.setdefault(url, Tally()).add(tenant, blocks)
         if tenant is not None and entry.prefix_len > 0:
@@ -143,27 +142,32 @@ class HandleStore:
         cap = self.max_per_tenant
         if cap is None:
             return
-        doomed: list[Entry] = []
-        for entry in list(self._by_tenant.get(tenant, {}).values()):
-            if self.tenant_entries.get(tenant) <= cap:
-                break
-            if not entry.reserved:
-                self._remove(entry)
-                doomed.append(entry)
-        self._evicted("tenant_cap", doomed)
+        excess = self.tenant_entries.get(tenant) - cap
+        self._drop_oldest(self._by_tenant.get(tenant), lambda e: 1, excess, "tenant_cap")
 
     def trim_tenant_replica(self, decode_url: str, tenant: bytes | None, max_blocks: int) -> int:
         """The tenant's oldest unreserved handles on the replica, until it pins at most
         `max_blocks` there."""
-        doomed: list[Entry] = []
         tally = self._rep_blocks.get(decode_url)
-        for entry in list(self._by_rep_tenant.get((decode_url, tenant), {}).values()):
-            if tally is None or tally.get(tenant) <= max_blocks:
+        excess = (tally.get(tenant) if tally is not None else 0) - max_blocks
+        return self._drop_oldest(self._by_rep.get(decode_url, {}).get(tenant),
+                                 lambda e: e.blocks, excess, "tenant_cap")
+
+    def _drop_oldest(self, entries: OrderedDict[bytes, Entry] | None,
+                     weight: Callable[[Entry], int], excess: int, reason: str) -> int:
+        """The oldest unreserved entries of `entries` until their weights cover `excess`:
+        chosen first, then removed, so a put costs what it drops, not the tenant's size."""
+        doomed: list[Entry] = []
+        for entry in (entries or {}).values():
+            if excess <= 0:
                 break
-            if not entry.reserved:
-                self._remove(entry)
+            w = weight(entry)
+            if w > 0 and not entry.reserved:  # an entry of no weight would free nothing
                 doomed.append(entry)
-        self._evicted("tenant_cap", doomed)
+                excess -= w
+        for entry in doomed:
+            self._remove(entry)
+        self._evicted(reason, doomed)
         return len(doomed)
 
     def _oldest_free(self, entries: OrderedDict[bytes, Entry] | None) -> Entry | None:
@@ -179,8 +183,11 @@ class HandleStore:
         while self.pinned.get(decode_url, 0) > max_blocks:
             tally = self._rep_blocks.get(decode_url)
             tenant = tally.heaviest() if tally is not None else None
-            victim = (self._oldest_free(self._by_rep_tenant.get((decode_url, tenant)))
-                      or self._oldest_free(self._by_url.get(decode_url)))
+            tenants = self._by_rep.get(decode_url, {})
+            victim = self._oldest_free(tenants.get(tenant))
+            if victim is None:  # all of theirs reserved: the replica's oldest free one
+                free = [e for e in map(self._oldest_free, tenants.values()) if e is not None]
+                victim = min(free, key=lambda e: e.expires_at, default=None)
             if victim is None:
                 break
             self._remove(victim)
@@ -196,12 +203,15 @@ class HandleStore:
                 lengths.remove(entry.prefix_len)
                 if not lengths.counts:
                     del self._lengths[tenant]
-        for index, name in ((self._by_tenant, tenant), (self._by_rep_tenant, (url, tenant))):
-            entries = index.get(name)
+        tenants = self._by_rep.get(url, {})
+        for index in (self._by_tenant, tenants):
+            entries = index.get(tenant)
             if entries is not None:
                 entries.pop(key, None)
                 if not entries:
-                    del index[name]
+                    del index[tenant]
+        if not tenants:
+            self._by_rep.pop(url, None)
         self.tenant_entries.add(tenant, -1)
         tally = self._rep_blocks.get(url)
         if tally is not None:
@@ -214,13 +224,8 @@ class HandleStore:
             del self._d[entry.key]
             self._unindex(entry)
             url = entry.decode_url
-            entries = self._by_url.get(url)
-            if entries is not None:
-                entries.pop(entry.key, None)
-                if not entries:
-                    del self._by_url[url]
             left = self.pinned.get(url, 0) - entry.blocks
-            if left > 0 or url in self._by_url:
+            if left > 0 or url in self._by_rep:
                 self.pinned[url] = left
             else:
                 self.pinned.pop(url, None)
@@ -294,7 +299,8 @@ class HandleStore:
         """Drop every handle of one decode replica (except those of `keep_engine_id`)."""
         doomed = [
             e
-            for e in self._by_url.get(decode_url, {}).values()
+            for entries in self._by_rep.get(decode_url, {}).values()
+            for e in entries.values()
             if keep_engine_id is None or e.engine_id != keep_engine_id
         ]
         for e in doomed:
