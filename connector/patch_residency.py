@@ -41,6 +41,10 @@ CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector"
 SCHEDULER = "vllm.v1.core.sched.scheduler"
 ENGINE = "vllm.v1.engine.core"
 OWNER_KEY = "bidirkv_owner"
+# The router's label of the request's tenant (fair reclaiming, residency.py); bounded so a
+# direct caller cannot grow decode's memory with it.
+TENANT_KEY = "bidirkv_tenant"
+MAX_TENANT_LEN = 64
 # Owner leases are checked this often (seconds): cheap, but not every step.
 OWNER_CHECK_S = 0.5
 # How far down the waiting queues to look for the request that does not fit.
@@ -63,13 +67,16 @@ def _request_finished(orig):
         ):
             params = request.kv_transfer_params or {}
             owner = params.get(OWNER_KEY)
+            tenant = params.get(TENANT_KEY)
+            if not (isinstance(tenant, str) and 0 < len(tenant) <= MAX_TENANT_LEN):
+                tenant = None
             deadline = self.connector_scheduler._reqs_need_send.get(request.request_id)
             if deadline is not None:
                 blocks = sum(len(g) for g in out.get("remote_block_ids") or ())
                 res = current()
                 assert res is not None  # installed with the connector patches
                 res.retain(request.request_id, blocks,
-                                owner if isinstance(owner, str) else None, deadline)
+                           owner if isinstance(owner, str) else None, deadline, tenant)
         return delay, out
 
     return request_finished

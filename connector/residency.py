@@ -13,6 +13,11 @@ each retained request is one `Held` entry, and it leaves by one of these causes:
     pressure    a request is waiting for blocks and these are only kept for reuse
     watermark   retained blocks above the configured share of decode's KV
 
+Pressure and the watermark take from the tenant (`bidirkv_tenant`, a label the router
+derives from its keyed tenant hash) holding the most releasable blocks, its oldest
+first: one tenant's flood of conversations yields before anyone else's. With one tenant
+that is plain oldest-first.
+
 Safety does not rest on timing. A read is one-sided (decode never sees it), so prefill
 asks decode for a *grant* over the side channel right before it reads. A grant and a
 release are decided under one lock: once granted, nothing but the read's notification
@@ -52,6 +57,7 @@ class Held:
     deadline: float  # vLLM's TTL, on this process's perf_counter
     state: str = HELD
     cause: str | None = None
+    tenant: str | None = None
 
 
 @dataclass
@@ -73,12 +79,19 @@ class Residency:
     _kept: int = 0
     _parked: int = 0  # entries in state HELD: retained, nothing acting on them
     _releasing: int = 0
+    # Entries in state HELD (the only releasable ones) per tenant, oldest first, and
+    # their blocks: what fair reclaiming picks from.
+    _free: dict[str | None, OrderedDict[str, Held]] = field(default_factory=dict)
+    _free_blocks: Counter = field(default_factory=Counter)
 
     # -- engine thread: lifecycle ---------------------------------------------------------
-    def retain(self, req_id: str, blocks: int, owner: str | None, deadline: float) -> None:
+    def retain(self, req_id: str, blocks: int, owner: str | None, deadline: float,
+               tenant: str | None = None) -> None:
         now = self.clock()
         with self.lock:
-            self.held[req_id] = Held(req_id, blocks, owner, deadline)
+            h = self.held[req_id] = Held(req_id, blocks, owner, deadline, tenant=tenant)
+            self._free.setdefault(tenant, OrderedDict())[req_id] = h
+            self._free_blocks[tenant] += blocks
             self._kept += blocks
             self._parked += 1
             if owner is not None and owner not in self.owners:
@@ -96,7 +109,9 @@ class Residency:
                     self.freed["released"] += 1
                 else:
                     self._kept -= h.blocks
-                    self._parked -= h.state == HELD
+                    if h.state == HELD:
+                        self._parked -= 1
+                        self._unfree(h)
                     self.freed["read" if h.state == GRANTED else "expired"] += 1
 
     def take_pending(self) -> list[str]:
@@ -106,10 +121,20 @@ class Residency:
         return out
 
     # -- decisions -----------------------------------------------------------------------
+    def _unfree(self, h: Held) -> None:
+        """Caller holds the lock: `h` leaves state HELD."""
+        mine = self._free.get(h.tenant)
+        if mine is not None and mine.pop(h.req_id, None) is not None:
+            self._free_blocks[h.tenant] -= h.blocks
+            if not mine:
+                del self._free[h.tenant]
+                del self._free_blocks[h.tenant]
+
     def _release(self, h: Held, cause: str) -> int:
         """Caller holds the lock. Only an entry nobody was granted can go."""
         if h.state != HELD:
             return 0
+        self._unfree(h)
         h.state, h.cause = RELEASING, cause
         self._parked -= 1
         self._kept -= h.blocks
@@ -141,12 +166,14 @@ class Residency:
                        if h.owner in gone)
 
     def reclaim(self, blocks: int, cause: str = "pressure") -> int:
-        """Release the oldest releasable entries until `blocks` are on their way."""
+        """Release whole entries until `blocks` are on their way: each time the oldest of
+        the tenant holding the most releasable blocks."""
         got = 0
         with self.lock:
-            for h in list(self.held.values()):
-                if got >= blocks:
-                    break
+            while got < blocks and self._free:
+                # Entries of no blocks free nothing but still count as one tenant's.
+                tenant = max(self._free, key=lambda t: (self._free_blocks[t], len(self._free[t])))
+                h = next(iter(self._free[tenant].values()))
                 got += self._release(h, cause)
         return got
 
@@ -170,6 +197,7 @@ class Residency:
             elif h.deadline - now < GRANT_MARGIN_S:
                 reason = "near_expiry"
             else:
+                self._unfree(h)
                 h.state = GRANTED
                 self._parked -= 1
                 self.grants += 1

@@ -144,11 +144,12 @@ class Legs:
     async def _decode_leg(self, request: web.Request, turn: Turn, p: Backend,
                           p_body: dict[str, Any], d: Backend, rid: str
                           ) -> tuple[web.StreamResponse, str]:
-        owner = proof = None
+        owner = proof = tenant = None
         if self.cfg.bidirectional:
             owner = self.residency.owner
             proof = make_proof(self.handle_key) if self.handle_key else None
-        payload = dumps(decode_body(turn.body, p_body.get(PARAMS), owner, proof))
+            tenant = turn.tenant
+        payload = dumps(decode_body(turn.body, p_body.get(PARAMS), owner, proof, tenant))
         return await self._generate(request, turn, d, payload, rid, DECODE)
 
     async def _generate(self, request: web.Request, turn: Turn, d: Backend, payload: bytes,

@@ -32,6 +32,9 @@ _MISS_PARAMS = {
 # Fields a one-token prefill must not carry (they would change or fail a max_tokens=1 run).
 _PREFILL_DROP = ("max_completion_tokens", "min_tokens", "stream_options")
 OWNER_KEY = "bidirkv_owner"
+# Which tenant D's retained blocks are for: D yields the blocks of whoever holds the most
+# first (connector/residency.py). A label of the keyed tenant hash, not the credential.
+TENANT_KEY = "bidirkv_tenant"
 PROOF_KEY = "bidirkv_proof"
 HANDLE_KEY_ENV = "BIDIRKV_HANDLE_KEY"
 
@@ -60,15 +63,17 @@ def prefill_body(body: dict[str, Any], handle: dict[str, Any] | None,
 
 
 def decode_body(body: dict[str, Any], p_params: Any, owner: str | None = None,
-                proof: str | None = None) -> dict[str, Any]:
+                proof: str | None = None, tenant: bytes | None = None) -> dict[str, Any]:
     """The client's body plus P's params as P signed them (host included), the router that
-    will own D's handle (D keeps the blocks while that owner renews), and the router's
-    proof, without which D keeps nothing and hands out no handle."""
+    will own D's handle (D keeps the blocks while that owner renews), the tenant's label,
+    and the router's proof, without which D keeps nothing and hands out no handle."""
     out = dict(body)
     if isinstance(p_params, dict):
         kv = dict(p_params)
         if owner is not None:
             kv[OWNER_KEY] = owner
+        if tenant is not None:
+            kv[TENANT_KEY] = tenant.hex()[:32]
         if proof is not None:
             kv[PROOF_KEY] = proof
         out[PARAMS] = kv

@@ -60,6 +60,24 @@ def test_pressure_reclaims_oldest_first_and_skips_granted():
     assert res.releasing_blocks() == 5 and res.kept_blocks() == 9
 
 
+def test_pressure_takes_from_the_tenant_holding_the_most_first():
+    """One tenant's flood of retained conversations yields before anyone else's."""
+    res, clock = make()
+    res.retain("quiet-old", 4, None, clock.t + 100, tenant="quiet")
+    for i in range(5):
+        res.retain(f"flood-{i}", 3, None, clock.t + 100, tenant="flood")
+    res.retain("quiet-new", 4, None, clock.t + 100, tenant="quiet")
+    res.grant("flood-0")  # granted: not releasable, not counted as the flood's
+    # The flood holds 12 releasable blocks, the quiet tenant 8: two of the flood's go
+    # (12 -> 6), then the quiet tenant holds the most and its oldest goes.
+    assert res.reclaim(9) == 10
+    assert res.take_pending() == ["flood-1", "flood-2", "quiet-old"]
+    assert res.reclaim(1) == 3 and res.take_pending() == ["flood-3"]  # 6 against 4
+    res.on_freed(["quiet-new"])  # vLLM's TTL: no longer anyone's to reclaim
+    assert res.reclaim(100) == 3 and res.take_pending() == ["flood-4"]
+    assert res.reclaim(100) == 0 and res.kept_blocks() == 3  # the granted one stays
+
+
 def test_owner_lease_lapses_unless_renewed():
     res, clock = make(owner_lease_s=10)
     res.retain("a", 1, "gone", clock.t + 100)

@@ -181,6 +181,9 @@ async def test_leg_bodies_and_request_id():
             c.p[0].engine_id and d.kv["remote_host"] == c.p[0].nixl_host
         assert d.kv["bidirkv_owner"] == c.router.residency.owner
         assert "bidirkv_proof" not in d.kv and "bidirkv_owner" not in p.kv
+        # The tenant's label (no credential): D reclaims fairly between tenants.
+        tenant = c.router.keys.tenant_of(None)
+        assert d.kv["bidirkv_tenant"] == tenant.hex()[:32] and "bidirkv_tenant" not in p.kv
         assert p.headers["X-Request-Id"] == d.headers["X-Request-Id"] == "client-rid"
         await c.chat(U1)
         p2, d2 = gens(c.p[0])[1], gens(c.d[0])[1]
