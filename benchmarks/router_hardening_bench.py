@@ -393,6 +393,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         p, d = FakeEngine("prefill", nixl_host="10.0.1.1"), FakeEngine("decode",
                                                                         nixl_host="10.0.2.2")
         routers: list[RouterProcess] = []
+        faults: Faults | None = None
         try:
             await p.start()
             await d.start()
@@ -414,6 +415,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 result["faults"] = await fault_phase(s, a, b, faults, ledger, 8, ended)
                 result["ended"] = await end_all(s, a, ended, ledger, faults.admin, d.url)
         finally:
+            if faults is not None and faults.copy is not None:
+                faults.copy.stop()  # a fault phase that failed half-way
             for r in routers:
                 r.stop()
             await p.stop()
