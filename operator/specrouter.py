@@ -60,7 +60,8 @@ class RouterSpec(_Model):
         default=100_000,
         ge=1,
         le=10_000_000,
-        description="Most conversation handles kept per router (least recently used dropped).",
+        description="Most conversation handles kept per router; past it the least recently "
+        "stored handle of the tenant holding the most is dropped.",
     )
     max_conversations_per_tenant: int | None = Field(
         default=None,
