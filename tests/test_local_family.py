@@ -177,13 +177,11 @@ def test_stop_in_process_after_the_server_died_stops_its_family(fake):
 def test_up_over_leftovers_stops_them_first_then_starts(fake):
     stack, old = fake.start()
     kill9(stack, "prefill-0", "router")  # a live one would be "already running"
-    t0 = time.monotonic()
     again, new = fake.start()  # the worker still holds a port of the plan
     try:
         assert not alive(old.values())
         assert any("already gone; stopped what it left running" in line
                    for line in again.cleaned), again.cleaned
-        assert time.monotonic() - t0 < 30
         assert read_state(fake.dir).record("prefill-0").pid == new["server"][0]
     finally:
         again.stop()
