@@ -37,8 +37,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bidirkv.wire import PROOF_KEY
+
 MAC_KEY = "bidirkv_mac"
-PROOF_KEY = "bidirkv_proof"
 BLOCKS_KEY = "bidirkv_blocks"
 REPORT_KEY = "bidirkv"
 EXPIRES_KEY = "bidirkv_expires"

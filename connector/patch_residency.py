@@ -31,6 +31,8 @@ import threading
 import time
 from typing import Any
 
+from bidirkv.wire import MAX_TENANT_LEN, OWNER_KEY, TENANT_KEY
+
 from . import patch_grants
 from .patching import Target, resolve, wrap
 from .residency import Residency, blocks_wanted, current, install
@@ -40,11 +42,6 @@ log = logging.getLogger("vllm.bidirkv")
 CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector"
 SCHEDULER = "vllm.v1.core.sched.scheduler"
 ENGINE = "vllm.v1.engine.core"
-OWNER_KEY = "bidirkv_owner"
-# The router's label of the request's tenant (fair reclaiming, residency.py); bounded so a
-# direct caller cannot grow decode's memory with it.
-TENANT_KEY = "bidirkv_tenant"
-MAX_TENANT_LEN = 64
 # Owner leases are checked this often (seconds): cheap, but not every step.
 OWNER_CHECK_S = 0.5
 # How far down the waiting queues to look for the request that does not fit.

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bidirkv.proof import PROOF_TTL_S, proof_problem
+from bidirkv.wire import PROOF_KEY
 
 from . import digests
 from .handles import (
     BLOCKS_KEY,
     MAC_KEY,
-    PROOF_KEY,
     REPORT_KEY,
     ReplayGuard,
     admit,

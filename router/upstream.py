@@ -10,6 +10,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from bidirkv.wire import OWNER_KEY, PROOF_KEY, TENANT_KEY, TENANT_LABEL_LEN
+
 from .backends import Backend
 from .identity import (
     ChatHistory,
@@ -31,11 +33,6 @@ _MISS_PARAMS = {
 }
 # Fields a one-token prefill must not carry (they would change or fail a max_tokens=1 run).
 _PREFILL_DROP = ("max_completion_tokens", "min_tokens", "stream_options")
-OWNER_KEY = "bidirkv_owner"
-# Which tenant D's retained blocks are for: D yields the blocks of whoever holds the most
-# first (connector/residency.py). A label of the keyed tenant hash, not the credential.
-TENANT_KEY = "bidirkv_tenant"
-PROOF_KEY = "bidirkv_proof"
 HANDLE_KEY_ENV = "BIDIRKV_HANDLE_KEY"
 
 
@@ -73,7 +70,7 @@ def decode_body(body: dict[str, Any], p_params: Any, owner: str | None = None,
         if owner is not None:
             kv[OWNER_KEY] = owner
         if tenant is not None:
-            kv[TENANT_KEY] = tenant.hex()[:32]
+            kv[TENANT_KEY] = tenant.hex()[:TENANT_LABEL_LEN]
         if proof is not None:
             kv[PROOF_KEY] = proof
         out[PARAMS] = kv
