@@ -33,24 +33,18 @@ _CLOSE = frozenset(b"]}")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
-def nesting_problem(raw: bytes, max_depth: int = MAX_DEPTH,
-                    max_containers: int | None = None) -> str | None:
-    """Why the body is nested too deeply, or holds too many objects and arrays, to be
-    handled (None: neither)."""
-    brackets = raw.count(b"[") + raw.count(b"{")
-    if brackets <= max_depth and (max_containers is None or brackets <= max_containers):
-        return None  # not enough brackets to be deeper, or more
-    depth = containers = 0
+def nesting_problem(raw: bytes, max_depth: int = MAX_DEPTH) -> str | None:
+    """Why the body is nested too deeply to parse (None: it is not). Only without orjson:
+    orjson stops by itself, and the parsed body is checked by `depth_problem`."""
+    if raw.count(b"[") + raw.count(b"{") <= max_depth:
+        return None  # not enough brackets to be deeper
+    depth = 0
     for m in _TOKEN.finditer(raw):
         c = raw[m.start()]
         if c in _OPEN:
             depth += 1
-            containers += 1
             if depth > max_depth:
                 return deep_message(max_depth)
-            if max_containers is not None and containers > max_containers:
-                return (f"request body has more than {max_containers} JSON objects and "
-                        "arrays (maxJsonContainers)")
         elif c in _CLOSE:
             if depth == 0:
                 return None  # unbalanced: the parser says what is wrong

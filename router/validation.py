@@ -116,11 +116,11 @@ def parse_request(raw: bytes, kind: str, header_conversation_id: str | None,
     Consumed here and never forwarded upstream: `conversation_id` (ours) and
     `kv_transfer_params` (only the router may tell engines where KV lives).
     """
-    if HAVE_ORJSON:  # it stops past 1024 levels by itself; the depth is checked after
-        problem = max_containers is not None and container_problem(raw, max_containers)
-    else:
-        problem = nesting_problem(raw, max_containers=max_containers)
-    if problem := problem or surrogate_problem(raw):
+    # orjson stops past 1024 levels by itself, and the depth is checked once parsed;
+    # the standard library's parser would recurse, so without orjson it is checked first.
+    if problem := ((max_containers is not None and container_problem(raw, max_containers))
+                   or (not HAVE_ORJSON and nesting_problem(raw))
+                   or surrogate_problem(raw)):
         raise ClientError(400, problem)
     try:
         body = loads(raw)
