@@ -30,6 +30,7 @@ import asyncio
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -234,8 +235,6 @@ async def big_body_phase(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     try:
         pp, dp = free_port(), free_port()
         for role, port in (("prefill", pp), ("decode", dp)):
-            import subprocess
-
             procs.append(subprocess.Popen(
                 [sys.executable, str(FAKE), "--role", role, "--port", str(port)],
                 preexec_fn=pin(other_cpus), stdout=subprocess.DEVNULL,
