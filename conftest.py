@@ -9,6 +9,8 @@ ROOT = pathlib.Path(__file__).resolve().parent
 # The test API server (tests/kubeapi) is test code, not part of the product package; the
 # e2e suites and benchmarks import it as `kubeapi`.
 sys.path.insert(0, str(ROOT / "tests"))
+# Development tools (tools/), not in the package either.
+sys.path.insert(0, str(ROOT / "tools"))
 
 
 @pytest.fixture

@@ -108,7 +108,7 @@ class Stack:
                         str(sp), "--save", "", "--appendonly", "no"], self.other_cpus)
             store = ["--handle-store", f"redis://127.0.0.1:{sp}/0"]
         router = self.spawn(
-            [sys.executable, "-c", "import sys; from bidirkv.router.app import main; "
+            [sys.executable, "-c", "import sys; from bidirkv.router.server.app import main; "
              "sys.exit(main(sys.argv[1:]))", "--prefill", self.p_url, "--decode", self.d_url,
              "--port", str(rp), "--host", "127.0.0.1", "--log-level", "WARNING", *store],
             self.router_cpus, {"BIDIRKV_ROUTER_DEBUG": "1", "BIDIRKV_HANDLE_KEY": "bench-key"})

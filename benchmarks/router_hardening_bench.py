@@ -48,7 +48,7 @@ from router_bench import FAKE, free_port, pct, pin, rss_mb, wait_ready  # noqa: 
 from router_process import KEY, RouterProcess  # noqa: E402
 
 from bidirkv.local.cpu import read_cpu  # noqa: E402
-from bidirkv.router.identity import LookupKeys  # noqa: E402
+from bidirkv.router.request.identity import LookupKeys  # noqa: E402
 
 MIB = 1 << 20
 U = {"role": "user", "content": "hi"}
@@ -339,7 +339,7 @@ FAULTS = ["oom", "noperm", "readonly", "script_error", "latency_500ms"]
 
 async def fault_phase(s: aiohttp.ClientSession, a: str, b: str, faults: Faults,
                       ledger: Ledger, n: int, ended: list[str]) -> dict[str, Any]:
-    from bidirkv.router import redisstore
+    from bidirkv.router.store import shared as redisstore
 
     out: dict[str, Any] = {}
     for fault in FAULTS:

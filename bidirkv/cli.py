@@ -13,8 +13,8 @@ import sys
 def _render(args: argparse.Namespace) -> int:
     import yaml
 
-    from bidirkv.operator.render import render_resource
-    from bidirkv.operator.spec import SpecError
+    from bidirkv.operator.api.spec import SpecError
+    from bidirkv.operator.render.children import render_resource
 
     try:
         with (sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")) as fh:
@@ -42,7 +42,7 @@ def _render(args: argparse.Namespace) -> int:
 
 
 def _crd(args: argparse.Namespace) -> int:
-    from bidirkv.operator.crd import crd_yaml
+    from bidirkv.operator.crd.schema import crd_yaml
 
     if args.apply:
         return _crd_apply(args.kubeconfig)
@@ -51,7 +51,7 @@ def _crd(args: argparse.Namespace) -> int:
 
 
 def _crd_apply(kubeconfig: str | None) -> int:
-    from bidirkv.operator.crdapply import apply_crd_cli
+    from bidirkv.operator.crd.apply import apply_crd_cli
 
     return apply_crd_cli(kubeconfig)
 
@@ -63,7 +63,7 @@ def _operator(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    from bidirkv.router.app import main as router_main
+    from bidirkv.router.server.app import main as router_main
 
     return router_main(args.rest)
 

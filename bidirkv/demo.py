@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bidirkv.wire import RESIDENCY_PATH
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SPEC = ROOT / "examples" / "local.yaml"
 OUT = ROOT / "out" / "demo"
@@ -62,7 +64,7 @@ def _use_test_api_server() -> None:
 async def control_plane(spec_path: pathlib.Path) -> None:
     import yaml
 
-    from bidirkv.operator import printer
+    from bidirkv.local import printer
     _use_test_api_server()
     from kubeapi.operatorenv import (
         api_server,
@@ -174,7 +176,7 @@ def run_phase(label: str, patch: dict[str, Any] | None, bench_kw: dict[str, Any]
         cfg = BenchConfig(
             url=stack.router_url, label=label, prefill_metrics=stack.urls("prefill")[0] +
             "/metrics", decode_metrics=d_url + "/metrics",
-            decode_residency=d_url + "/bidirkv/residency",
+            decode_residency=d_url + RESIDENCY_PATH,
             lower_bound_url=d_url if lower_bound else None, **bench_kw)
         t = time.monotonic()
         runner = Runner(cfg, progress=progress)

@@ -1,4 +1,4 @@
-"""The concurrency phase of `make demo` (also `python -P -m bidirkv.democoncurrency`):
+"""The concurrency phase of `make demo` (also `python -m bidirkv.democoncurrency`):
 start the local stack, load the decode server alone and the router with vLLM's own load
 generator (`vllm bench serve`) at concurrency 1 and 4, print the table and the aims,
 write JSON and a plot (bidirkv/bench/pdload.py)."""
@@ -60,7 +60,7 @@ def measure(stack: Any, out: pathlib.Path, *, concurrencies: tuple[int, ...] = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -P -m bidirkv.democoncurrency",
+    p = argparse.ArgumentParser(prog="python -m bidirkv.democoncurrency",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--spec", type=pathlib.Path, default=SPEC)
     p.add_argument("--out", type=pathlib.Path, default=OUT)

@@ -4,7 +4,7 @@ plugin (checks it), and owned by neither.
 `nonce.expiry.mac`: an HMAC with the resource's handle key over a random nonce and a
 wall-clock expiry. Decode keeps a request's KV and hands out a handle only when the
 request carries a valid proof it has not seen before, so only the router, which holds
-the key, can obtain handles (connector/handles.py).
+the key, can obtain handles (bidirkv/connector/core/handles.py).
 """
 
 from __future__ import annotations

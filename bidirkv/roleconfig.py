@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from bidirkv.operator.spec import DisaggregatedInferenceSpec
+    from bidirkv.operator.api.spec import DisaggregatedInferenceSpec
 
 ROLES = ("prefill", "decode")
 ENGINE_PORT = 8000
@@ -173,8 +173,8 @@ def build_role_config(spec: DisaggregatedInferenceSpec, role: str,
         _env("VLLM_PLUGINS", "bidirkv"),
     ]
     if spec.kv_transfer.bidirectional:
-        # Decode's own bounds on retained KV (connector/residency.py); the router gets the
-        # same values in its config.
+        # Decode's own bounds on retained KV (bidirkv/connector/core/residency.py); the router gets
+        # the same values in its config.
         env += [
             _env("BIDIRKV_RETENTION_WATERMARK", str(spec.kv_transfer.retention_watermark)),
             _env("BIDIRKV_OWNER_LEASE_SECONDS", str(spec.kv_transfer.owner_lease_seconds)),

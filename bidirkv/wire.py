@@ -1,16 +1,50 @@
-"""Keys of `kv_transfer_params` that the router writes and the engine plugin reads: each
-named once, here, owned by neither side (as bidirkv/proof.py is).
+"""The wire between the router and the engine plugin: every key and path either side
+writes for the other, named once, here, with the version both check. Owned by neither
+side (as bidirkv/proof.py is); docs/protocol.md lists the same table and a test holds
+the two equal.
 
-    bidirkv_proof   the router's single-use proof (bidirkv/proof.py), on both legs
-    bidirkv_owner   who decode keeps the retained blocks for (decode leg)
-    bidirkv_tenant  a label of the request's tenant, for fair reclaiming on decode
-                    (hex of the router's keyed tenant hash, never a credential)
+`VERSION` changes whenever a key below changes meaning or a new one becomes required.
+Each side refuses what the other sent under another version, instead of guessing:
+- an engine drops a handle from a leg of another version (reason `wire_version`: served
+  without reuse) and hands out no handle on such a leg;
+- the router stores no handle of another version (it would not be admitted);
+- the residency endpoint answers 409 to a call of another version.
 """
 
-PROOF_KEY = "bidirkv_proof"
-OWNER_KEY = "bidirkv_owner"
+from __future__ import annotations
+
+from typing import Any
+
+VERSION = 1
+# kv_transfer_params, router -> engines (both legs)
+VERSION_KEY = "bidirkv_wire"  # the sender's VERSION (also in D's handle, engine -> router)
+PROOF_KEY = "bidirkv_proof"  # the router's single-use proof (bidirkv/proof.py)
+OWNER_KEY = "bidirkv_owner"  # who decode keeps the retained blocks for (decode leg)
+# A label of the request's tenant, for fair reclaiming on decode (hex of the router's
+# keyed tenant hash, never a credential; decode leg).
 TENANT_KEY = "bidirkv_tenant"
+# kv_transfer_params, engine -> router -> the peer engine (a handle)
+MAC_KEY = "bidirkv_mac"  # the handle's signature (connector/core/handles.py)
+BLOCKS_KEY = "bidirkv_blocks"  # digests of what the issuer's blocks hold
+EXPIRES_KEY = "bidirkv_expires"  # the issuer's wall-clock deadline for them
+# kv_transfer_params, P -> router (prefill leg reply): the reuse report
+REPORT_KEY = "bidirkv"
+# HTTP, router -> each decode engine: leases and releases of retained KV
+RESIDENCY_PATH = "/bidirkv/residency"
+RESIDENCY_VERSION_FIELD = "wire"  # in the JSON body; VERSION
+
 # Decode keeps at most this much of a tenant label: a direct caller cannot grow its
 # memory with it; the router sends TENANT_LABEL_LEN.
 MAX_TENANT_LEN = 64
 TENANT_LABEL_LEN = 32
+
+KEYS = {name: value for name, value in dict(globals()).items()
+        if name.endswith(("_KEY", "_PATH", "_FIELD")) and isinstance(value, str)}
+
+
+def version_problem(version: Any, what: str) -> str | None:
+    """Why `what` of wire version `version` cannot be taken here (None: it can)."""
+    if version == VERSION and not isinstance(version, bool):
+        return None
+    return (f"{what} speaks bidir-kv wire version {version!r}; this side speaks {VERSION} "
+            "(upgrade the router and the engines to one release)")

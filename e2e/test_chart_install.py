@@ -35,11 +35,11 @@ from helm_python import _native
 
 from bidirkv.cli import build_parser
 from bidirkv.cli import main as cli_main
-from bidirkv.operator import spec as api
-from bidirkv.operator.controller import Controller
-from bidirkv.operator.crd import build_crd
-from bidirkv.operator.kube import KubeClient
-from bidirkv.operator.main import load_configuration, operator_options, run_operator
+from bidirkv.operator.api import spec as api
+from bidirkv.operator.crd.schema import build_crd
+from bidirkv.operator.kube import KubeClient, load_configuration
+from bidirkv.operator.main import operator_options, run_operator
+from bidirkv.operator.reconcile.controller import Controller
 from kubeapi.patch import MERGE_PATCH
 from kubeapi.server import KubeAPIServer, Request, running_kubeapi
 

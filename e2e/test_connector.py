@@ -18,8 +18,9 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
     pytest.skip("the vLLM CPU engine stack is not installed (make engine)",
                 allow_module_level=True)
 
-from bidirkv.connector.handles import EXPIRES_KEY, MAC_KEY, sign  # noqa: E402
+from bidirkv.connector.core.handles import sign
 from bidirkv.local.model import random_text  # noqa: E402
+from bidirkv.wire import EXPIRES_KEY, MAC_KEY
 
 from .vllm_stack import (  # noqa: E402
     BLOCK,

@@ -1,7 +1,7 @@
 """Decode's retained KV yields, and reuse stays safe: real vLLM CPU servers.
 
 Decode has only DECODE_BLOCKS blocks of 128 tokens, so a few finished conversations fill
-it. Every test checks both invariants of connector/residency.py: prefill never reads
+it. Every test checks both invariants of bidirkv/connector/core/residency.py: prefill never reads
 blocks decode released (it recomputes, and the output is the reuse-off output), and no
 request waits on blocks that are only kept for reuse.
 """
@@ -19,8 +19,9 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
     pytest.skip("the vLLM CPU engine stack is not installed (make engine)",
                 allow_module_level=True)
 
-from bidirkv.connector import lease  # noqa: E402
+from bidirkv.connector.core import lease  # noqa: E402
 from bidirkv.local.model import build_model, random_text  # noqa: E402
+from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION
 
 from .vllm_stack import (  # noqa: E402
     BLOCK,
@@ -56,7 +57,7 @@ def stack(tmp_path_factory):
 
 
 def residency(s, **body) -> dict:
-    status, out = post(s.d_url + "/bidirkv/residency", body)
+    status, out = post(s.d_url + RESIDENCY_PATH, {**body, RESIDENCY_VERSION_FIELD: VERSION})
     assert status == 200, out
     return out
 
@@ -94,8 +95,13 @@ def reference(s, body: dict) -> str:
 def test_residency_route_reports_capacity(stack):
     out = residency(stack)
     assert out["enabled"] and out["numBlocks"] == DECODE_BLOCKS
-    status, err = post(stack.d_url + "/bidirkv/residency", {"release": "all"})
+    status, err = post(stack.d_url + RESIDENCY_PATH,
+                       {"release": "all", RESIDENCY_VERSION_FIELD: VERSION})
     assert status == 400 and "release must be a list" in err["error"]["message"]
+    # A caller of another wire version (or none) is refused as a whole, and told which.
+    status, err = post(stack.d_url + RESIDENCY_PATH, {"release": []})
+    assert status == 409 and err["error"]["type"] == "wire_version", err
+    assert err["error"]["version"] == VERSION
 
 
 def test_release_on_the_routers_word_then_prefill_recomputes(stack):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from bidirkv.local.engines import LocalPorts, engine_process, local_router_config, local_secrets
 from bidirkv.local.model import build_model
 from bidirkv.local.procs import Proc, merged_env, stop_all
-from bidirkv.operator.spec import parse_spec
+from bidirkv.operator.api.spec import parse_spec
 from bidirkv.proof import make_proof
 
 KEY = "e2e-handle-key"

@@ -28,6 +28,8 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
+from bidirkv.wire import VERSION, VERSION_KEY
+
 
 @dataclass
 class Received:
@@ -63,6 +65,7 @@ class Behaviour:
     no_params: bool = False  # decode: finish without kv_transfer_params
     health_status: int = 200
     residency_status: int = 200  # decode: /bidirkv/residency answers with this status
+    wire_version: int = VERSION  # the bidir-kv wire version its handles carry
     num_blocks: int = 1000  # decode: the capacity /bidirkv/residency reports
     max_model_len: int = 4096  # what /v1/models reports, as vLLM does
 
@@ -135,7 +138,7 @@ class FakeEngine:
                 "remote_request_id": request_id, "remote_host": self.nixl_host,
                 "remote_port": self.nixl_port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
                 "remote_num_tokens": num_tokens, "remote_blocks_expiry_time": None,
-                "transfer_mode": "pull",
+                "transfer_mode": "pull", VERSION_KEY: self.behaviour.wire_version,
             }
         return {
             "do_remote_prefill": False, "do_remote_decode": True,
@@ -143,7 +146,7 @@ class FakeEngine:
             "remote_request_id": request_id, "remote_host": self.nixl_host,
             "remote_port": self.nixl_port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
             "remote_num_tokens": num_tokens, "remote_blocks_expiry_time": 123456.789,
-            "transfer_mode": "pull",
+            "transfer_mode": "pull", VERSION_KEY: self.behaviour.wire_version,
         }
 
     @staticmethod
@@ -158,7 +161,7 @@ class FakeEngine:
         return web.json_response({}, status=self.behaviour.health_status)
 
     async def _residency(self, request: web.Request) -> web.Response:
-        """What the bidir-kv plugin's route answers (connector/endpoint.py), recorded."""
+        """What the bidir-kv plugin's route answers (bidirkv/connector/endpoint.py), recorded."""
         body = await request.json()
         self.residency_calls.append(body)
         if self.behaviour.residency_status != 200:
@@ -372,8 +375,8 @@ class Cluster:
     async def __aenter__(self) -> Cluster:
         import aiohttp
 
-        from bidirkv.router.app import build_app, start_router
         from bidirkv.router.config import load_config
+        from bidirkv.router.server.app import build_app, start_router
 
         for e in self.p + self.d:
             await e.start()

@@ -19,9 +19,9 @@ import yaml
 
 from bidirkv.cli import build_parser
 from bidirkv.cli import main as cli_main
-from bidirkv.operator.crd import build_crd, crd_yaml
+from bidirkv.operator.crd.schema import build_crd, crd_yaml
 from bidirkv.operator.main import resolve_priority
-from bidirkv.operator.render import render_resource
+from bidirkv.operator.render.children import render_resource
 from kubeapi.crdschema import validate_crd, validate_custom_resource
 from kubeapi.schemas import KUBE_VERSIONS, schema_errors
 from kubeapi.server import running_kubeapi

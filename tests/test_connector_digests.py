@@ -1,8 +1,8 @@
-"""Block digests and the verified prefix (connector/digests.py)."""
+"""Block digests and the verified prefix (bidirkv/connector/core/digests.py)."""
 
 import pytest
 
-from bidirkv.connector.digests import (
+from bidirkv.connector.core.digests import (
     HeldBlocks,
     block_digests,
     fingerprint,

@@ -1,19 +1,18 @@
-"""Admission of kv_transfer_params (connector/handles.py)."""
+"""Admission of kv_transfer_params (bidirkv/connector/core/handles.py)."""
 
 import time
 
 import pytest
 
-from bidirkv.connector.handles import (
+from bidirkv.connector.core.handles import (
     CLOCK_SKEW_S,
-    EXPIRES_KEY,
-    MAC_KEY,
     ReplayGuard,
     admit,
     normalized,
     sign,
     signature_ok,
 )
+from bidirkv.wire import EXPIRES_KEY, MAC_KEY, VERSION, VERSION_KEY
 
 KEY = b"secret"
 MAX = 4096
@@ -26,7 +25,7 @@ def d_handle(**over):
         "remote_request_id": "req-1", "remote_host": "10.0.0.2", "remote_port": 5600,
         "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 300,
         "remote_blocks_expiry_time": 1234.5678, "transfer_mode": "pull",
-        EXPIRES_KEY: time.time() + 600,
+        EXPIRES_KEY: time.time() + 600, VERSION_KEY: VERSION,
     }
     h.update(over)
     h[MAC_KEY] = sign(h, KEY)
@@ -137,3 +136,10 @@ def test_a_handle_past_its_signed_expiry_is_dropped():
     # A later deadline written over the signed one breaks the signature.
     forged = dict(h, **{EXPIRES_KEY: 5000.0})
     assert admit(forged, KEY, MAX, now=0, wall=2000.0).reason == "unauthenticated"
+
+
+@pytest.mark.parametrize("version", [VERSION + 1, None, "1"])
+def test_a_handle_on_a_leg_of_another_wire_version_is_dropped(version):
+    a = admit(d_handle(**{VERSION_KEY: version}), KEY, MAX, ReplayGuard(ttl=60), now=0)
+    assert not a.handle and a.reason == "wire_version"
+    assert "wire version" in a.problem and "remote_block_ids" not in a.params

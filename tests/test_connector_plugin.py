@@ -9,9 +9,12 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
-from bidirkv.connector import patch_cpu, patch_idle, plugin
+from bidirkv.connector import plugin
+from bidirkv.connector.core.residency import Residency
 from bidirkv.connector.launcher import plugin_error
-from bidirkv.connector.patching import (
+from bidirkv.connector.patches import cpu as patch_cpu
+from bidirkv.connector.patches import idle as patch_idle
+from bidirkv.connector.patches.guarded import (
     MARK,
     Skip,
     Target,
@@ -20,7 +23,6 @@ from bidirkv.connector.patching import (
     when_imported,
     wrap,
 )
-from bidirkv.connector.residency import Residency
 from bidirkv.connector.settings import Settings
 
 
@@ -90,7 +92,7 @@ def test_a_required_patch_that_cannot_apply_stops_the_process():
 def test_every_patch_target_resolves_in_the_installed_vllm():
     """Targets and parameters against the installed vLLM, without starting a server."""
     pytest.importorskip("vllm")
-    from bidirkv.connector.patching import target_problems
+    from bidirkv.connector.patches.guarded import target_problems
 
     assert target_problems(plugin.REQUIRED_TARGETS + plugin.OPTIONAL_TARGETS) == []
 

@@ -1,11 +1,11 @@
-"""Decode residency decisions (connector/residency.py) and the grant wire (lease.py)."""
+"""Decode residency decisions (connector/core/residency.py) and the grant wire (lease.py)."""
 
 import threading
 
 import msgspec
 
-from bidirkv.connector import lease
-from bidirkv.connector.residency import (
+from bidirkv.connector.core import lease
+from bidirkv.connector.core.residency import (
     GRANT_MARGIN_S,
     Residency,
     blocks_wanted,

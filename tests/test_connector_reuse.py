@@ -1,7 +1,7 @@
 """D publishes digests, P verifies: the scheduler patches driven with stand-ins for vLLM.
 
 The wrapped originals mimic vLLM 0.32's NixlPullConnectorScheduler closely enough for the
-contract between the patches (connector/patch_reuse.py) and the pure parts (digests,
+contract between the patches (bidirkv/connector/patches/reuse.py) and the pure parts (digests,
 handles, reuse); the real scheduler runs in e2e/test_connector.py.
 """
 
@@ -9,10 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from bidirkv.connector import patch_reuse
-from bidirkv.connector.handles import MAC_KEY, admit, sign
-from bidirkv.connector.reuse import Report, plan
+from bidirkv.connector.core.handles import admit, sign
+from bidirkv.connector.core.reuse import Report, plan
+from bidirkv.connector.patches import reuse as patch_reuse
 from bidirkv.proof import make_proof
+from bidirkv.wire import MAC_KEY, VERSION, VERSION_KEY
 
 BS = 16
 KEY = b"k"
@@ -78,6 +79,7 @@ def decode_turn(d, proof=True):
     params = {"do_remote_prefill": False, "do_remote_decode": False}
     if proof:
         params["bidirkv_proof"] = make_proof(KEY)  # what the router adds to a decode leg
+        params[VERSION_KEY] = VERSION
     req = request("d1", PROMPT1, params, OUTPUT1)
     on_new(d, req)
     d.__dict__.setdefault("_reqs_need_send", {})["d1"] = 99.0  # vLLM's TTL deadline
@@ -91,22 +93,34 @@ def test_decode_keeps_nothing_for_a_request_without_the_routers_proof():
     assert decode_turn(d, proof=False) is None
     assert "d1" not in d._reqs_need_send and "d1" in d._reqs_not_processed
     # A proof made with another key, or used twice, is no proof.
-    req = request("d2", PROMPT1, {"bidirkv_proof": make_proof(b"other")}, OUTPUT1)
+    req = request("d2", PROMPT1, {VERSION_KEY: VERSION, "bidirkv_proof": make_proof(b"other")},
+                  OUTPUT1)
     on_new(d, req)
     assert finished(d, req, ([1],)) == (False, None)
     proof = make_proof(KEY)
-    first = request("d3", PROMPT1, {"bidirkv_proof": proof}, OUTPUT1)
+    first = request("d3", PROMPT1, {VERSION_KEY: VERSION, "bidirkv_proof": proof}, OUTPUT1)
     on_new(d, first)
     assert finished(d, first, ([1],))[1] is not None
-    again = request("d4", PROMPT1, {"bidirkv_proof": proof}, OUTPUT1)
+    again = request("d4", PROMPT1, {VERSION_KEY: VERSION, "bidirkv_proof": proof}, OUTPUT1)
     on_new(d, again)
     assert finished(d, again, ([1],)) == (False, None)
+
+
+def test_decode_hands_out_no_handle_on_a_leg_of_another_wire_version():
+    """A router of another release would store a handle no engine of this one admits."""
+    d = scheduler()
+    for version in (VERSION + 1, None):
+        req = request(f"v{version}", PROMPT1,
+                      {VERSION_KEY: version, "bidirkv_proof": make_proof(KEY)}, OUTPUT1)
+        on_new(d, req)
+        assert finished(d, req, ([1],)) == (False, None)
 
 
 def prefill_turn(p, handle, prompt, local_cached=0, fail=False, proof=True):
     params = dict(handle, do_remote_decode=True, do_remote_prefill=False)
     if proof:
         params["bidirkv_proof"] = make_proof(KEY)  # what the router adds to a prefill leg
+        params[VERSION_KEY] = VERSION
     req = request("p2", prompt, params)
     on_new(p, req)
     count, _ = matched(p, req, local_cached)

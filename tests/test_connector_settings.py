@@ -1,4 +1,4 @@
-"""BIDIRKV_* settings (connector/settings.py)."""
+"""BIDIRKV_* settings (bidirkv/connector/settings.py)."""
 
 import pytest
 

@@ -1,4 +1,5 @@
-"""The final SSE chunk with D's params (connector/streamparams.py), read by the router."""
+"""The final SSE chunk with D's params (connector/core/streamparams.py),
+read by the router."""
 
 import asyncio
 import json
@@ -6,13 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from bidirkv.connector.streamparams import (
+from bidirkv.connector.core.streamparams import (
     CHAT_OBJECT,
     DONE,
     params_event,
     wrap_stream_generator,
 )
-from bidirkv.router.sse import SSEFilter
+from bidirkv.router.datapath.sse import SSEFilter
 
 PARAMS = {"do_remote_decode": True, "remote_block_ids": [[1, 2]], "remote_num_tokens": 99}
 

@@ -1,11 +1,11 @@
 import pathlib
 
+import crdref
 import pytest
 import yaml
 
-from bidirkv.operator import crdref
-from bidirkv.operator.crd import build_crd, crd_yaml
-from bidirkv.operator.spec import SpecError, parse_spec
+from bidirkv.operator.api.spec import SpecError, parse_spec
+from bidirkv.operator.crd.schema import build_crd, crd_yaml
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

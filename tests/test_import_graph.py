@@ -1,28 +1,41 @@
-"""Dependencies run one way: operator -> role config <- connector; the router depends on
-neither; no cycle between the product's packages. Read from the source (AST), so an
-import added anywhere at module level is seen, except under `if TYPE_CHECKING:`."""
+"""The package layout, read from the source (AST): import paths are folder paths,
+dependencies run one way between the packages and between the layers inside each, and no
+module imports itself back, through any path, inside a package or across packages.
+
+An import counts wherever it is written (function bodies too), except under
+`if TYPE_CHECKING:`: a lazy import still makes the two modules depend on each other."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = {  # import name -> folder
-    "bidirkv.operator": ROOT / "operator",
-    "bidirkv.connector": ROOT / "connector",
-    "bidirkv.router": ROOT / "router",
+PRODUCT = ROOT / "bidirkv"
+
+# Inside each component, the layers in order: a module may import its own layer and the
+# layers before it, never one after it.
+LAYERS = {
+    "bidirkv.operator": ["api", "kube", "crd", "render", "reconcile", "main"],
+    "bidirkv.router": ["codec", "config", "metrics", "request", "store", "pool", "datapath",
+                       "server"],
+    "bidirkv.connector": ["core", "settings", "patches", "plugin", "endpoint", "launcher"],
 }
-GROUPS = ("bidirkv.operator", "bidirkv.connector", "bidirkv.router")
+# The shared modules (bidirkv/*.py) that both sides of the wire use; they import no
+# component.
+SHARED = ("bidirkv.wire", "bidirkv.proof", "bidirkv.roleconfig")
 
 
 def modules() -> dict[str, pathlib.Path]:
+    """Every product module by import name, which is its path under the repository root."""
     out = {}
-    for pkg, folder in PACKAGES.items():
-        for f in folder.glob("*.py"):
-            out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
-    for f in (ROOT / "bidirkv").glob("*.py"):
-        out["bidirkv" if f.stem == "__init__" else f"bidirkv.{f.stem}"] = f
+    for f in PRODUCT.rglob("*.py"):
+        parts = list(f.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = f
     return out
 
 
@@ -32,88 +45,163 @@ def _type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def imports(name: str, path: pathlib.Path) -> set[str]:
-    """Modules `name` imports at run time (function bodies included, TYPE_CHECKING not)."""
-    package = name if path.stem == "__init__" else name.rsplit(".", 1)[0]
+def imported_names(path: pathlib.Path) -> set[str]:
+    """Dotted names an import statement in `path` names (module, or module.attribute)."""
     out: set[str] = set()
 
-    def visit(nodes: list[ast.stmt] | list[ast.AST]) -> None:
+    def visit(nodes: list) -> None:
         for node in nodes:
             if isinstance(node, ast.If) and _type_checking(node):
                 continue
             if isinstance(node, ast.Import):
                 out.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                    mod = f"{base}.{node.module}" if node.module else base
-                else:
-                    mod = node.module or ""
-                out.add(mod)
-                out.update(f"{mod}.{a.name}" for a in node.names)
+                assert not node.level, f"{path}: relative import (write the absolute path)"
+                out.add(node.module or "")
+                out.update(f"{node.module}.{a.name}" for a in node.names)
             visit(list(ast.iter_child_nodes(node)))
 
     visit(ast.parse(path.read_text()).body)
-    return {m for m in out if m.startswith("bidirkv")}
+    return out
 
 
-def group_of(module: str) -> str:
-    for g in GROUPS:
-        if module == g or module.startswith(g + "."):
-            return g
-    return module  # a bidirkv.* module is its own node
-
-
-def edges() -> dict[str, set[str]]:
-    mods = modules()
+def edges(mods: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    """module -> the product modules it imports (a name resolves to its longest module)."""
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
-        src = group_of(name)
-        for dep in imports(name, path):
-            dst = group_of(dep if dep in mods or group_of(dep) in GROUPS
-                           else dep.rsplit(".", 1)[0])
-            if dst != src:
-                graph.setdefault(src, set()).add(dst)
+        deps = set()
+        for dotted in imported_names(path):
+            if not dotted.startswith("bidirkv"):
+                continue
+            while dotted not in mods and "." in dotted:
+                dotted = dotted.rsplit(".", 1)[0]
+            if dotted in mods and dotted != name:
+                deps.add(dotted)
+        graph[name] = deps
     return graph
 
 
-def test_the_connector_and_the_router_never_import_the_operator():
-    g = edges()
-    assert "bidirkv.operator" not in g.get("bidirkv.connector", set())
-    assert not {"bidirkv.operator", "bidirkv.connector"} & g.get("bidirkv.router", set())
-    # The role's server configuration is owned by neither side.
-    assert not {"bidirkv.operator", "bidirkv.connector"} & g.get("bidirkv.roleconfig", set())
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path (first node repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def walk(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt):], nxt]
+            if nxt not in state and (found := walk(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := walk(node)):
+            return found
+    return None
 
 
-def test_no_cycle_between_the_packages():
-    g = edges()
-    seen: dict[str, int] = {}  # 1: on the stack, 2: done
-
-    def walk(node: str, path: list[str]) -> None:
-        seen[node] = 1
-        for nxt in sorted(g.get(node, ())):
-            if seen.get(nxt) == 1:
-                raise AssertionError("import cycle: " + " -> ".join([*path, node, nxt]))
-            if nxt not in seen:
-                walk(nxt, [*path, node])
-        seen[node] = 2
-
-    for node in sorted(g):
-        if node not in seen:
-            walk(node, [])
+def component(module: str) -> str | None:
+    return next((c for c in LAYERS if module == c or module.startswith(c + ".")), None)
 
 
-def test_the_test_api_server_is_not_in_the_product():
-    """tests/kubeapi is test code: no product module imports it at module level, and the
-    package list of the wheel does not name it (`make demo` borrows it from the clone)."""
+def layer(module: str) -> tuple[str, int] | None:
+    comp = component(module)
+    if comp is None or module == comp:
+        return None
+    return comp, LAYERS[comp].index(module[len(comp) + 1:].split(".")[0])
+
+
+GRAPH = edges(modules())
+
+
+def test_no_import_cycle_anywhere():
+    assert find_cycle(GRAPH) is None, " -> ".join(find_cycle(GRAPH) or [])
+
+
+def test_the_cycle_finder_sees_one_inside_a_package():
+    """The store's old shape: the protocol module made the shared store, which imported
+    the protocol module back (a function-body import, inside one package)."""
+    old = {"bidirkv.router.handlestore": {"bidirkv.router.redisstore", "bidirkv.router.store"},
+           "bidirkv.router.redisstore": {"bidirkv.router.handlestore"},
+           "bidirkv.router.store": set()}
+    assert find_cycle(old) == ["bidirkv.router.handlestore", "bidirkv.router.redisstore",
+                               "bidirkv.router.handlestore"]
+
+
+def test_every_module_sits_in_a_declared_layer():
+    for name in GRAPH:
+        if component(name) and name != component(name):
+            sub = name[len(component(name)) + 1:].split(".")[0]
+            assert sub in LAYERS[component(name)], f"{name}: {sub!r} is in no layer"
+
+
+@pytest.mark.parametrize("comp", sorted(LAYERS))
+def test_layers_inside_a_component_run_one_way(comp):
+    wrong = []
+    for src, deps in GRAPH.items():
+        if component(src) != comp or layer(src) is None:
+            continue
+        for dst in deps:
+            if component(dst) == comp and layer(dst) and layer(dst)[1] > layer(src)[1]:
+                wrong.append(f"{src} -> {dst}")
+    assert not wrong, f"{comp}: a layer imports a later one: {wrong}"
+
+
+def test_the_components_never_import_each_other():
+    """Operator, router and connector meet only in the shared modules."""
+    wrong = [f"{src} -> {dst}" for src, deps in GRAPH.items() for dst in deps
+             if component(src) and component(dst) and component(src) != component(dst)]
+    assert not wrong, wrong
+
+
+def test_the_shared_modules_import_no_component():
+    for name in SHARED:
+        assert not [d for d in GRAPH[name] if component(d)], name
+
+
+def test_package_inits_hold_a_docstring_and_nothing_else():
+    """Importing any module runs its packages' __init__ first: empty ones add no edge,
+    so the graph above is the whole story. Each says what it owns and must not import."""
+    for f in PRODUCT.rglob("__init__.py"):
+        tree = ast.parse(f.read_text())
+        assert ast.get_docstring(tree), f"{f.relative_to(ROOT)}: no docstring"
+        assert len(tree.body) == 1, f"{f.relative_to(ROOT)}: code in a package __init__"
+
+
+def test_the_connector_core_never_imports_vllm_at_module_level():
+    """The rules are tested without the engine stack; vLLM is touched in patches/."""
+    for name, path in modules().items():
+        if not name.startswith("bidirkv.connector.core"):
+            continue
+        top = ast.parse(path.read_text()).body
+        mods = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
+        mods |= {n.module or "" for n in top if isinstance(n, ast.ImportFrom)}
+        assert not [m for m in mods if m.split(".")[0] in ("vllm", "torch")], name
+
+
+def test_the_test_api_server_and_dev_tools_are_not_in_the_product():
+    """tests/kubeapi is test code and tools/ development tools: no product module imports
+    them at module level (`make demo` borrows the API server from the clone when it runs),
+    and the package list of the wheel names only bidirkv."""
     import tomllib
 
-    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "packages"]
-    assert not [p for p in packages if "testing" in p or "kubeapi" in p]
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]["find"]
+    assert find["include"] == ["bidirkv", "bidirkv.*"]
     for name, path in modules().items():
         top = [n for n in ast.parse(path.read_text()).body
                if isinstance(n, ast.Import | ast.ImportFrom)]
-        mods = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
-        mods |= {n.module or "" for n in top if isinstance(n, ast.ImportFrom)}
-        assert not any(m.split(".")[0] == "kubeapi" for m in mods), name
+        tops = {a.name.split(".")[0] for n in top if isinstance(n, ast.Import) for a in n.names}
+        tops |= {(n.module or "").split(".")[0] for n in top if isinstance(n, ast.ImportFrom)}
+        assert not tops & {"kubeapi", "crdref", "tests", "tools"}, name
+
+
+def test_no_python_file_outside_the_package_shadows_a_module_it_names():
+    """The card's folders (operator/, router/, connector/) hold images and docs, no code:
+    run from the repository root, `import operator` is the standard library's."""
+    for folder in ("operator", "router", "connector"):
+        assert not list((ROOT / folder).rglob("*.py")), folder

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from bidirkv.connector.launcher import main, preflight_errors
-from bidirkv.operator.spec import parse_spec
+from bidirkv.operator.api.spec import parse_spec
 from bidirkv.roleconfig import build_role_config
 
 
@@ -72,7 +72,7 @@ def test_a_missing_patch_target_refuses_to_start(minimal, capsys, monkeypatch):
     """A vLLM whose internals moved: the launcher names the version and the target."""
     pytest.importorskip("vllm")
     from bidirkv.connector import launcher, plugin
-    from bidirkv.connector.patching import Target
+    from bidirkv.connector.patches.guarded import Target
 
     monkeypatch.setattr(plugin, "REQUIRED_TARGETS", [
         *plugin.REQUIRED_TARGETS,

@@ -18,7 +18,7 @@ from bidirkv.local.plan import (
     process_env,
     read_spec_file,
 )
-from bidirkv.operator.render import router_deployment
+from bidirkv.operator.render.children import router_deployment
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "local.yaml"

@@ -125,7 +125,7 @@ STARTER = textwrap.dedent("""
 
 def test_sigterm_while_starting_stops_what_was_started(tmp_path):
     port = free_ports(1)[0]
-    starter = subprocess.Popen([sys.executable, "-P", "-c", STARTER, str(tmp_path), str(port)])
+    starter = subprocess.Popen([sys.executable, "-c", STARTER, str(tmp_path), str(port)])
     try:
         deadline = time.monotonic() + 20
         state = None

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from bidirkv.operator import diff
-from bidirkv.operator.controller import Controller
+from bidirkv.operator.api.spec import parse_spec
 from bidirkv.operator.kube import ApiError
-from bidirkv.operator.render import Owner, render_resource
-from bidirkv.operator.spec import parse_spec
-from bidirkv.operator.status import compute_status, rollout_lag
+from bidirkv.operator.reconcile import diff
+from bidirkv.operator.reconcile.controller import Controller
+from bidirkv.operator.reconcile.status import compute_status, rollout_lag
+from bidirkv.operator.render.children import Owner, render_resource
 
 
 class Client:

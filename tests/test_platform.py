@@ -25,7 +25,7 @@ def test_the_load_generator_refuses_to_run_without_a_platform():
     # The same prelude, with platform detection made to find nothing.
     code = ("import vllm.platforms as p\n"
             "p.builtin_platform_plugins = {}\n" + vllmbench._PLATFORM)
-    proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, env=vllmbench.child_env())
     assert proc.returncode != 0
     assert "resolved no platform" in proc.stderr

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from bidirkv.operator.render import render_resource
-from bidirkv.operator.spec import SpecError, parse_spec
+from bidirkv.operator.api.spec import SpecError, parse_spec
+from bidirkv.operator.render.children import render_resource
 from bidirkv.roleconfig import build_role_config, kv_fingerprint
 from bidirkv.router.config import RouterConfig
 from kubeapi.schemas import KUBE_VERSIONS, schema_errors

@@ -5,8 +5,8 @@ import copy
 
 import pytest
 
-from bidirkv.operator.render import render_resource
-from bidirkv.operator.spec import SpecError, parse_spec
+from bidirkv.operator.api.spec import SpecError, parse_spec
+from bidirkv.operator.render.children import render_resource
 from kubeapi.crdschema import validate_custom_resource
 from kubeapi.schemas import KUBE_VERSIONS, schema_errors
 
@@ -179,7 +179,7 @@ def test_what_kubernetes_refuses_is_refused_naming_the_field(minimal, amount):
 
 
 def validate_custom_resource_for(doc):
-    from bidirkv.operator.crd import build_crd
+    from bidirkv.operator.crd.schema import build_crd
 
     return validate_custom_resource(build_crd(), doc, None)
 

@@ -1,9 +1,10 @@
-"""Hostile JSON found before parsing recursion or re-encoding (router/bodycheck.py)."""
+"""Hostile JSON found before parsing recursion or re-encoding
+(bidirkv/router/request/bodycheck.py)."""
 
 import json
 
-from bidirkv.router import bodycheck
-from bidirkv.router.bodycheck import MAX_DEPTH, nesting_problem, surrogate_problem
+from bidirkv.router.request import bodycheck
+from bidirkv.router.request.bodycheck import MAX_DEPTH, nesting_problem, surrogate_problem
 
 
 def nested(depth: int, inner: str = "1") -> bytes:

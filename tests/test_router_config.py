@@ -6,7 +6,7 @@ import os
 import pytest
 
 from bidirkv.router.config import ConfigError, load_config, parse_config
-from bidirkv.router.reload import ConfigWatcher, file_signature
+from bidirkv.router.server.reload import ConfigWatcher, file_signature
 
 BASE = {"prefill": ["http://p:8100"], "decode": ["http://d:8200/"]}
 

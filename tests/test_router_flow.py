@@ -3,6 +3,8 @@
 import pytest
 from fake_engine import Cluster
 
+from bidirkv.wire import VERSION, VERSION_KEY
+
 pytestmark = pytest.mark.timeout(30)
 
 U1 = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
@@ -42,6 +44,21 @@ async def test_turn2_with_explicit_id_sends_decode_handle_to_prefill(stream):
         assert 'bidirkv_router_reuse_total{outcome="hit"} 1.0' in metrics
         assert 'bidirkv_router_reuse_total{outcome="miss"} 1.0' in metrics
         assert "bidirkv_router_reuse_tokens_total{source=\"bidirkv\"}" in metrics
+
+
+async def test_both_legs_carry_the_wire_version_and_a_handle_of_another_is_not_stored():
+    async with Cluster() as c:
+        c.d[0].behaviour.wire_version = VERSION + 1  # a decode engine of another release
+        r1 = await c.chat(U1, False, conversation_id="conv-v")
+        assert r1["status"] == 200
+        for rec in gens(c.p[0]) + gens(c.d[0]):
+            assert rec.kv[VERSION_KEY] == VERSION
+        turn2 = U1 + [r1["message"], {"role": "user", "content": "more"}]
+        assert (await c.chat(turn2, False, conversation_id="conv-v"))["status"] == 200
+        assert not gens(c.p[0])[1].has_handle
+        # Both turns' handles were refused.
+        assert 'bidirkv_router_handle_evictions_total{reason="wire_version"} 2.0' in (
+            await c.metrics())
 
 
 async def test_header_conversation_id():

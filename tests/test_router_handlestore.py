@@ -8,9 +8,10 @@ import asyncio
 import pytest
 from redis_server import RedisServer, binary, started
 
-from bidirkv.router.handlestore import InProcessStore, StoreUnavailable
-from bidirkv.router.identity import completion_key, prefix_keys
-from bidirkv.router.store import EXPIRED, HIT, MISS
+from bidirkv.router.request.identity import completion_key, prefix_keys
+from bidirkv.router.store.base import StoreUnavailable
+from bidirkv.router.store.handles import EXPIRED, HIT, MISS
+from bidirkv.router.store.memory import InProcessStore
 
 pytestmark = pytest.mark.timeout(60)
 D0, D1 = "http://d0:8000", "http://d1:8000"
@@ -38,7 +39,7 @@ async def make(request):
     made = Made()
     if request.param == "redis":
         server = request.getfixturevalue("redis_server")
-        from bidirkv.router.redisstore import RedisStore
+        from bidirkv.router.store.shared import RedisStore
 
         prefix = f"t{id(made)}:"
 
@@ -143,7 +144,7 @@ async def test_completion_prefix_lookup(make):
 async def test_a_store_that_went_away_raises_and_comes_back(make):
     if make.kind != "redis":
         pytest.skip("the in-process store cannot go away")
-    from bidirkv.router.redisstore import RedisStore
+    from bidirkv.router.store.shared import RedisStore
 
     server = RedisServer(binary()).start()
     try:

@@ -1,6 +1,6 @@
 """Conversation identity: explicit ids, auto-identification from history, tenant scoping."""
 
-from bidirkv.router.identity import (
+from bidirkv.router.request.identity import (
     canonical_message,
     chat_history,
     completion_key,

@@ -7,8 +7,8 @@ import aiohttp
 import pytest
 from fake_engine import FakeEngine
 
-from bidirkv.router.app import build_app, main, start_router
 from bidirkv.router.config import load_config
+from bidirkv.router.server.app import build_app, main, start_router
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from fake_engine import Cluster, FakeEngine, sse_events
 
-from bidirkv.router.app import main
+from bidirkv.router.server.app import main
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -104,7 +104,7 @@ async def test_main_serves_as_a_process():
     await p.start()
     await d.start()
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from bidirkv.router.app import main; "
+        [sys.executable, "-c", "import sys; from bidirkv.router.server.app import main; "
          "sys.exit(main(sys.argv[1:]))", "router", "--prefill", p.url, "--decode", d.url,
          "--port", "0", "--host", "127.0.0.1"],
         stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1",

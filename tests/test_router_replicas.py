@@ -18,7 +18,7 @@ from fake_engine import FakeEngine
 from redis_server import started
 from router_process import KEY, RouterProcess
 
-from bidirkv.router.identity import LookupKeys
+from bidirkv.router.request.identity import LookupKeys
 
 pytestmark = pytest.mark.timeout(120)
 U1 = [{"role": "user", "content": "hi"}]

@@ -1,7 +1,7 @@
 """Replica selection: least outstanding, tie spreading, holder preference, exclusions."""
 
-from bidirkv.router.backends import DECODE, PREFILL, Backend, Pool
-from bidirkv.router.selection import holder_of, least_outstanding, pick_decode
+from bidirkv.router.pool.backends import DECODE, PREFILL, Backend, Pool
+from bidirkv.router.pool.selection import holder_of, least_outstanding, pick_decode
 
 
 def backends(n, role=PREFILL, host="10.0.0.{i}"):

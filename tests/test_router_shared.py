@@ -9,8 +9,8 @@ import aiohttp
 import pytest
 from fake_engine import Cluster
 
-from bidirkv.router.app import build_app, start_router
 from bidirkv.router.config import load_config
+from bidirkv.router.server.app import build_app, start_router
 
 pytestmark = pytest.mark.timeout(60)
 U1 = [{"role": "user", "content": "hi"}]
@@ -83,7 +83,7 @@ async def test_a_restarted_router_keeps_the_conversation(redis_url):
 
 
 async def test_store_down_and_back_requests_keep_succeeding(redis_url, monkeypatch):
-    from bidirkv.router import redisstore
+    from bidirkv.router.store import shared as redisstore
 
     monkeypatch.setattr(redisstore, "BREAKER_OPEN_S", 0.2)
     cfg = {"handleStore": redis_url.url, "healthCheckIntervalSeconds": 0.05}

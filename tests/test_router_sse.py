@@ -2,7 +2,7 @@
 
 import json
 
-from bidirkv.router.sse import (
+from bidirkv.router.datapath.sse import (
     DONE,
     MessageCollector,
     SSEFilter,

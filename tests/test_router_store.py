@@ -1,7 +1,7 @@
 """HandleStore: TTL, LRU bound, single use (reservation), drops by replica and engine id."""
 
-from bidirkv.router.identity import completion_key, prefix_keys, tenant_of
-from bidirkv.router.store import EXPIRED, HIT, MISS, HandleStore
+from bidirkv.router.request.identity import completion_key, prefix_keys, tenant_of
+from bidirkv.router.store.handles import EXPIRED, HIT, MISS, HandleStore
 
 
 class Clock:

@@ -53,7 +53,7 @@ async def test_a_user_without_permission_is_a_store_fault_not_a_500(redis_url):
 async def test_a_read_only_replica_is_a_store_fault_not_a_500(redis_url, monkeypatch):
     import asyncio
 
-    from bidirkv.router import redisstore
+    from bidirkv.router.store import shared as redisstore
 
     monkeypatch.setattr(redisstore, "BREAKER_OPEN_S", 0.2)  # failures open the breaker
     primary = started()

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from bidirkv.router.validation import CHAT, COMPLETIONS, ClientError, parse_request
+from bidirkv.router.request.validation import CHAT, COMPLETIONS, ClientError, parse_request
 
 MSGS = [{"role": "user", "content": "hi"}]
 

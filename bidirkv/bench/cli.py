@@ -14,11 +14,13 @@ import pathlib
 import sys
 import time
 
+from bidirkv.wire import RESIDENCY_PATH
+
 DEFAULT_OUT = pathlib.Path("out/bench")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .runner import BenchConfig
+    from bidirkv.bench.runner import BenchConfig
 
     d = BenchConfig(url="")
     where = p.add_mutually_exclusive_group(required=True)
@@ -73,10 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace):
+    from bidirkv.bench.runner import BenchConfig
+    from bidirkv.bench.turns import Think
     from bidirkv.local.state import read_state
-
-    from .runner import BenchConfig
-    from .turns import Think
 
     url, prefill, decode, lower = (args.url, args.prefill_metrics, args.decode_metrics,
                                    args.lower_bound_url)
@@ -90,7 +91,7 @@ def _config(args: argparse.Namespace):
         p_urls, d_urls = state.urls("prefill"), state.urls("decode")
         prefill = prefill or (p_urls[0] + "/metrics" if len(p_urls) == 1 else None)
         decode = decode or (d_urls[0] + "/metrics" if len(d_urls) == 1 else None)
-        residency = residency or (d_urls[0] + "/bidirkv/residency" if len(d_urls) == 1
+        residency = residency or (d_urls[0] + RESIDENCY_PATH if len(d_urls) == 1
                                   else None)
         if args.lower_bound and not lower:
             lower = d_urls[0]
@@ -106,7 +107,7 @@ def _config(args: argparse.Namespace):
 
 
 def _load_config(args: argparse.Namespace):
-    from .concurrent import ConcurrentConfig
+    from bidirkv.bench.concurrent import ConcurrentConfig
 
     base = _config(args)
     return ConcurrentConfig(
@@ -117,8 +118,8 @@ def _load_config(args: argparse.Namespace):
 
 
 def run_load(args: argparse.Namespace) -> int:
-    from . import concurrent, loadreport
-    from .client import RequestFailed
+    from bidirkv.bench import concurrent, loadreport
+    from bidirkv.bench.client import RequestFailed
 
     try:
         cfg = _load_config(args)
@@ -136,9 +137,9 @@ def run_load(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import report, stats, turns
-    from .client import RequestFailed
-    from .runner import Runner
+    from bidirkv.bench import report, stats, turns
+    from bidirkv.bench.client import RequestFailed
+    from bidirkv.bench.runner import Runner
 
     prog = "bidir-kv bench"
     if args.concurrency is not None and not args.compare:

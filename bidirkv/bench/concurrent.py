@@ -22,9 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import promtext
-from .client import RequestFailed, chat, first_model
-from .conversation import Conversation, chat_body, user_text, with_conversation_id
+from bidirkv.bench import promtext
+from bidirkv.bench.client import RequestFailed, chat, first_model
+from bidirkv.bench.conversation import Conversation, chat_body, user_text, with_conversation_id
 
 ROUTER_COUNTERS = {
     f"reuse_{o}": ("bidirkv_router_reuse_total", {"outcome": o})

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from .stats import table
+from bidirkv.bench.stats import table
 
 LOAD_KIND = "bidirkv-bench-load"
 METHOD = {
@@ -101,7 +101,7 @@ def comparison_text(docs: Mapping[str, Mapping[str, Any]]) -> str:
 def ttft_over_time_plot(docs: Mapping[str, Mapping[str, Any]], path: pathlib.Path,
                         title: str) -> pathlib.Path:
     """Each request's TTFT at the time it was sent, one series per run; failures as x."""
-    from .plots import _pyplot, save
+    from bidirkv.bench.plots import _pyplot, save
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))

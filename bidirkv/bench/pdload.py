@@ -15,7 +15,7 @@ import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .vllmbench import ServeRun, run
+from bidirkv.bench.vllmbench import ServeRun, run
 
 SINGLE, ROUTER = "decode server alone", "router (P/D)"
 AIMS = {"overhead_ms": 20.0, "throughput_ratio": 1.0, "p99_ratio": 2.0, "itl_delta_ms": 1.0}
@@ -96,7 +96,7 @@ def table(results: list[dict[str, Any]]) -> str:
 
 def write(results: list[dict[str, Any]], out: pathlib.Path, title: str) -> dict[str, str]:
     """JSON and a PNG (req/s, TTFT p50/p99, ITL p50 per target and concurrency)."""
-    from .plots import _pyplot, save
+    from bidirkv.bench.plots import _pyplot, save
 
     out.mkdir(parents=True, exist_ok=True)
     path = out / "concurrency.json"

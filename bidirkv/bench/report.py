@@ -9,10 +9,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from bidirkv.bench import stats, turns
+from bidirkv.bench.runner import BenchConfig, TurnRecord
 from bidirkv.local.cpu import read_cpu
-
-from . import stats, turns
-from .runner import BenchConfig, TurnRecord
 
 RUN_KIND = "bidirkv-bench-run"
 COMPARE_KIND = "bidirkv-bench-compare"
@@ -100,7 +99,7 @@ def compare_document(on: Mapping[str, Any], off: Mapping[str, Any],
 
 def write_comparison(out_dir: pathlib.Path, doc: Mapping[str, Any], title: str
                      ) -> dict[str, pathlib.Path]:
-    from .plots import prefill_plot, ttft_plot
+    from bidirkv.bench.plots import prefill_plot, ttft_plot
 
     rows = doc["rows"]
     return {

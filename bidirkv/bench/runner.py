@@ -24,11 +24,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import promtext
-from .client import Reply, chat, first_model, post_json
-from .conversation import Conversation, chat_body, user_text, with_conversation_id
-from .turns import Think, refusals_delta
-from .turns import reason as turn_reason
+from bidirkv.bench import promtext
+from bidirkv.bench.client import Reply, chat, first_model, post_json
+from bidirkv.bench.conversation import Conversation, chat_body, user_text, with_conversation_id
+from bidirkv.bench.turns import Think, refusals_delta
+from bidirkv.bench.turns import reason as turn_reason
+from bidirkv.wire import RESIDENCY_VERSION_FIELD, VERSION
 
 REUSE_OUTCOMES = ("hit", "miss", "expired", "verified-partial", "dropped", "off")
 
@@ -126,7 +127,7 @@ class Runner:
 
     def _residency(self) -> dict[str, Any] | None:
         # An empty body only reads the report: no lease, no release.
-        return post_json(self.cfg.decode_residency, {})
+        return post_json(self.cfg.decode_residency, {RESIDENCY_VERSION_FIELD: VERSION})
 
     def _scrape(self) -> tuple[Any, Any, Any]:
         c = self.cfg

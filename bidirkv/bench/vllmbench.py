@@ -66,7 +66,7 @@ def child_env(base: dict[str, str] | None = None) -> dict[str, str]:
 def resolved_platform(timeout: float = 120.0) -> str:
     """The vLLM platform class a load-generator process resolves on this machine."""
     code = _PLATFORM + "\nprint(PLATFORM)\n"
-    proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=timeout, env=child_env())
     if proc.returncode != 0:
         raise BenchFailed(f"platform probe failed (exit {proc.returncode}): "
@@ -104,7 +104,7 @@ class ServeRun:
 def run(r: ServeRun, timeout: float = 900.0) -> dict[str, Any]:
     """One `vllm bench serve` run; returns vLLM's figures (FIELDS) plus the run's knobs."""
     with tempfile.TemporaryDirectory(prefix="vllm-bench-") as tmp:
-        cmd = [sys.executable, "-P", "-c", _CLI, *r.argv(tmp, "result.json")]
+        cmd = [sys.executable, "-c", _CLI, *r.argv(tmp, "result.json")]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                               env=child_env())
         out = pathlib.Path(tmp, "result.json")

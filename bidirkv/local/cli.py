@@ -13,8 +13,8 @@ import os
 import pathlib
 import sys
 
-from .cpu import DtypeChoice, choose_dtype, read_cpu
-from .state import DEFAULT_STATE_DIR
+from bidirkv.local.cpu import DtypeChoice, choose_dtype, read_cpu
+from bidirkv.local.state import DEFAULT_STATE_DIR
 
 PROG = "bidir-kv local"
 
@@ -44,9 +44,9 @@ def prepare_stack(spec_file: str | os.PathLike[str], state_dir: pathlib.Path, *,
                   progress: bool = True):
     """Spec file -> LocalStack (not started): the steps `local up`, the demo and the e2e
     test share."""
-    from .plan import local_spec, merge_patch, plan_stack, ports_needed, read_spec_file
-    from .ports import free_ports, sequential_ports
-    from .stack import LocalStack
+    from bidirkv.local.plan import local_spec, merge_patch, plan_stack, ports_needed, read_spec_file
+    from bidirkv.local.ports import free_ports, sequential_ports
+    from bidirkv.local.stack import LocalStack
 
     cwd = pathlib.Path(cwd or os.getcwd())
     raw, choice = with_local_dtype(merge_patch(read_spec_file(spec_file), patch or {}))
@@ -66,7 +66,7 @@ def prepare_stack(spec_file: str | os.PathLike[str], state_dir: pathlib.Path, *,
 def with_local_dtype(raw: dict) -> tuple[dict, DtypeChoice]:
     """The spec dict with `model.dtype: auto` replaced by the dtype this CPU runs fast
     (cpu.py), and the choice with its reason; an explicit dtype is kept."""
-    from .plan import merge_patch
+    from bidirkv.local.plan import merge_patch
 
     model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
     choice = choose_dtype(str(model.get("dtype", "auto")), read_cpu())
@@ -79,7 +79,7 @@ def tiny_model_for(spec_file: str | os.PathLike[str], cwd: str | os.PathLike[str
                    progress: bool = True) -> tuple[pathlib.Path, DtypeChoice]:
     """Build (or find) the tiny model at the spec's model path, in the dtype the local
     stack will run it in."""
-    from .plan import read_spec_file
+    from bidirkv.local.plan import read_spec_file
 
     raw, choice = with_local_dtype(read_spec_file(spec_file))
     path = pathlib.Path(cwd, raw["model"]["name"])
@@ -90,7 +90,7 @@ def build_tiny_model(path: pathlib.Path, dtype: str, progress: bool = True) -> p
     """Build (or find, by its stamp) the tiny model, with a progress bar."""
     from tqdm import tqdm
 
-    from .model import build_model
+    from bidirkv.local.model import build_model
 
     with tqdm(total=1, desc=f"tiny model ({dtype})", unit="model", disable=not progress,
               file=sys.stderr) as bar:
@@ -100,8 +100,8 @@ def build_tiny_model(path: pathlib.Path, dtype: str, progress: bool = True) -> p
 
 
 def _up(args: argparse.Namespace) -> int:
-    from .ports import PortInUse
-    from .stack import DEFAULT_START_TIMEOUT, StackRunning, StartError
+    from bidirkv.local.ports import PortInUse
+    from bidirkv.local.stack import DEFAULT_START_TIMEOUT, StackRunning, StartError
 
     patch = {"kvTransfer": {"bidirectional": False}} if args.no_bidirectional else None
     try:
@@ -134,7 +134,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from .stack import stop_recorded
+    from bidirkv.local.stack import stop_recorded
 
     try:
         done = stop_recorded(args.state_dir)

@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from bidirkv.operator.handlekey import CURRENT, new_key, secret_name
-from bidirkv.operator.render import Owner, engine_statefulset, router_config
-from bidirkv.operator.spec import DisaggregatedInferenceSpec
+from bidirkv.operator.api.spec import DisaggregatedInferenceSpec
+from bidirkv.operator.render.children import Owner, engine_statefulset, router_config
+from bidirkv.operator.render.handlekey import CURRENT, new_key, secret_name
 from bidirkv.roleconfig import POD, Placement
 
 LOOPBACK = "127.0.0.1"

@@ -18,10 +18,7 @@ from typing import Any
 
 import yaml
 
-from bidirkv.operator.render import RouterPlacement, router_deployment
-from bidirkv.operator.spec import KIND, DisaggregatedInferenceSpec, SpecError, parse_spec
-
-from .engines import (
+from bidirkv.local.engines import (
     LOCAL_OWNER,
     LOOPBACK,
     LocalPorts,
@@ -31,7 +28,9 @@ from .engines import (
     local_router_config,
     local_secrets,
 )
-from .engines import bidirkv_command as _bidirkv_command
+from bidirkv.local.engines import bidirkv_command as _bidirkv_command
+from bidirkv.operator.api.spec import KIND, DisaggregatedInferenceSpec, SpecError, parse_spec
+from bidirkv.operator.render.children import RouterPlacement, router_deployment
 
 ROLES = ("prefill", "decode")
 # Inherited variables of these namespaces would change the engines behind the spec's

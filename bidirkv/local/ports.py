@@ -8,7 +8,7 @@ import random
 import socket
 from collections.abc import Iterable, Mapping
 
-from .engines import LOOPBACK
+from bidirkv.local.engines import LOOPBACK
 
 
 class PortInUse(RuntimeError):

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 # Re-exported: callers check recorded pids through this module.
-from .family import process_start_time, stop_family
-from .family import same_process as same_process
+from bidirkv.local.family import process_start_time, stop_family
+from bidirkv.local.family import same_process as same_process
 
 
 class StartError(RuntimeError):

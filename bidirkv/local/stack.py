@@ -17,17 +17,11 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 
-from .family import TOKEN_VAR, family, snapshot, stop_family
-from .plan import ServerPlan, StackPlan, process_env
-from .ports import PortInUse, check_ports
-from .procs import Proc, StartError, same_process, wait_all_healthy
-from .state import (
-    ProcRecord,
-    StackState,
-    read_state,
-    remove_state,
-    write_state,
-)
+from bidirkv.local.family import TOKEN_VAR, family, snapshot, stop_family
+from bidirkv.local.plan import ServerPlan, StackPlan, process_env
+from bidirkv.local.ports import PortInUse, check_ports
+from bidirkv.local.procs import Proc, StartError, same_process, wait_all_healthy
+from bidirkv.local.state import ProcRecord, StackState, read_state, remove_state, write_state
 
 # Cold start of a CPU vLLM server on 2 busy cores was seen at ~60 s; leave ample room.
 DEFAULT_START_TIMEOUT = 420.0

@@ -33,11 +33,11 @@ from typing import Any
 import pytest
 import yaml
 
-from bidirkv.operator import spec as api
-from bidirkv.operator.crd import build_crd
+from bidirkv.operator.api import spec as api
+from bidirkv.operator.crd.schema import build_crd
 from bidirkv.operator.kube import ApiError
 from bidirkv.operator.kube import request as api_request
-from bidirkv.operator.render import render_resource
+from bidirkv.operator.render.children import render_resource
 from kubeapi.crdschema import validate_custom_resource
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

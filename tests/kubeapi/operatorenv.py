@@ -11,11 +11,11 @@ from typing import Any
 
 import kubernetes
 
-from bidirkv.operator import spec as api
-from bidirkv.operator.controller import Controller
-from bidirkv.operator.crd import build_crd
+from bidirkv.operator.api import spec as api
+from bidirkv.operator.crd.schema import build_crd
 from bidirkv.operator.kube import KINDS, KubeClient
 from bidirkv.operator.main import run_operator
+from bidirkv.operator.reconcile.controller import Controller
 from kubeapi.server import KubeAPIServer
 
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"

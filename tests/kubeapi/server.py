@@ -35,7 +35,7 @@ collector run; ``Foreground`` propagation behaves like ``Background``), CRD conv
 versions share objects, only ``apiVersion`` changes), default service accounts and
 ``kube-root-ca.crt`` config maps.
 
-CLI for manual poking (from tests/): ``python -P -m kubeapi.server --port 8001``.
+CLI for manual poking (from tests/): ``python -m kubeapi.server --port 8001``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,156 @@
+"""CPU-platform patches of vLLM's NIXL worker (docs/protocol.md, section 5).
+
+- `NixlBaseConnectorWorker.__init__` (nixl/base_worker.py) pins the calling thread to
+  the last core of each NUMA node on the CPU platform, to keep KV transfer off the model's
+  cores. That thread is the model thread, so the forward pass moves onto the reserved
+  core, which on a small host is another server's core: an 8k-token prefill took
+  35-65 s instead of 4.5 s. The binding the CPU worker chose before is put back.
+- The same `__init__` creates the NIXL agent with the progress thread on, and NIXL's
+  Python API gives that thread no wait between polls (`pthrDelay` 0): about one core
+  per idle server. Without any progress thread, though, a peer's one-sided read of this
+  server's blocks completes only when this server next steps: D's read of P's KV waited
+  for P's current prefill step to end (NIXL transfer time at concurrency 4: 22 ms mean
+  against 2.6 ms at concurrency 1). On the CPU platform the thread is kept, sleeping on
+  UCX's event descriptor between events (`nixlAgentConfig` is handed a wait,
+  PROGRESS_WAIT_US, as its timeout): a read completes in ~1.3 ms while the model thread
+  computes, and an idle server spends no CPU on it. Where that cannot be set, the agent is
+  created without the thread, as before.
+- `MultiprocExecutor._init_executor` (v1/executor/multiproc_executor.py), which runs in
+  the engine-core process before it starts its workers: the engine core is not pinned, and it
+  busy-waits (sched_yield, up to 1 s) for its worker's reply during every forward. With
+  two servers on a small host it often ran on the other server's worker core: prefill
+  took up to twice as long and decode's tokens reached clients in bursts (P/D TTFT p50 at
+  concurrency 4 swung between 160 and 350 ms from run to run). On the CPU platform it
+  joins the cores its workers are bound to (VLLM_CPU_OMP_THREADS_BIND), where its waiting
+  costs nothing but its own server's time.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import sys
+
+from bidirkv.connector.patches.guarded import MARK, Skip, Target, resolve, wrap
+from bidirkv.connector.settings import Resolved
+
+log = logging.getLogger("vllm.bidirkv")
+
+MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+# Where the engine core starts its workers: run in the engine-core process after vLLM
+# loaded the plugins (EngineCore.__init__ does that first), before any worker exists.
+ENGINE_MODULE = "vllm.v1.executor.multiproc_executor"
+
+
+def _keep_affinity(orig, settings: Resolved):
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        before = os.sched_getaffinity(0) if settings.keep_affinity else None
+        orig(self, *args, **kwargs)
+        after = os.sched_getaffinity(0) if before is not None else None
+        if before is not None and after != before:
+            os.sched_setaffinity(0, before)
+            log.info("bidir-kv: kept the model thread on cores %s (vLLM's NIXL worker "
+                     "had moved it to %s; BIDIRKV_CPU_KEEP_AFFINITY=0 allows that)",
+                     sorted(before), sorted(after))
+
+    return __init__
+
+
+def _agent_config(orig, enable: bool):
+    @functools.wraps(orig)
+    def nixl_agent_config(*args, **kwargs):
+        kwargs.setdefault("enable_prog_thread", enable)
+        return orig(*args, **kwargs)
+
+    return nixl_agent_config
+
+
+def sleeping_config_class(base: type, wait_us: int) -> type:
+    """`base` (NIXL's nixlAgentConfig binding) whose progress-thread wait is never 0."""
+
+    class AgentConfig(base):
+        @property
+        def pthrDelay(self):  # noqa: N802 - NIXL's field name
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, value):  # noqa: N802
+            base.pthrDelay.__set__(self, value or wait_us)
+
+    AgentConfig.__wrapped__ = base
+    setattr(AgentConfig, MARK, True)
+    return AgentConfig
+
+
+def _install_sleeping_progress(wait_us: int) -> None:
+    """Replace the config class NIXL's Python agent instantiates (Skip if it cannot)."""
+    _, _, wrapper = resolve(MODULE, "NixlWrapper")
+    api = sys.modules.get(getattr(wrapper, "__module__", "") or "")
+    bindings = getattr(api, "nixlBind", None)
+    base = getattr(bindings, "nixlAgentConfig", None)
+    if base is None or not isinstance(base.__dict__.get("pthrDelay"), property):
+        raise Skip("NIXL's agent config has no pthrDelay to set")
+    if not getattr(base, MARK, False):
+        bindings.nixlAgentConfig = sleeping_config_class(base, wait_us)
+
+
+def _pin_engine_core(orig, cores: frozenset[int]):
+    @functools.wraps(orig)
+    def _init_executor(self, *args, **kwargs):
+        # Threads and workers started from here on inherit the binding (workers then
+        # bind their own OpenMP threads as vLLM does).
+        try:
+            os.sched_setaffinity(0, cores)
+            log.info("bidir-kv: engine core pinned to cores %s, its workers' "
+                     "(BIDIRKV_CPU_PIN_ENGINE_CORE=0 leaves it free)", sorted(cores))
+        except OSError as exc:
+            log.warning("bidir-kv: cannot pin the engine core to %s: %s", sorted(cores), exc)
+        return orig(self, *args, **kwargs)
+
+    return _init_executor
+
+
+TARGETS = [Target(MODULE, "NixlBaseConnectorWorker.__init__"),
+           Target(MODULE, "nixl_agent_config"),
+           Target(MODULE, "NixlWrapper"),
+           Target(ENGINE_MODULE, "MultiprocExecutor._init_executor")]
+
+
+def install_engine_core(settings: Resolved) -> list[str]:
+    cores = settings.engine_core_cores
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        return []
+    wrap(ENGINE_MODULE, "MultiprocExecutor._init_executor",
+         lambda o: _pin_engine_core(o, cores))
+    return [f"engine-core-cores={','.join(map(str, sorted(cores)))}"]
+
+
+def install(settings: Resolved) -> list[str]:
+    applied = []
+    if settings.keep_affinity and hasattr(os, "sched_getaffinity"):
+        wrap(MODULE, "NixlBaseConnectorWorker.__init__",
+             lambda o: _keep_affinity(o, settings))
+        applied.append("keep-affinity")
+    if settings.nixl_progress_thread is not None:
+        _, _, cfg = resolve(MODULE, "nixl_agent_config")
+        if cfg is None:
+            raise Skip("NIXL is not installed (nixl_agent_config is None)")
+        if "enable_prog_thread" not in inspect.signature(cfg).parameters:
+            raise Skip("nixl_agent_config takes no enable_prog_thread")
+        enable, mode = settings.nixl_progress_thread, "off"
+        if enable and settings.nixl_progress_wait_us:
+            try:
+                _install_sleeping_progress(settings.nixl_progress_wait_us)
+                mode = "sleeping"
+            except Skip as exc:
+                # A thread that never sleeps costs a core: better none at all.
+                log.warning("bidir-kv: NIXL progress thread left off: %s", exc)
+                enable = False
+        elif enable:
+            mode = "on"
+        wrap(MODULE, "nixl_agent_config", lambda o: _agent_config(o, enable))
+        applied.append(f"nixl-progress-thread={mode}")
+    return applied

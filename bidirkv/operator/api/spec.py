@@ -1,0 +1,200 @@
+"""The DisaggregatedInference API: pydantic models that are the one source of the CRD schema.
+
+Field names are the CRD's (camelCase); where a field maps to a vLLM knob its description
+names the vLLM setting, so the CRD reference and vLLM's docs can be read side by side.
+Cross-field rules live here too (as CEL, see `CEL_RULES`), so the CRD and the operator
+enforce the same invariants. The parts live in spec*.py modules by subject; this module
+is the whole and what the rest of the code imports.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from bidirkv.operator.api.base import _Model
+from bidirkv.operator.api.engine import EngineSpec, ModelSpec, RoleSpec
+from bidirkv.operator.api.network import NetworkPolicySpec, PolicyPeer
+from bidirkv.operator.api.router import TTL_SAFETY_MARGIN_SECONDS, RouterSpec
+from bidirkv.operator.api.status import DisaggregatedInferenceStatus
+from bidirkv.operator.api.transfer import Backend, EfaSpec, KvTransferSpec
+
+__all__ = [
+    "CEL_RULES", "DisaggregatedInferenceSpec", "DisaggregatedInferenceStatus", "PolicyPeer",
+    "SpecError", "TTL_SAFETY_MARGIN_SECONDS", "cross_field_errors", "parse_spec",
+]
+
+GROUP = "bidirkv.io"
+VERSION = "v1alpha1"
+KIND = "DisaggregatedInference"
+PLURAL = "disaggregatedinferences"
+SINGULAR = "disaggregatedinference"
+SHORT_NAMES = ["di"]
+
+# (rule, message, fieldPath) evaluated on `.spec` by the API server and by the operator.
+CEL_RULES: list[tuple[str, str, str]] = [
+    (
+        f"self.router.conversationTtlSeconds + {TTL_SAFETY_MARGIN_SECONDS} <= "
+        "self.kvTransfer.decoderKvBlocksTtlSeconds",
+        "router.conversationTtlSeconds must be at least "
+        f"{TTL_SAFETY_MARGIN_SECONDS} s below kvTransfer.decoderKvBlocksTtlSeconds",
+        ".router.conversationTtlSeconds",
+    ),
+    (
+        "self.router.replicas <= 1 || has(self.router.handleStore)",
+        "router.replicas > 1 needs router.handleStore: without a shared store, turns of one "
+        "conversation reach different routers and miss their decode KV",
+        ".router.replicas",
+    ),
+    (
+        "self.kvTransfer.ownerLeaseSeconds <= self.kvTransfer.decoderKvBlocksTtlSeconds",
+        "kvTransfer.ownerLeaseSeconds must not exceed kvTransfer.decoderKvBlocksTtlSeconds",
+        ".kvTransfer.ownerLeaseSeconds",
+    ),
+    (
+        "(!has(self.networkPolicy.metricsFrom) || self.networkPolicy.metricsFrom.all(p, "
+        "has(p.namespaceSelector) || has(p.podSelector))) && "
+        "(!has(self.networkPolicy.routerFrom) || self.networkPolicy.routerFrom.all(p, "
+        "has(p.namespaceSelector) || has(p.podSelector)))",
+        "every networkPolicy.metricsFrom and routerFrom entry needs namespaceSelector or "
+        "podSelector",
+        ".networkPolicy",
+    ),
+    (
+        "!self.efa.enabled || self.kvTransfer.backend == 'LIBFABRIC'",
+        "kvTransfer.backend must be LIBFABRIC when efa.enabled is true "
+        "(UCX over EFA falls back to TCP)",
+        ".kvTransfer.backend",
+    ),
+    (
+        "!self.efa.enabled || (self.prefill.efaDevices >= 1 && self.decode.efaDevices >= 1)",
+        "prefill.efaDevices and decode.efaDevices must be at least 1 when efa.enabled is true",
+        ".efa.enabled",
+    ),
+    (
+        "self.efa.enabled || (self.prefill.efaDevices == 0 && self.decode.efaDevices == 0)",
+        "efaDevices must be 0 on both roles unless efa.enabled is true",
+        ".efa.enabled",
+    ),
+]
+
+
+_CACHE_SOURCES = ("persistentVolumeClaim", "hostPath", "emptyDir")
+for _where in ("engine", "prefill", "decode"):
+    _count = " + ".join(f"(has(self.{_where}.modelCache.{s}) ? 1 : 0)" for s in _CACHE_SOURCES)
+    CEL_RULES.append((
+        f"!has(self.{_where}.modelCache) || {_count} == 1",
+        f"{_where}.modelCache needs exactly one of persistentVolumeClaim, hostPath, emptyDir",
+        f".{_where}.modelCache",
+    ))
+
+
+class DisaggregatedInferenceSpec(_Model):
+    model: ModelSpec = Field(description="The model both roles serve.")
+    engine: EngineSpec = Field(
+        default_factory=EngineSpec, description="Engine image, extra arguments and env."
+    )
+    prefill: RoleSpec = Field(default_factory=RoleSpec, description="The prefill pool.")
+    decode: RoleSpec = Field(
+        default_factory=RoleSpec,
+        description="The decode replicas (scalable with `kubectl scale di/NAME --replicas=N`).",
+    )
+    kv_transfer: KvTransferSpec = Field(
+        default_factory=KvTransferSpec, description="NIXL KV transfer settings."
+    )
+    efa: EfaSpec = Field(default_factory=EfaSpec, description="AWS EFA settings.")
+    router: RouterSpec = Field(default_factory=RouterSpec, description="The router.")
+    network_policy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec, description="Network isolation of the pods."
+    )
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> DisaggregatedInferenceSpec:
+        errors = cross_field_errors(self)
+        if errors:
+            raise ValueError("; ".join(errors))
+        return self
+
+
+def cross_field_errors(spec: DisaggregatedInferenceSpec) -> list[str]:
+    """The CEL rules of `CEL_RULES`, in Python, with the offending values in the message."""
+    errors = []
+    ttl, router_ttl = spec.kv_transfer.decoder_kv_blocks_ttl_seconds, (
+        spec.router.conversation_ttl_seconds
+    )
+    if router_ttl + TTL_SAFETY_MARGIN_SECONDS > ttl:
+        errors.append(
+            f"spec.router.conversationTtlSeconds: {router_ttl} must be at most "
+            f"{ttl - TTL_SAFETY_MARGIN_SECONDS} (kvTransfer.decoderKvBlocksTtlSeconds {ttl} "
+            f"minus a {TTL_SAFETY_MARGIN_SECONDS} s margin)"
+        )
+    if spec.router.replicas > 1 and spec.router.handle_store is None:
+        errors.append(
+            f"spec.router.replicas: {spec.router.replicas} needs spec.router.handleStore: "
+            "without a shared store, turns of one conversation reach different routers and "
+            "miss their decode KV"
+        )
+    lease = spec.kv_transfer.owner_lease_seconds
+    if lease > ttl:
+        errors.append(
+            f"spec.kvTransfer.ownerLeaseSeconds: {lease} must be at most "
+            f"kvTransfer.decoderKvBlocksTtlSeconds ({ttl})"
+        )
+    for field in ("metrics_from", "router_from"):
+        for i, peer in enumerate(getattr(spec.network_policy, field)):
+            if peer.namespace_selector is None and peer.pod_selector is None:
+                name = "metricsFrom" if field == "metrics_from" else "routerFrom"
+                errors.append(f"spec.networkPolicy.{name}[{i}]: needs namespaceSelector or "
+                              "podSelector (an empty entry would admit everyone)")
+    if spec.efa.enabled and spec.kv_transfer.backend != Backend.LIBFABRIC.value:
+        errors.append(
+            f"spec.kvTransfer.backend: {spec.kv_transfer.backend!r} must be 'LIBFABRIC' when "
+            "efa.enabled is true"
+        )
+    for role in ("prefill", "decode"):
+        devices = getattr(spec, role).efa_devices
+        if spec.efa.enabled and devices < 1:
+            errors.append(f"spec.{role}.efaDevices: {devices} must be >= 1 when efa.enabled")
+        if not spec.efa.enabled and devices > 0:
+            errors.append(
+                f"spec.{role}.efaDevices: {devices} must be 0 unless efa.enabled is true"
+            )
+        resources = getattr(spec, role).resources
+        if spec.efa.enabled and spec.efa.hugepages_2mi and not (
+            {"cpu", "memory"} & (set(resources.requests) | set(resources.limits))
+        ):
+            # The API server refuses hugepages without a cpu or memory request.
+            errors.append(
+                f"spec.{role}.resources: efa.hugepages2Mi needs a cpu or memory request "
+                "or limit on the role"
+            )
+    return errors
+
+
+def parse_spec(spec: dict[str, Any]) -> DisaggregatedInferenceSpec:
+    """Validate a `.spec` dict; raises SpecError naming each bad field."""
+    from pydantic import ValidationError
+
+    try:
+        return DisaggregatedInferenceSpec.model_validate(spec)
+    except ValidationError as exc:
+        raise SpecError(format_validation_error(exc)) from None
+
+
+class SpecError(ValueError):
+    """A spec that cannot be reconciled; the message names field, value and what is allowed."""
+
+
+def format_validation_error(exc: Any) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        path = "spec" + ("." + loc if loc else "")
+        if err["type"] == "value_error" and not loc:
+            parts.append(str(err["ctx"]["error"]) if "ctx" in err else err["msg"])
+            continue
+        value = err.get("input")
+        shown = repr(value) if not isinstance(value, dict) else "{...}"
+        parts.append(f"{path}: {shown}: {err['msg']}")
+    return "; ".join(parts)

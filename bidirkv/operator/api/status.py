@@ -1,0 +1,48 @@
+"""The status of a DisaggregatedInference, as the CRD declares it."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import Field
+
+from bidirkv.operator.api.base import _Model
+
+
+class RoleStatus(_Model):
+    desired: int = Field(default=0, description="Pods the spec asks for.")
+    replicas: int = Field(default=0, description="Pods that exist.")
+    ready: int = Field(default=0, description="Pods whose engine serves the model.")
+    updated: int = Field(default=0, description="Pods running the current template.")
+    summary: str = Field(default="0/0", description="`ready/desired`, for printer columns.")
+    selector: str = Field(default="", description="Label selector of the pods (for HPA).")
+
+
+class Condition(_Model):
+    type: str = Field(description="Condition type.")
+    status: str = Field(pattern="^(True|False|Unknown)$", description="True, False, Unknown.")
+    reason: str = Field(description="CamelCase reason.")
+    message: str = Field(default="", description="Human-readable detail.")
+    last_transition_time: str = Field(description="When the status last changed (RFC 3339).")
+    observed_generation: int | None = Field(default=None, description="Generation seen.")
+
+
+class Phase(StrEnum):
+    Pending = "Pending"
+    Progressing = "Progressing"
+    Ready = "Ready"
+    Degraded = "Degraded"
+    Invalid = "Invalid"
+
+
+class DisaggregatedInferenceStatus(_Model):
+    observed_generation: int | None = Field(default=None, description="Last generation seen.")
+    phase: Phase | None = Field(default=None, description="Summary state.")
+    prefill: RoleStatus | None = Field(default=None, description="Prefill pool.")
+    decode: RoleStatus | None = Field(default=None, description="Decode replicas.")
+    router_ready: int | None = Field(default=None, description="Ready router pods.")
+    router_url: str | None = Field(default=None, description="In-cluster URL of the router.")
+    kv_fingerprint: str | None = Field(
+        default=None, description="Hash of what prefill and decode must share."
+    )
+    conditions: list[Condition] = Field(default_factory=list, description="Conditions.")

@@ -1,0 +1,275 @@
+"""Level-based reconciliation of DisaggregatedInference resources.
+
+Watch events (delivered by kopf) only fill two caches and schedule a reconcile of the
+owning resource; the reconcile compares the rendered children with the cache and
+writes only what differs. A cache miss or a suspected difference is confirmed with a
+fresh GET before anything is written, so a restarted operator whose caches are still
+filling writes nothing when nothing changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from bidirkv.operator.api import spec as api
+from bidirkv.operator.kube import ApiError, KubeClient
+from bidirkv.operator.reconcile.diff import differs, owned_by, replacement
+from bidirkv.operator.reconcile.status import compute_status, same_status
+from bidirkv.operator.render.children import Owner, child_metadata, render
+from bidirkv.operator.render.handlekey import new_secret, secret_name
+
+log = logging.getLogger("bidirkv.operator")
+
+Key = tuple[str, str, str]  # kind, namespace, name
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _key(obj: dict[str, Any]) -> Key:
+    meta = obj["metadata"]
+    return obj["kind"], meta.get("namespace", ""), meta["name"]
+
+
+class Controller:
+    def __init__(
+        self,
+        client: KubeClient,
+        *,
+        debounce: float = 0.05,
+        max_backoff: float = 60.0,
+        now: Callable[[], str] = _now,
+    ):
+        self.client = client
+        self.debounce = debounce
+        self.max_backoff = max_backoff
+        self.now = now
+        self.owners: dict[str, dict[str, Any]] = {}  # uid -> DisaggregatedInference
+        self.children: dict[Key, dict[str, Any]] = {}
+        self._pending: dict[str, asyncio.TimerHandle | asyncio.Task] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._failures: dict[str, int] = {}
+        # Resources whose handle-key Secret was seen: one GET per resource and process.
+        self._keys_ok: set[str] = set()
+        self.reconciles = 0
+
+    # -- watch events ---------------------------------------------------------------
+    def owner_event(self, event_type: str | None, body: dict[str, Any]) -> None:
+        uid = body["metadata"]["uid"]
+        if event_type == "DELETED" or body["metadata"].get("deletionTimestamp"):
+            # Children carry owner references: the garbage collector removes them.
+            self.owners.pop(uid, None)
+            self._keys_ok.discard(uid)
+            self._cancel(uid)
+            return
+        self.owners[uid] = body
+        self.schedule(uid, 0)
+
+    def child_event(self, event_type: str | None, body: dict[str, Any]) -> None:
+        key = _key(body)
+        if event_type == "DELETED":
+            self.children.pop(key, None)
+        else:
+            self.children[key] = body
+        for ref in body["metadata"].get("ownerReferences", []):
+            if ref.get("kind") == api.KIND and ref.get("uid") in self.owners:
+                self.schedule(ref["uid"], self.debounce)
+
+    # -- scheduling -----------------------------------------------------------------
+    def schedule(self, uid: str, delay: float) -> None:
+        """Coalesce triggers: at most one reconcile of a resource is waiting."""
+        if uid in self._pending:
+            return
+        loop = asyncio.get_running_loop()
+        self._pending[uid] = loop.call_later(delay, self._start, uid)
+
+    def _start(self, uid: str) -> None:
+        self._pending[uid] = asyncio.get_running_loop().create_task(self._run(uid))
+
+    def _cancel(self, uid: str) -> None:
+        pending = self._pending.pop(uid, None)
+        if pending is not None:
+            pending.cancel()
+
+    async def _run(self, uid: str) -> None:
+        lock = self._locks.setdefault(uid, asyncio.Lock())
+        async with lock:
+            # Triggers arriving from here on schedule a new pass.
+            self._pending.pop(uid, None)
+            body = self.owners.get(uid)
+            if body is None:
+                return
+            try:
+                await self.reconcile(body)
+                self._failures.pop(uid, None)
+            except Exception as exc:  # noqa: BLE001 - any failure is retried with backoff
+                n = self._failures[uid] = self._failures.get(uid, 0) + 1
+                delay = min(self.max_backoff, 0.5 * 2 ** (n - 1))
+                log.warning("reconcile of %s failed (%s); retrying in %.1fs",
+                            body["metadata"]["name"], exc, delay)
+                if uid in self.owners and uid not in self._pending:
+                    self.schedule(uid, delay)
+
+    async def idle(self, timeout: float = 30.0) -> None:
+        """Wait until no reconcile is pending or running (tests, benchmarks)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._pending or any(lock.locked() for lock in self._locks.values()):
+            if loop.time() > deadline:
+                raise TimeoutError("reconciles still pending")
+            await asyncio.sleep(0.02)
+
+    def close(self) -> None:
+        for uid in list(self._pending):
+            self._cancel(uid)
+
+    # -- the reconcile pass ---------------------------------------------------------
+    async def reconcile(self, body: dict[str, Any]) -> None:
+        self.reconciles += 1
+        meta = body["metadata"]
+        owner = Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+        generation = meta.get("generation")
+        previous = body.get("status") or {}
+        try:
+            spec = api.parse_spec(body.get("spec") or {})
+            desired = render(owner, spec)
+        except api.SpecError as exc:
+            await self._report_invalid(body, owner, generation, previous, str(exc))
+            return
+
+        await self._ensure_key(owner)
+        seen: dict[tuple[str, str], dict[str, Any] | None] = {}
+        problem = None
+        for obj in desired:
+            try:
+                seen[(obj["kind"], obj["metadata"]["name"])] = await self._apply(obj, owner)
+            except ChildConflict as exc:
+                problem = ("ChildConflict", str(exc))
+                seen[(obj["kind"], obj["metadata"]["name"])] = None
+        status = compute_status(owner, spec, generation, seen, previous, self.now(), problem)
+        await self._write_status(body, status)
+        if problem and _condition_message(previous) != problem[1]:
+            await self._event(body, "Warning", problem[0], problem[1])
+
+    async def _ensure_key(self, owner: Owner) -> None:
+        """Create the resource's handle-key Secret when it is missing; never rewrite it.
+
+        Create first, and a 409 means it exists: the operator never reads a Secret, so
+        its role needs no `get` on Secrets (which would let it read every Secret in its
+        namespaces). One that exists is used as it is, owned or not (a key brought by the
+        user). Its content is never logged, compared or put in status or events.
+        """
+        if owner.uid in self._keys_ok:
+            return
+        name = secret_name(owner.name)
+        try:
+            await self.client.create(new_secret(child_metadata(owner, "handle-key", name)))
+            log.info("created Secret/%s", name)
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+        self._keys_ok.add(owner.uid)
+
+    async def _apply(self, obj: dict[str, Any], owner: Owner) -> dict[str, Any]:
+        key = _key(obj)
+        cached = self.children.get(key)
+        if cached is not None and owned_by(cached, owner.uid) and not differs(obj, cached):
+            return cached
+        # Cache miss or a difference: confirm against the server before writing.
+        actual = await self.client.get(*key)
+        if actual is None:
+            try:
+                created = await self.client.create(obj)
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+                actual = await self.client.get(*key)
+                if actual is None:
+                    raise
+            else:
+                self.children[key] = created
+                log.info("created %s/%s", key[0], key[2])
+                return created
+        if not owned_by(actual, owner.uid):
+            raise ChildConflict(
+                f"{key[0]} {key[1]}/{key[2]} exists and is not owned by this "
+                "DisaggregatedInference; delete or rename it"
+            )
+        if not differs(obj, actual):
+            self.children[key] = actual
+            return actual
+        updated = await self.client.replace(replacement(obj, actual))
+        self.children[key] = updated
+        log.info("updated %s/%s", key[0], key[2])
+        return updated
+
+    async def _write_status(self, body: dict[str, Any], status: dict[str, Any]) -> None:
+        status = _drop_none(status)
+        if same_status(body.get("status") or {}, status):
+            return
+        meta = body["metadata"]
+        # Fields the new status no longer has are removed (merge patch: null deletes).
+        patch = {k: None for k in (body.get("status") or {}) if k not in status}
+        patch.update(status)
+        result = await self.client.patch_status(api.KIND, meta["namespace"], meta["name"], patch)
+        if meta["uid"] in self.owners and result:
+            self.owners[meta["uid"]] = result
+
+    async def _report_invalid(self, body, owner, generation, previous, message) -> None:
+        status = compute_status(owner, None, generation, {}, previous, self.now(),
+                                ("InvalidSpec", message))
+        await self._write_status(body, status)
+        if _condition_message(previous) != message:
+            log.warning("%s/%s: %s", owner.namespace, owner.name, message)
+            await self._event(body, "Warning", "InvalidSpec", message)
+
+    async def _event(self, body: dict[str, Any], type_: str, reason: str, message: str):
+        meta = body["metadata"]
+        now = self.now()
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": body.get("apiVersion", f"{api.GROUP}/{api.VERSION}"),
+                "kind": api.KIND,
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta["uid"],
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": "bidir-kv-operator"},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            await self.client.create(event)
+        except ApiError as exc:  # an event is best effort; the condition says it too
+            log.warning("could not post event %s: %s", reason, exc)
+
+
+class ChildConflict(Exception):
+    """A child name is taken by an object this resource does not own."""
+
+
+def _condition_message(status: dict[str, Any]) -> str | None:
+    for cond in status.get("conditions", []):
+        if cond.get("type") == "Reconciled" and cond.get("status") == "False":
+            return cond.get("message")
+    return None
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value

@@ -1,0 +1,175 @@
+"""The status of a DisaggregatedInference, computed from its children (pure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bidirkv.operator.api import spec as api
+from bidirkv.operator.render.children import Owner, child_name, router_url, selector_string
+from bidirkv.roleconfig import ROLES, kv_fingerprint
+
+# The condition that says what is wrong when the spec cannot be reconciled.
+RECONCILED = "Reconciled"
+
+
+def _counts(obj: dict[str, Any] | None) -> dict[str, int]:
+    st = (obj or {}).get("status") or {}
+    return {k: int(st.get(k) or 0) for k in ("replicas", "readyReplicas", "updatedReplicas")}
+
+
+def rollout_lag(obj: dict[str, Any] | None, desired: int) -> str | None:
+    """Why the child's current template does not yet run everywhere, or None.
+
+    A controller that has not observed the latest generation has not started the rollout,
+    whatever its counts say; then pods of the current template must be all there, and no
+    pod of an older one left (a StatefulSet also says so with its revisions)."""
+    if obj is None:
+        return "not created yet"
+    meta, st = obj.get("metadata") or {}, obj.get("status") or {}
+    generation, observed = meta.get("generation"), st.get("observedGeneration")
+    if generation is not None and (observed is None or observed < generation):
+        return f"generation {generation} not yet observed by its controller " \
+               f"(observed: {observed if observed is not None else 'none'})"
+    counts = _counts(obj)
+    if counts["updatedReplicas"] < desired:
+        return f"{counts['updatedReplicas']}/{desired} pods updated to the current template"
+    if counts["replicas"] > desired:
+        return f"{counts['replicas'] - desired} pods of an older template still running"
+    current, update = st.get("currentRevision"), st.get("updateRevision")
+    if current and update and current != update:
+        return f"revision {update} rolling out over {current}"
+    return None
+
+
+def _role_status(owner: Owner, desired: int, sts: dict[str, Any] | None, role: str):
+    counts = _counts(sts)
+    ready = counts["readyReplicas"]
+    return {
+        "desired": desired,
+        "replicas": counts["replicas"],
+        "ready": ready,
+        "updated": counts["updatedReplicas"],
+        "summary": f"{ready}/{desired}",
+        "selector": selector_string(owner, role),
+    }
+
+
+def _readiness(obj: dict[str, Any] | None, desired: int, ready: int, what: str
+               ) -> tuple[bool, str, str]:
+    """(ok, reason, message) of one child's readiness condition."""
+    lag = rollout_lag(obj, desired)
+    if obj is None:
+        return False, "NotCreated", lag or ""
+    if lag is not None:
+        return False, "RollingOut", f"{lag}; {ready}/{desired} {what} ready"
+    if ready < desired:
+        return False, "PodsNotReady", f"{ready}/{desired} {what} ready"
+    return True, "PodsReady", f"{ready}/{desired} {what} ready"
+
+
+def _condition(type_: str, ok: bool, reason: str, message: str, generation: int | None):
+    return {
+        "type": type_,
+        "status": "True" if ok else "False",
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+    }
+
+
+def _stamp(conditions: list[dict[str, Any]], previous: list[dict[str, Any]], now: str):
+    """Keep lastTransitionTime when a condition's status did not change."""
+    before = {c.get("type"): c for c in previous or []}
+    out = []
+    for cond in conditions:
+        old = before.get(cond["type"])
+        same = old is not None and old.get("status") == cond["status"]
+        cond["lastTransitionTime"] = old.get("lastTransitionTime", now) if same else now
+        out.append(cond)
+    return out
+
+
+def compute_status(
+    owner: Owner,
+    spec: api.DisaggregatedInferenceSpec | None,
+    generation: int | None,
+    children: dict[tuple[str, str], dict[str, Any] | None],
+    previous: dict[str, Any],
+    now: str,
+    problem: tuple[str, str] | None = None,
+) -> dict[str, Any]:
+    """`children` maps (kind, name) to the object as read; `problem` is (reason, message)
+    when the spec could not be applied (then the last good counts are kept)."""
+    status: dict[str, Any] = {"observedGeneration": generation}
+    if spec is None:
+        # The spec is unusable: keep the counts of what runs, say what is wrong.
+        for key in ("prefill", "decode", "routerReady", "routerUrl", "kvFingerprint"):
+            if key in previous:
+                status[key] = previous[key]
+        reason, message = problem or ("InvalidSpec", "")
+        conds = [c for c in previous.get("conditions", []) if c.get("type") != RECONCILED]
+        conds.append(_condition(RECONCILED, False, reason, message, generation))
+        status["conditions"] = _stamp(conds, previous.get("conditions", []), now)
+        status["phase"] = "Invalid"
+        return status
+
+    conds = []
+    all_ready = True
+    rolling: list[str] = []
+    for role in ROLES:
+        sts = children.get(("StatefulSet", child_name(owner, role)))
+        desired = getattr(spec, role).replicas
+        rs = _role_status(owner, desired, sts, role)
+        status[role] = rs
+        ok, reason, msg = _readiness(sts, desired, rs["ready"], "pods")
+        all_ready &= ok
+        if reason == "RollingOut":
+            rolling.append(f"{role}: {msg}")
+        conds.append(_condition(f"{role.capitalize()}Ready", ok, reason, msg, generation))
+    dep = children.get(("Deployment", child_name(owner, "router")))
+    router_ready = _counts(dep)["readyReplicas"]
+    status["routerReady"] = router_ready
+    status["routerUrl"] = router_url(owner, spec)
+    status["kvFingerprint"] = kv_fingerprint(spec)
+    rok, reason, msg = _readiness(dep, spec.router.replicas, router_ready, "router pods")
+    all_ready &= rok
+    if reason == "RollingOut":
+        rolling.append(f"router: {msg}")
+    conds.append(_condition("RouterReady", rok, reason, msg, generation))
+    conds.append(_condition("Progressing", bool(rolling),
+                            "RollingOut" if rolling else "RolloutComplete",
+                            "; ".join(rolling) if rolling
+                            else "every child runs its current template", generation))
+    if problem:
+        conds.append(_condition(RECONCILED, False, problem[0], problem[1], generation))
+    else:
+        conds.append(_condition(RECONCILED, True, "Applied",
+                                "all children match the spec", generation))
+    conds.insert(0, _condition("Ready", all_ready and not problem,
+                               "AllReady" if all_ready
+                               else "RollingOut" if rolling else "NotReady",
+                               "prefill, decode and router are ready" if all_ready
+                               else "waiting for " + ", ".join(
+                                   c["type"][: -len("Ready")].lower() for c in conds
+                                   if c["type"].endswith("Ready") and c["status"] == "False"
+                               ), generation))
+    status["conditions"] = _stamp(conds, previous.get("conditions", []), now)
+    if problem:
+        status["phase"] = "Degraded"
+    elif all_ready:
+        status["phase"] = "Ready"
+    elif any(status[r]["ready"] for r in ROLES) or router_ready or (
+            rolling and (any(status[r]["replicas"] for r in ROLES) or _counts(dep)["replicas"])):
+        # Pending until a first pod exists; from then on a rollout is progress.
+        status["phase"] = "Progressing"
+    else:
+        status["phase"] = "Pending"
+    return status
+
+
+def same_status(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return _normalise(a) == _normalise(b)
+
+
+def _normalise(status: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in (status or {}).items() if v is not None}

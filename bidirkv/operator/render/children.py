@@ -1,0 +1,88 @@
+"""Pure rendering: a DisaggregatedInference -> every child object the operator owns.
+
+No I/O here, so every rendering rule is tested without an API server and
+`bidir-kv render -f FILE` prints exactly what the operator would write. The engines'
+children are in renderengine.py, the router's in renderrouter.py, names in naming.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bidirkv.operator.api import spec as api
+from bidirkv.operator.crd.schema import MAX_NAME_LENGTH
+from bidirkv.operator.render.engine import (  # noqa: F401 - re-exported
+    CONFIG_HASH_ANNOTATION,
+    FINGERPRINT_LABEL,
+    engine_pod_template,
+    engine_service,
+    engine_statefulset,
+    pod_disruption_budget,
+)
+from bidirkv.operator.render.naming import (  # noqa: F401 - re-exported: what users of render import
+    MANAGED_BY,
+    Owner,
+    child_metadata,
+    child_name,
+    router_url,
+    selector_labels,
+    selector_string,
+)
+from bidirkv.operator.render.netpol import network_policies
+from bidirkv.operator.render.router import (  # noqa: F401 - re-exported
+    ROUTER_CONTAINER_PORT,
+    ROUTER_METRICS_PORT,
+    RouterPlacement,
+    router_config,
+    router_configmap,
+    router_deployment,
+    router_service,
+)
+from bidirkv.roleconfig import ROLES
+
+
+def name_errors(owner: Owner) -> list[str]:
+    if len(owner.name) > MAX_NAME_LENGTH:
+        return [
+            f"metadata.name: {owner.name!r} has {len(owner.name)} characters; at most "
+            f"{MAX_NAME_LENGTH} are allowed"
+        ]
+    return []
+
+
+def render(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> list[dict[str, Any]]:
+    """Every child object, in the order they are best created (config before users)."""
+    errors = name_errors(owner)
+    if errors:
+        raise api.SpecError("; ".join(errors))
+    children: list[dict[str, Any]] = []
+    for role in ROLES:
+        children += [
+            engine_service(owner, spec, role),
+            engine_statefulset(owner, spec, role),
+            pod_disruption_budget(owner, role),
+        ]
+    children += [
+        router_configmap(owner, spec),
+        router_deployment(owner, spec),
+        router_service(owner, spec),
+    ]
+    instance = {k: v for k, v in selector_labels(owner, "router").items()
+                if k != "app.kubernetes.io/component"}
+    children += network_policies(lambda c: child_metadata(owner, c), instance,
+                                 selector_labels(owner, "router"), ROUTER_CONTAINER_PORT,
+                                 ROUTER_METRICS_PORT, spec)
+    return children
+
+
+def render_resource(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """Render from a whole DisaggregatedInference object (as read from a file or the API)."""
+    meta = obj.get("metadata") or {}
+    if not meta.get("name"):
+        raise api.SpecError("metadata.name: missing; a DisaggregatedInference needs a name")
+    owner = Owner(
+        name=meta["name"],
+        namespace=meta.get("namespace") or "default",
+        uid=meta.get("uid") or "00000000-0000-0000-0000-000000000000",
+    )
+    return render(owner, api.parse_spec(obj.get("spec") or {}))

@@ -1,0 +1,80 @@
+"""NetworkPolicies that isolate a resource's engines (pure rendering).
+
+- Engines accept HTTP (port 8000) only from this resource's router pods and the
+  `metricsFrom` peers: a forged handle or a direct request needs that port.
+- Engines accept anything from this resource's other engine pods: the NIXL side channel
+  has a fixed port, but UCX (and libfabric over TCP) pick their transfer ports at run
+  time, so the policy cannot name them.
+- The router accepts its port from `routerFrom`, or from anyone when that is empty, and
+  its metrics port from the `metricsFrom` peers only.
+EFA (SRD) traffic bypasses the IP stack, so no NetworkPolicy sees it; on EFA, isolation
+of the KV transport is the security groups' job.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bidirkv.operator.api import spec as api
+from bidirkv.roleconfig import ENGINE_PORT, ROLES
+
+
+def _peers(peers: list[api.PolicyPeer]) -> list[dict[str, Any]]:
+    out = []
+    for p in peers:
+        d = p.model_dump(by_alias=True, exclude_none=True)
+        for sel in d.values():
+            for k in ("matchLabels", "matchExpressions"):
+                if not sel.get(k):
+                    sel.pop(k, None)
+        out.append(d)
+    return out
+
+
+def engine_selector(instance_labels: dict[str, str]) -> dict[str, Any]:
+    return {"matchLabels": instance_labels,
+            "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In",
+                                  "values": list(ROLES)}]}
+
+
+def network_policies(metadata: Any, instance_labels: dict[str, str],
+                     router_labels: dict[str, str], router_port: int, metrics_port: int,
+                     spec: api.DisaggregatedInferenceSpec) -> list[dict[str, Any]]:
+    """`metadata(component)` gives a child's metadata; labels select this resource's pods."""
+    np = spec.network_policy
+    if not np.enabled:
+        return []
+    engines = engine_selector(instance_labels)
+    engine_policy = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata("engines"),
+        "spec": {
+            "podSelector": engines,
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": engines}]},
+                {"from": [{"podSelector": {"matchLabels": router_labels}},
+                          *_peers(np.metrics_from)],
+                 "ports": [{"protocol": "TCP", "port": ENGINE_PORT}]},
+            ],
+        },
+    }
+    rule: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": router_port}]}
+    if np.router_from:
+        rule["from"] = _peers(np.router_from)
+    rules = [rule]
+    if np.metrics_from:
+        rules.append({"from": _peers(np.metrics_from),
+                      "ports": [{"protocol": "TCP", "port": metrics_port}]})
+    router_policy = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata("router"),
+        "spec": {
+            "podSelector": {"matchLabels": router_labels},
+            "policyTypes": ["Ingress"],
+            "ingress": rules,
+        },
+    }
+    return [engine_policy, router_policy]

@@ -1,0 +1,153 @@
+"""The router children of a DisaggregatedInference: its ConfigMap, Deployment and Service
+(pure)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from bidirkv.operator.api import spec as api
+from bidirkv.operator.render.engine import http_probe
+from bidirkv.operator.render.handlekey import key_env
+from bidirkv.operator.render.naming import (
+    Owner,
+    child_metadata,
+    child_name,
+    engine_endpoints,
+    labels,
+    selector_labels,
+)
+from bidirkv.roleconfig import kv_fingerprint
+
+ROUTER_CONFIG_KEY = "router.json"
+ROUTER_CONFIG_DIR = "/etc/bidir-kv"
+ROUTER_CONTAINER_PORT = 8000
+# /metrics is served here, not on the client port: a scraper needs no access to the port
+# conversations go through, and the NetworkPolicy can tell the two apart.
+ROUTER_METRICS_PORT = 9090
+
+
+def router_config(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dict[str, Any]:
+    """What the router reads from its ConfigMap (reloaded on change, no restart)."""
+    return {
+        "prefill": engine_endpoints(owner, "prefill", spec.prefill.replicas),
+        "decode": engine_endpoints(owner, "decode", spec.decode.replicas),
+        "model": spec.model.served_name or spec.model.name,
+        "bidirectional": spec.kv_transfer.bidirectional,
+        "conversationTtlSeconds": spec.router.conversation_ttl_seconds,
+        "decoderKvBlocksTtlSeconds": spec.kv_transfer.decoder_kv_blocks_ttl_seconds,
+        "safetyMarginSeconds": api.TTL_SAFETY_MARGIN_SECONDS,
+        "maxConversations": spec.router.max_conversations,
+        "tenantRetentionShare": spec.router.tenant_retention_share,
+        **({"maxConversationsPerTenant": spec.router.max_conversations_per_tenant}
+           if spec.router.max_conversations_per_tenant is not None else {}),
+        "kvRecomputeThreshold": spec.kv_transfer.kv_recompute_threshold,
+        "retentionWatermark": spec.kv_transfer.retention_watermark,
+        "ownerLeaseSeconds": spec.kv_transfer.owner_lease_seconds,
+        "kvFingerprint": kv_fingerprint(spec),
+        "prefillOnlyFallback": spec.router.prefill_only_fallback,
+        **({"handleStore": spec.router.handle_store.url} if spec.router.handle_store else {}),
+    }
+
+
+def router_configmap(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dict[str, Any]:
+    body = json.dumps(router_config(owner, spec), indent=2, sort_keys=True)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": child_metadata(owner, "router"),
+        "data": {ROUTER_CONFIG_KEY: body + "\n"},
+    }
+
+
+def _store_password_env(spec: api.DisaggregatedInferenceSpec) -> list[dict[str, Any]]:
+    store = spec.router.handle_store
+    if store is None or store.password_secret_ref is None:
+        return []
+    ref = store.password_secret_ref
+    return [{"name": "BIDIRKV_HANDLE_STORE_PASSWORD",
+             "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+
+
+@dataclass(frozen=True)
+class RouterPlacement:
+    """Where the router reads its config and listens (the local stack gives its own)."""
+
+    config_path: str = f"{ROUTER_CONFIG_DIR}/{ROUTER_CONFIG_KEY}"
+    bind_host: str = "0.0.0.0"
+    port: int = ROUTER_CONTAINER_PORT
+    # None: /metrics on the client port (the local stack: one user, one machine).
+    metrics_port: int | None = ROUTER_METRICS_PORT
+
+
+def router_deployment(owner: Owner, spec: api.DisaggregatedInferenceSpec,
+                      placement: RouterPlacement = RouterPlacement()) -> dict[str, Any]:
+    container = {
+        "name": "router",
+        "image": spec.router.image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": ["bidir-kv", "router"],
+        "args": [
+            "--config", placement.config_path,
+            "--host", placement.bind_host,
+            "--port", str(placement.port),
+        ],
+        "ports": [{"name": "http", "containerPort": placement.port, "protocol": "TCP"}],
+        # The key signs the router's proof on decode legs (bidirkv/proof.py).
+        "env": key_env(owner.name) + _store_password_env(spec),
+        "readinessProbe": http_probe("/ready", 5, 2, 3),
+        "livenessProbe": http_probe("/health", 10, 3, 5),
+        "resources": {
+            "requests": {"cpu": "500m", "memory": "256Mi"},
+            "limits": {"memory": "1Gi"},
+        },
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [{"name": "config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True}],
+    }
+    if placement.metrics_port is not None:
+        container["args"] += ["--metrics-port", str(placement.metrics_port)]
+        container["ports"].append({"name": "metrics", "containerPort": placement.metrics_port,
+                                   "protocol": "TCP"})
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": child_metadata(owner, "router"),
+        "spec": {
+            "replicas": spec.router.replicas,
+            "selector": {"matchLabels": selector_labels(owner, "router")},
+            "template": {
+                "metadata": {"labels": labels(owner, "router")},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "containers": [container],
+                    "volumes": [
+                        {"name": "config",
+                         "configMap": {"name": child_name(owner, "router")}}
+                    ],
+                },
+            },
+        },
+    }
+
+
+def router_service(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": child_metadata(owner, "router"),
+        "spec": {
+            "type": spec.router.service_type,
+            "selector": selector_labels(owner, "router"),
+            "ports": [
+                {"name": "http", "port": spec.router.port, "targetPort": "http",
+                 "protocol": "TCP"}
+            ],
+        },
+    }

@@ -1,0 +1,280 @@
+"""Router configuration: the keys the operator renders into the router's ConfigMap.
+
+The file is JSON (YAML accepted too). Keys are camelCase like the CRD's; CLI flags
+override the file where both exist. Validation errors name the key, the value and what
+is allowed, so a bad ConfigMap is diagnosable from one log line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+MIB = 1024 * 1024
+
+
+class ConfigError(ValueError):
+    """A configuration the router refuses; the message is meant for a human."""
+
+
+class _Model(BaseModel):
+    # strict: "true" or "5" in a ConfigMap is a rendering bug, not something to coerce.
+    # forbid: a misspelt key must not silently fall back to a default.
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        strict=True,
+        frozen=True,
+    )
+
+
+class Timeouts(_Model):
+    connect_seconds: float = Field(default=5.0, gt=0, le=3600)
+    # Whole prefill leg (P answers once, after computing the prompt).
+    prefill_seconds: float = Field(default=300.0, gt=0, le=86400)
+    # Longest silence allowed on the decode leg, between bytes: a streamed generation may
+    # legitimately run for minutes, a stalled one should not hold the client forever.
+    decode_seconds: float = Field(default=600.0, gt=0, le=86400)
+    # A streamed decode leg's first byte (the first token, after D's KV read): past it the
+    # turn goes to another replica, as before any byte of a failed leg.
+    decode_first_byte_seconds: float = Field(default=120.0, gt=0, le=86400)
+    # A client's whole request body: a slow sender must not hold an admission slot.
+    body_read_seconds: float = Field(default=30.0, gt=0, le=3600)
+    # A connection that has not sent a complete request head this long after it opened,
+    # or after its last response, is closed: a client trickling headers (or holding an
+    # idle connection) does not keep a socket forever. Like nginx's keepalive_timeout;
+    # read when the router starts.
+    idle_connection_seconds: float = Field(default=75.0, gt=0, le=86400)
+
+
+def normalise_url(value: str) -> str:
+    """`http(s)://host[:port][/path]` without a trailing slash, or ConfigError."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{value!r} is not a URL; expected http://host:port")
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{value!r} is not a URL; expected http://host:port or https://host:port")
+    if parts.query or parts.fragment:
+        raise ConfigError(f"{value!r} must not have a query or fragment")
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError as exc:
+        raise ConfigError(f"{value!r} has an invalid port: {exc}") from None
+    return value.rstrip("/")
+
+
+def _urls(value: list[str], key: str) -> list[str]:
+    out: list[str] = []
+    for item in value:
+        try:
+            url = normalise_url(item)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        if url in out:
+            raise ValueError(f"{item!r} is listed twice in {key}")
+        out.append(url)
+    return out
+
+
+class RouterConfig(_Model):
+    prefill: list[str] = Field(default_factory=list)
+    decode: list[str] = Field(default_factory=list)
+    model: str | None = Field(default=None, min_length=1)
+    # False: plain P/D, no decode handles are stored or sent.
+    bidirectional: bool = True
+    # With no healthy decode replica, prefill serves whole requests
+    # (bidirkv/router/datapath/prefillonly.py); False: such requests get 503.
+    prefill_only_fallback: bool = True
+    conversation_ttl_seconds: float = Field(default=420.0, gt=0, le=86400)
+    # vLLM's `decoder_kv_blocks_ttl`: how long D pins a finished request's blocks.
+    decoder_kv_blocks_ttl_seconds: float = Field(default=480.0, gt=0, le=86400)
+    safety_margin_seconds: float = Field(default=10.0, ge=0, le=3600)
+    max_conversations: int = Field(default=100_000, ge=1, le=10_000_000)
+    # Fairness between tenants (bidirkv/router/store/handles.py): the most handles one tenant may
+    # keep (None: up to maxConversations), and the share of each decode replica's retention
+    # budget (retentionWatermark x its blocks) one tenant's handles may pin.
+    max_conversations_per_tenant: int | None = Field(default=None, ge=1, le=10_000_000)
+    tenant_retention_share: float = Field(default=1.0, ge=0.01, le=1)
+    # vLLM's `kv_recompute_threshold`: P reads from D only at or above this many tokens.
+    kv_recompute_threshold: int = Field(default=64, ge=0)
+    tenant_header: str = Field(
+        default="Authorization", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9-]+$"
+    )
+    # A 100k-token agent history is ~0.4 MB of JSON in English (~4 bytes a token) and up to
+    # ~0.9 MB as JSON-escaped CJK (1.5 characters a token, 6 bytes each as \uXXXX): 4 MiB
+    # leaves room for 4x that.
+    max_body_bytes: int = Field(default=4 * MIB, ge=1024, le=1024 * MIB)
+    # Parsed, a body takes up to ~20x its size in objects (many tiny messages): 32 MiB of
+    # bodies in flight stays well inside the router pod's 1 GiB.
+    max_inflight_body_bytes: int = Field(default=32 * MIB, ge=1024, le=16 * 1024 * MIB)
+    max_inflight_requests: int = Field(default=512, ge=1, le=1_000_000)
+    # Objects and arrays in one body (bidirkv/router/request/bodycheck.py): their count, not the
+    # bytes, is what a body costs on the event loop (~12 us each). 8192 is ~2700 messages with
+    # content parts, past any 100k-token history, and at most ~0.1 s of work.
+    max_json_containers: int = Field(default=8192, ge=64, le=10_000_000)
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    health_check_interval_seconds: float = Field(default=5.0, gt=0, le=3600)
+    # Share of each decode replica's KV blocks that this router's handles may pin; above
+    # it the least recently stored conversations are released (kvTransfer.retentionWatermark).
+    retention_watermark: float = Field(default=0.9, gt=0, le=1)
+    # Decode frees this router's retained blocks when it has not renewed its lease for
+    # this long (router gone or restarted); renewed every health check round.
+    owner_lease_seconds: float = Field(default=30.0, ge=1, le=86400)
+    # Shared handle store (bidirkv/router/store/shared.py): redis://HOST:PORT/DB or rediss://...;
+    # None keeps handles in this process. The password comes from the environment.
+    handle_store: str | None = Field(default=None, max_length=512)
+    # Hash of what P and D must share, as stamped on the engine pods by the operator;
+    # carried so a router can refuse engines of another fingerprint.
+    kv_fingerprint: str | None = Field(default=None, max_length=64)
+
+    @field_validator("prefill")
+    @classmethod
+    def _prefill_urls(cls, value: list[str]) -> list[str]:
+        return _urls(value, "prefill")
+
+    @field_validator("decode")
+    @classmethod
+    def _decode_urls(cls, value: list[str]) -> list[str]:
+        return _urls(value, "decode")
+
+    @field_validator("handle_store")
+    @classmethod
+    def _store_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+            raise ValueError("expected redis://HOST:PORT/DB or rediss://HOST:PORT/DB")
+        if parts.password is not None or parts.username is not None:
+            raise ValueError("no credentials in the URL: the password goes in "
+                             "BIDIRKV_HANDLE_STORE_PASSWORD")
+        if parts.path not in ("", "/") and not parts.path[1:].isdigit():
+            raise ValueError(f"database {parts.path[1:]!r} must be a number")
+        return value
+
+    @model_validator(mode="after")
+    def _ttl_positive(self) -> RouterConfig:
+        if self.decoder_kv_blocks_ttl_seconds - self.safety_margin_seconds <= 0:
+            raise ValueError(
+                f"decoderKvBlocksTtlSeconds ({self.decoder_kv_blocks_ttl_seconds}) minus "
+                f"safetyMarginSeconds ({self.safety_margin_seconds}) must be positive: it "
+                "bounds how long a decode handle is kept"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lease_outlives_renewals(self) -> RouterConfig:
+        if self.owner_lease_seconds < 2 * self.health_check_interval_seconds:
+            raise ValueError(
+                f"ownerLeaseSeconds ({self.owner_lease_seconds}) must be at least twice "
+                f"healthCheckIntervalSeconds ({self.health_check_interval_seconds}): the "
+                "lease is renewed once per health check round, and one late round must not "
+                "release every conversation"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_body_fits_in_flight(self) -> RouterConfig:
+        if self.max_inflight_body_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"maxInflightBodyBytes ({self.max_inflight_body_bytes}) must be at least "
+                f"maxBodyBytes ({self.max_body_bytes}): a body the router accepts must fit"
+            )
+        return self
+
+    @property
+    def handle_ttl_seconds(self) -> float:
+        """How long a stored handle is handed out: never past D's deadline minus margin."""
+        return min(
+            self.conversation_ttl_seconds,
+            self.decoder_kv_blocks_ttl_seconds - self.safety_margin_seconds,
+        )
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "(top level)"
+
+
+def format_errors(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors(include_url=False):
+        where = _loc(err["loc"])
+        value = err.get("input")
+        if where in ("handleStore", "handle_store"):
+            value = "<not shown: it may hold a password>"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            model = Timeouts if err["loc"][:1] == ("timeouts",) else RouterConfig
+            allowed = ", ".join(sorted(f.alias or n for n, f in model.model_fields.items()))
+            msg = f"unknown key; allowed keys: {allowed}"
+        elif err["type"] == "missing":
+            lines.append(f"{source}: {where}: required")
+            continue
+        lines.append(f"{source}: {where}: value {value!r} not allowed: {msg}")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, source: str = "config") -> RouterConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        return RouterConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_errors(exc, source)) from None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The file's mapping (JSON, or YAML when it is not JSON); ConfigError if unreadable."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as json_exc:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as yaml_exc:
+            raise ConfigError(
+                f"{path}: neither JSON ({json_exc}) nor YAML ({yaml_exc})"
+            ) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> RouterConfig:
+    """File (if any) with CLI overrides on top, validated as one document."""
+    data: dict[str, Any] = read_config_file(path) if path is not None else {}
+    data = {**data, **(overrides or {})}
+    cfg = parse_config(data, str(path) if path is not None else "command line")
+    if not cfg.prefill:
+        raise ConfigError("prefill: no prefill URL; give --prefill URL or `prefill` in the file")
+    if not cfg.decode:
+        raise ConfigError("decode: no decode URL; give --decode URL or `decode` in the file")
+    return cfg

@@ -1,0 +1,293 @@
+"""The prefill leg and the decode leg, with their retries and error answers.
+
+Part of `Router` (bidirkv/router/datapath/proxy.py), which holds the state these methods use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import math
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from bidirkv.proof import make_proof
+from bidirkv.router.codec import dumps, loads
+from bidirkv.router.datapath.reusereport import reuse_report
+from bidirkv.router.datapath.sse import DONE, PARAMS, MessageCollector, SSEFilter, error_event
+from bidirkv.router.datapath.upstream import (
+    JSON_TYPE,
+    PARAMS_MARKER,
+    PATHS,
+    UPSTREAM_FAILURES,
+    Turn,
+    Unavailable,
+    UpstreamFailure,
+    classify,
+    decode_body,
+    json_error,
+    json_response,
+    prefill_body,
+)
+from bidirkv.router.pool.backends import DECODE, PREFILL, Backend
+from bidirkv.router.pool.selection import least_outstanding
+from bidirkv.router.request.validation import CHAT, error_body
+
+log = logging.getLogger("bidirkv.router")
+
+
+class Legs:
+    """The prefill leg and the decode leg, with their retries and error answers."""
+
+    def _unavailable(self, role: str) -> web.Response:
+        retry = str(max(1, math.ceil(self.cfg.health_check_interval_seconds)))
+        return json_error(503, f"no healthy {role} engine; retry later", "service_unavailable",
+                          headers={"Retry-After": retry})
+
+    def _failure(self, f: UpstreamFailure, rid: str) -> web.Response:
+        if f.kind == "timeout":
+            return json_error(504, f"{f.leg} engine timed out (request {rid})", "upstream_timeout")
+        what = f"HTTP {f.status}" if f.kind == "status" else f.kind
+        return json_error(502, f"{f.leg} engine failed: {what} (request {rid})", "upstream_error")
+
+    def _outcome_of(self, f: UpstreamFailure) -> str:
+        return "timeout" if f.kind == "timeout" else "upstream_error"
+
+    def _headers(self, rid: str, auth: str | None) -> dict[str, str]:
+        h = {"Content-Type": JSON_TYPE, "X-Request-Id": rid}
+        if auth:
+            h["Authorization"] = auth
+        return h
+
+    async def _prefill_leg(self, turn: Turn, rid: str) -> tuple[Backend, dict[str, Any]]:
+        assert self.session is not None
+        tried: list[Backend] = []
+        last: UpstreamFailure | None = None
+        for attempt in range(2):
+            p = least_outstanding(self.prefill.backends, self.prefill.next_start(), tried)
+            if p is None:
+                if last is not None:
+                    raise last
+                raise Unavailable(PREFILL)
+            entry = turn.entry
+            handle = loads(entry.params) if entry is not None else None
+            payload = functools.partial(self._prefill_payload, turn.body, handle)
+            t = time.perf_counter()
+            p.outstanding += 1
+            turn.asked_prefill = True
+            try:
+                data = await self._post_prefill(p, PATHS[turn.kind], payload, rid, turn.auth)
+            except asyncio.CancelledError:
+                if entry is not None:
+                    # P was asked and may have read D's blocks: not safe to hand out again.
+                    self.store.forget(entry, "cancelled")
+                    turn.entry = None
+                raise
+            except UpstreamFailure as f:
+                self.metrics.observe_leg("prefill", "error", time.perf_counter() - t)
+                last = f
+                if entry is not None:
+                    # Spent or poisoned: see the module docstring. Retry as a miss.
+                    await self._quietly(self.store.discard(entry, "reuse_failed"))
+                    turn.entry = None
+                    turn.reuse = "dropped"
+                    if f.kind == "connect":
+                        self.set_health(p, False, f.detail)
+                        tried.append(p)
+                    self.metrics.retries.labels("prefill_reuse_failed").inc()
+                    log.warning("prefill with handle failed (%s); retrying without rid=%s "
+                                "conv=%s prefill=%s", f.detail or f.kind, rid, turn.conv, p.url)
+                    continue
+                if f.client_error:
+                    raise
+                if f.backend_down:
+                    self.set_health(p, False, f.detail or f"HTTP {f.status}")
+                tried.append(p)
+                log.warning("prefill failed (%s) rid=%s conv=%s prefill=%s",
+                            f.detail or f"HTTP {f.status}", rid, turn.conv, p.url)
+                if attempt == 0:
+                    self.metrics.retries.labels("prefill_failed").inc()
+                continue
+            finally:
+                p.outstanding -= 1
+            self.metrics.observe_leg("prefill", "ok", time.perf_counter() - t)
+            await self._account_reuse(turn, data)
+            return p, data
+        assert last is not None
+        raise last
+
+    def _prefill_payload(self, body: dict[str, Any], handle: dict[str, Any] | None) -> bytes:
+        """The prefill leg's body, with a fresh single-use proof each time it is built
+        (a stale-connection retry builds it again: P may have seen the first proof)."""
+        proof = make_proof(self.handle_key) if self.handle_key else None
+        return dumps(prefill_body(body, handle, proof))
+
+    async def _account_reuse(self, turn: Turn, data: dict[str, Any]) -> None:
+        report = reuse_report(data)
+        entry = turn.entry
+        if entry is not None:
+            await self._quietly(self.store.consume(entry))
+            turn.entry = None
+            if entry.num_tokens >= self.cfg.kv_recompute_threshold:
+                self.metrics.tokens_offered.inc(entry.num_tokens)
+            if report is not None and report.partial:
+                turn.reuse = "verified-partial"
+            if report is not None and report.reused_tokens:
+                self.metrics.tokens_reused.labels(report.source).inc(report.reused_tokens)
+
+    async def _decode_leg(self, request: web.Request, turn: Turn, p: Backend,
+                          p_body: dict[str, Any], d: Backend, rid: str
+                          ) -> tuple[web.StreamResponse, str]:
+        owner = proof = tenant = None
+        if self.cfg.bidirectional:
+            owner = self.residency.owner
+            proof = make_proof(self.handle_key) if self.handle_key else None
+            tenant = turn.tenant
+        payload = dumps(decode_body(turn.body, p_body.get(PARAMS), owner, proof, tenant))
+        return await self._generate(request, turn, d, payload, rid, DECODE)
+
+    async def _generate(self, request: web.Request, turn: Turn, d: Backend, payload: bytes,
+                        rid: str, leg: str) -> tuple[web.StreamResponse, str]:
+        """The response and its outcome; UpstreamFailure when `d` failed before the client
+        got a byte (the caller may retry elsewhere). `leg`: decode, or prefill_only (P
+        serves the whole request: nothing to store)."""
+        t = time.perf_counter()
+        d.outstanding += 1
+        resp: aiohttp.ClientResponse | None = None
+        try:
+            try:
+                # Streamed: a replica that takes the connection and never answers would
+                # hold the turn for decodeSeconds; before the first byte the turn can
+                # still go to another replica. (Not streamed, the whole answer is the
+                # first byte: decodeSeconds alone bounds it.)
+                first_byte = self.cfg.timeouts.decode_first_byte_seconds if turn.stream \
+                    else None
+                async with asyncio.timeout(first_byte):
+                    resp = await self._post(d, PATHS[turn.kind], payload, rid, turn.auth,
+                                            self._t_decode, retry_stale=leg != DECODE)
+                    if resp.status != 200:
+                        body = await resp.read()
+                        raise UpstreamFailure(d.role, d, "status", resp.status, body,
+                                              f"HTTP {resp.status}")
+                    if not turn.stream:
+                        body = await resp.read()
+                        return await self._finish_json(turn, d, body, t, leg), "ok"
+                    first = await resp.content.readany()
+                if not first:
+                    raise UpstreamFailure(d.role, d, "protocol",
+                                          detail="stream ended before any data")
+            except UPSTREAM_FAILURES as exc:
+                kind, detail = classify(exc)
+                f = UpstreamFailure(d.role, d, kind, detail=detail)
+                return self._leg_failed(f, t, leg)
+            except UpstreamFailure as f:
+                return self._leg_failed(f, t, leg)
+            return await self._relay(request, turn, d, resp, first, t, leg)
+        finally:
+            d.outstanding -= 1
+            if resp is not None:
+                resp.close()
+
+    def _leg_failed(self, f: UpstreamFailure, t: float, leg: str
+                    ) -> tuple[web.StreamResponse, str]:
+        self.metrics.observe_leg(leg, "error", time.perf_counter() - t)
+        if f.client_error:
+            return json_response(f.status or 400, f.body or error_body(
+                f"{f.leg} engine rejected the request: HTTP {f.status}",
+                "invalid_request_error")), "upstream_client_error"
+        if f.backend_down:
+            self.set_health(f.backend, False, f.detail or f"HTTP {f.status}")
+        raise f
+
+    async def _finish_json(self, turn: Turn, d: Backend, body: bytes, t: float, leg: str
+                           ) -> web.Response:
+        keeps = leg == DECODE
+        collector = MessageCollector(turn.kind == CHAT) if turn.collects and keeps else None
+        if collector is not None or PARAMS_MARKER in body:
+            try:
+                obj = loads(body)
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict):
+                params = obj.pop(PARAMS, None)
+                if collector is not None:
+                    collector.feed_response(obj)
+                if isinstance(params, dict) and keeps:
+                    await self._store_handle(turn, d, params, collector)
+                body = dumps(obj)
+        now = time.perf_counter()
+        self.metrics.observe_ttft(turn.kind, False, now - turn.t0)
+        self.metrics.observe_leg(leg, "ok", now - t)
+        return json_response(200, body, {"X-Request-Id": turn.rid})
+
+    async def _relay(self, request: web.Request, turn: Turn, d: Backend,
+                     resp: aiohttp.ClientResponse, first: bytes, t: float, leg: str
+                     ) -> tuple[web.StreamResponse, str]:
+        keeps = leg == DECODE
+        collector = MessageCollector(turn.kind == CHAT) if turn.collects and keeps else None
+        filt = SSEFilter(collector)
+        out = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Request-Id": turn.rid,
+        })
+        done = False
+        try:
+            await out.prepare(request)
+            chunk = filt.feed(first)
+            # Only a decode leg's handle is kept; P's own params are stripped, never stored.
+            stored = await self._maybe_store(turn, d, filt, collector, not keeps)
+            if chunk:
+                await out.write(chunk)
+                done = chunk.endswith(DONE)
+            self.metrics.observe_ttft(turn.kind, True, time.perf_counter() - turn.t0)
+            while True:
+                try:
+                    data = await resp.content.readany()
+                except UPSTREAM_FAILURES as exc:
+                    kind, detail = classify(exc)
+                    self.metrics.observe_leg(leg, "error", time.perf_counter() - t)
+                    log.warning("%s stream broke (%s) rid=%s conv=%s %s=%s", d.role, detail,
+                                turn.rid, turn.conv, d.role, d.url)
+                    if kind == "connect":
+                        self.set_health(d, False, detail)
+                    await self._end_with_error(out, f"{d.role} engine stream {detail}")
+                    return out, "stream_error"
+                chunk = filt.feed(data) if data else filt.finish()
+                # Stored before the client can see [DONE]: its next turn may come at once.
+                stored = await self._maybe_store(turn, d, filt, collector, stored)
+                if chunk:
+                    await out.write(chunk)
+                    done = done or chunk.endswith(DONE)
+                if not data:
+                    break
+        except ConnectionError:
+            # The client left; the finally of the caller closes D's stream.
+            log.debug("client disconnected rid=%s conv=%s", turn.rid, turn.conv)
+            return out, "cancelled"
+        if not done:
+            log.warning("%s stream ended without [DONE] rid=%s conv=%s %s=%s", d.role,
+                        turn.rid, turn.conv, d.role, d.url)
+            await self._end_with_error(out, f"{d.role} engine stream ended early")
+            return out, "stream_error"
+        self.metrics.observe_leg(leg, "ok", time.perf_counter() - t)
+        with contextlib.suppress(ConnectionError):
+            await out.write_eof()
+        return out, "ok"
+
+    async def _maybe_store(self, turn: Turn, d: Backend, filt: SSEFilter,
+                     collector: MessageCollector | None, stored: bool) -> bool:
+        if stored or filt.params is None:
+            return stored
+        await self._store_handle(turn, d, filt.params, collector)
+        return True
+
+    async def _end_with_error(self, out: web.StreamResponse, message: str) -> None:
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await out.write(error_event(message) + DONE)
+            await out.write_eof()

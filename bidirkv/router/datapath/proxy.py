@@ -1,0 +1,417 @@
+"""The data path: one client request = a prefill leg on P, then a decode leg on D.
+
+See docs/protocol.md (sections 1, 2 and 4). Decisions where the protocol is silent:
+- A handle is reserved at lookup and spent only when P answered (single use). If P fails
+  with a handle, the handle is discarded, not put back: P may have read (and so freed)
+  D's blocks before failing, and a handle that made P fail would make the next turn fail
+  too. The turn is retried once without it; its own decode leg stores a fresh handle.
+- D failing before the client got a byte is retried once on another decode replica with
+  a fresh prefill leg (no handle: the first one is spent). P's blocks from the first
+  prefill are not reused: the failed D may have read (so freed) them or not, and the
+  router cannot tell. A retry uses `<request id>-retry1` on both its legs, so it never
+  collides with the first attempt's request id inside an engine.
+- A 4xx from an engine is the client's problem and is returned as is. Connection errors
+  and 5xx take the backend out until its next good health check, except a 5xx from P on
+  a reuse turn (the handle, not P, is the likely cause).
+- Upstream `Authorization` is the client's own header, so engines started with --api-key
+  check the same credential.
+- A stale kept-alive connection to P is retried on P itself (bidirkv/router/datapath/sessions.py);
+  with no healthy decode, P serves whole requests (bidirkv/router/datapath/prefillonly.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from bidirkv.router.config import RouterConfig
+from bidirkv.router.datapath.conversations import Conversations
+from bidirkv.router.datapath.legs import Legs
+from bidirkv.router.datapath.prefillonly import PREFILL_ONLY, PrefillOnly
+from bidirkv.router.datapath.sessions import Sessions, open_sessions
+from bidirkv.router.datapath.upkeep import Upkeep
+from bidirkv.router.datapath.upstream import (
+    HANDLE_KEY_ENV,
+    UPSTREAM_FAILURES,
+    Turn,
+    Unavailable,
+    UpstreamFailure,
+    classify,
+    json_error,
+    json_response,
+)
+from bidirkv.router.metrics import Metrics
+from bidirkv.router.pool.backends import DECODE, PREFILL, Backend, Pool
+from bidirkv.router.pool.residency import Residency
+from bidirkv.router.pool.selection import least_outstanding, pick_decode
+from bidirkv.router.request.identity import LookupKeys, short_hash
+from bidirkv.router.request.validation import ClientError, error_body, parse_request
+from bidirkv.router.store.base import Store, StoreUnavailable
+from bidirkv.router.store.factory import make_store
+
+# Bodies above this take their parse and hashing steps one at a time (_admitted).
+BIG_BODY_BYTES = 256 * 1024
+log = logging.getLogger("bidirkv.router")
+# A body refused before it was read is still on its way, and the client may read the
+# answer only once it has sent it all (httpx does): it is read and dropped, but every
+# refused body together at most DRAIN_BYTES_PER_S, the transport paused in between.
+# Reading costs ~0.8 ms of loop per MiB, so 20 clients pushing 8 MiB at a refusal take
+# ~5% of the loop for a few seconds instead of all of it for 150 ms. Past DRAIN_MAX_S
+# the connection is closed.
+DRAIN_BYTES_PER_S = 64 * 1024 * 1024
+DRAIN_MAX_S = 30.0
+
+
+class _DrainPace:
+    """One schedule for every refused body of this process."""
+
+    next_at = 0.0
+
+
+async def drained(request: web.Request, resp: web.Response) -> web.Response:
+    """Send a refusal now, then read what is left of the body at the shared pace."""
+    if request.content.at_eof():
+        return resp
+    await resp.prepare(request)
+    await resp.write_eof()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DRAIN_MAX_S
+    transport = request.transport
+    while not request.content.at_eof() and loop.time() < deadline:
+        chunk = await request.content.readany()
+        if not chunk:
+            break
+        _DrainPace.next_at = max(_DrainPace.next_at, loop.time()) + len(
+            chunk) / DRAIN_BYTES_PER_S
+        if transport is not None and not transport.is_closing():
+            transport.pause_reading()
+        await asyncio.sleep(_DrainPace.next_at - loop.time())
+        if transport is not None and not transport.is_closing():
+            transport.resume_reading()
+    if not request.content.at_eof():
+        resp.force_close()
+    return resp
+
+
+__all__ = ["HANDLE_KEY_ENV", "Router", "json_error", "json_response", "request_id"]
+
+# A client's X-Request-Id is kept only in this shape. vLLM builds the decode request id
+# from it (`chatcmpl-{id}-{8 hex}`), which then travels in release batches and logs: one
+# client's 500-character or odd id must not make decode refuse anybody's batch.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:~-]{1,128}")
+
+
+def request_id(client_id: str | None) -> str:
+    """The client's request id when it is short and plain, else a fresh one."""
+    if client_id and _REQUEST_ID.fullmatch(client_id):
+        return client_id
+    return uuid.uuid4().hex
+
+
+class Router(Upkeep, Legs, Sessions, PrefillOnly, Conversations):
+    """One router: its config, pools, store, residency and the request flow. The flow
+    reads top to bottom here (`handle_generate` -> `_run`); the legs, the conversation
+    bookkeeping and the background upkeep live in their own modules."""
+
+    def __init__(self, cfg: RouterConfig, metrics: Metrics | None = None,
+                 handle_key: bytes | None = None, store_password: str | None = None) -> None:
+        self.cfg = cfg
+        # The resource's handle key: signs the proof that a decode leg comes from here.
+        self.handle_key = handle_key
+        # Lookup keys every replica holding this handle key computes alike (identity.py).
+        self.keys = LookupKeys(handle_key)
+        # The served model's context length, from prefill's /v1/models: a max_tokens
+        # above it is refused before any engine works on the request.
+        self.max_model_len: int | None = None
+        self.metrics = metrics or Metrics()
+        # Admission (handle_generate): requests and body bytes in flight.
+        self.inflight = 0
+        self.inflight_bytes = 0
+        self._big_bodies = asyncio.Lock()
+        self.store: Store = make_store(cfg, store_password, self._on_evict,
+                                       self._on_store_error)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.prefill = Pool(PREFILL, cfg.prefill)
+        self.decode = Pool(DECODE, cfg.decode)
+        self.session: aiohttp.ClientSession | None = None
+        # no pool: see bidirkv/router/datapath/sessions.py
+        self.fresh: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._store_task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._store_due = asyncio.Event()  # set after each health round (health.py)
+        self._set_timeouts()
+        self.residency = Residency(cfg.owner_lease_seconds, self._t_probe,
+                                   on_result=self._on_residency_call)
+        for b in self.backends():
+            self._export_health(b)
+
+    # -- lifecycle -----------------------------------------------------------------
+    async def start(self) -> None:
+        self.session, self.fresh = open_sessions()
+        await self._start_store()
+        self._health_task = asyncio.create_task(self._health_loop(), name="router-health")
+        self._store_task = asyncio.create_task(self._store_loop(), name="router-store")
+        self.residency.start(self.session)
+
+    async def _start_store(self) -> None:
+        """A shared store names the owner decode keeps KV for (the same for every router
+        of the store, so a restarted replica keeps the conversations)."""
+        start = getattr(self.store, "start", None)
+        if start is None or self.store.owner is not None:
+            return
+        try:
+            await start()
+        except StoreUnavailable as exc:
+            log.warning("%s; serving without reuse until it answers", exc)
+            return
+        self.residency.owner = self.store.owner
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _quietly(self, coro: Any) -> Any:
+        """A store call whose failure costs only reuse (counted by _on_store_error)."""
+        try:
+            return await coro
+        except StoreUnavailable:
+            return None
+
+    async def close(self) -> None:
+        await self.residency.close()
+        for task in list(self._tasks):
+            task.cancel()
+        # The loops first: none of them may call the store once it is closed.
+        for task in (self._health_task, self._store_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        await self.store.close()
+        for session in (self.session, self.fresh):
+            if session is not None:
+                await session.close()
+
+    def backends(self) -> list[Backend]:
+        return self.prefill.backends + self.decode.backends
+
+    def _set_timeouts(self) -> None:
+        t = self.cfg.timeouts
+        self._t_prefill = aiohttp.ClientTimeout(total=t.prefill_seconds,
+                                                sock_connect=t.connect_seconds)
+        self._t_decode = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_seconds,
+                                               sock_read=t.decode_seconds)
+        probe = max(1.0, min(5.0, self.cfg.health_check_interval_seconds))
+        self._t_probe = aiohttp.ClientTimeout(total=probe, sock_connect=t.connect_seconds)
+
+    def apply_config(self, cfg: RouterConfig) -> None:
+        """Swap in a validated config. Requests in flight keep the Backend objects and
+        timeouts they started with, so a reload never fails them."""
+        if cfg.model != self.cfg.model:
+            self.max_model_len = None  # learned again for the new model
+        self.cfg = cfg
+        self.store.configure(cfg.handle_ttl_seconds, cfg.max_conversations,
+                             cfg.max_conversations_per_tenant)
+        self._set_timeouts()
+        self.residency.lease_seconds = cfg.owner_lease_seconds
+        self.residency.timeout = self._t_probe
+        changed = False
+        for pool, urls in ((self.prefill, cfg.prefill), (self.decode, cfg.decode)):
+            added, removed = pool.reconcile(urls)
+            for b in removed:
+                with contextlib.suppress(KeyError):
+                    self.metrics.backend_healthy.remove(b.role, b.url)
+                    self.metrics.backend_outstanding.remove(b.role, b.url)
+                if b.role == DECODE:
+                    self._background(self._quietly(
+                        self.store.drop_replica(b.url, "replica_removed")))
+                    self.residency.forget(b.url)
+                log.info("backend removed role=%s url=%s", b.role, b.url)
+            for b in added:
+                self._export_health(b)
+                log.info("backend added role=%s url=%s", b.role, b.url)
+            changed = changed or bool(added)
+        if changed:
+            self._wake.set()
+
+    # -- client requests -------------------------------------------------------------
+    async def read_body(self, request: web.Request, limit: int) -> bytes:
+        n = request.content_length
+        if n is not None and n > limit:
+            raise ClientError(413, f"request body of {n} bytes is over the limit of {limit} "
+                              "bytes (maxBodyBytes)", type_="request_too_large")
+        if n is not None:
+            return await request.read()
+        parts, size = [], 0
+        while chunk := await request.content.read(65536):
+            size += len(chunk)
+            if size > limit:
+                raise ClientError(413, f"request body is over the limit of {limit} bytes "
+                                  "(maxBodyBytes)", type_="request_too_large")
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def handle_generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        """Admission first: at most maxInflightRequests requests and maxInflightBodyBytes
+        of bodies (a body of unknown length counts as maxBodyBytes) at once; past either
+        a 429 with Retry-After, before anything is read. A body is parsed into objects
+        many times its size, so the bytes bound is what keeps the pod within memory."""
+        cfg = self.cfg
+        n = request.content_length
+        if n is not None and n > cfg.max_body_bytes:  # refused before it costs a slot
+            self.metrics.request(kind, "client_error")
+            return await drained(request, json_error(
+                413, f"request body of {n} bytes is over the limit of {cfg.max_body_bytes} "
+                "bytes (maxBodyBytes)", "request_too_large"))
+        charge = n if n is not None else cfg.max_body_bytes
+        if (self.inflight >= cfg.max_inflight_requests
+                or self.inflight_bytes + charge > cfg.max_inflight_body_bytes):
+            self.metrics.request(kind, "overloaded")
+            return await drained(request, json_error(
+                429, f"the router is at its limit of {cfg.max_inflight_requests} requests or "
+                f"{cfg.max_inflight_body_bytes} body bytes in flight (maxInflightRequests, "
+                "maxInflightBodyBytes); retry", "overloaded", headers={"Retry-After": "1"}))
+        self.inflight += 1
+        self.inflight_bytes += charge
+        try:
+            return await self._admitted(request, kind)
+        finally:
+            self.inflight -= 1
+            self.inflight_bytes -= charge
+
+    async def _admitted(self, request: web.Request, kind: str) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        try:
+            raw = await asyncio.wait_for(self.read_body(request, cfg.max_body_bytes),
+                                         cfg.timeouts.body_read_seconds)
+        except TimeoutError:
+            self.metrics.request(kind, "client_error")
+            return json_error(408, "request body not received within "
+                              f"{cfg.timeouts.body_read_seconds:g} s "
+                              "(timeouts.bodyReadSeconds)", "request_timeout")
+        except ClientError as e:
+            self.metrics.request(kind, "client_error")
+            return await drained(request, json_error(e.status, e.message, e.type, e.param))
+        # Parsing, validating and hashing a body is work on the loop in one piece per
+        # step: big bodies take those steps one body at a time, yielding in between, so a
+        # burst of them delays everyone else by one step, not by all of them.
+        big = len(raw) > BIG_BODY_BYTES
+        async with self._big_bodies if big else contextlib.nullcontext():
+            if big:
+                await asyncio.sleep(0)
+            try:
+                req = parse_request(raw, kind, request.headers.get("X-Conversation-Id"),
+                                    self.max_model_len, cfg.max_json_containers)
+            except ClientError as e:
+                self.metrics.request(kind, "client_error")
+                return json_error(e.status, e.message, e.type, e.param)
+            del raw
+            if cfg.model is not None and "model" not in req.body:
+                req.body["model"] = cfg.model
+            rid = request_id(request.headers.get("X-Request-Id"))
+            turn = Turn(kind, req.stream, req.body, rid, request.headers.get("Authorization"),
+                        self.keys.tenant_of(request.headers.get(cfg.tenant_header)), t0)
+            if big:
+                await asyncio.sleep(0)
+            if cfg.bidirectional:
+                await self._identify(turn, req.conversation_id)
+            elif req.conversation_id is not None:
+                turn.conv = short_hash(req.conversation_id)
+        try:
+            resp, outcome = await self._run(request, turn)
+        except asyncio.CancelledError:
+            self.metrics.request(kind, "cancelled")
+            log.debug("request cancelled rid=%s conv=%s", rid, turn.conv)
+            raise
+        finally:
+            if turn.entry is not None:
+                entry, turn.entry = turn.entry, None
+                try:
+                    await self.store.release(entry)
+                except StoreUnavailable:  # it cannot go back: D frees its blocks now
+                    self._on_evict("store_unavailable", [entry])
+            if turn.asked_prefill:
+                self.metrics.reuse_outcome(turn.reuse)
+        self.metrics.request(kind, outcome)
+        log.debug("request rid=%s conv=%s kind=%s stream=%s reuse=%s outcome=%s ms=%.2f",
+                  rid, turn.conv, kind, turn.stream, turn.reuse, outcome,
+                  (time.perf_counter() - t0) * 1000)
+        return resp
+
+    async def _run(self, request: web.Request, turn: Turn) -> tuple[web.StreamResponse, str]:
+        if not self.prefill.healthy():
+            return self._unavailable(PREFILL), "unavailable"
+        if not self.decode.healthy() and self.cfg.prefill_only_fallback:
+            return await self._prefill_only(request, turn)
+        tried_decode: list[Backend] = []
+        last: UpstreamFailure | None = None
+        for attempt in range(2):
+            rid = turn.rid if attempt == 0 else f"{turn.rid}-retry{attempt}"
+            # D is chosen first: no prefill is spent on a turn that has nowhere to decode.
+            d = pick_decode(self.decode.backends, self.decode.next_start(), tried_decode,
+                            turn.holder_url)
+            if d is None:
+                if last is not None:
+                    return self._failure(last, turn.rid), self._outcome_of(last)
+                return self._unavailable(DECODE), "unavailable"
+            if attempt:
+                self.metrics.retries.labels("decode_before_first_byte").inc()
+                log.warning("decode failed before first byte (%s); retrying on %s rid=%s "
+                            "conv=%s", last.detail if last else "", d.url, turn.rid, turn.conv)
+            try:
+                p, p_body = await self._prefill_leg(turn, rid)
+            except Unavailable as u:
+                return self._unavailable(u.role), "unavailable"
+            except UpstreamFailure as f:
+                if f.client_error:
+                    return json_response(f.status or 400, f.body or error_body(
+                        f"prefill engine rejected the request: HTTP {f.status}",
+                        "invalid_request_error")), "upstream_client_error"
+                return self._failure(f, rid), self._outcome_of(f)
+            try:
+                return await self._decode_leg(request, turn, p, p_body, d, rid)
+            except UpstreamFailure as f:
+                tried_decode.append(d)
+                last = f
+        assert last is not None
+        log.warning("decode failed (%s) rid=%s conv=%s decode=%s", last.detail or last.kind,
+                    turn.rid, turn.conv, last.backend.url)
+        return self._failure(last, turn.rid), self._outcome_of(last)
+
+    # -- other routes ------------------------------------------------------------------
+    async def handle_models(self, request: web.Request) -> web.StreamResponse:
+        assert self.session is not None
+        tried: list[Backend] = []
+        pool = self.prefill if self.serving_mode()[0] == PREFILL_ONLY else self.decode
+        while True:
+            d = least_outstanding(pool.backends, pool.next_start(), tried)
+            if d is None:
+                self.metrics.request("models", "unavailable")
+                return self._unavailable(pool.role)
+            try:
+                async with self.session.get(d.url + "/v1/models", timeout=self._t_prefill,
+                                            headers=self._headers(uuid.uuid4().hex,
+                                                                  request.headers.get(
+                                                                      "Authorization"))) as r:
+                    body, status = await r.read(), r.status
+            except UPSTREAM_FAILURES as exc:
+                self.set_health(d, False, classify(exc)[1])
+                tried.append(d)
+                continue
+            if status >= 500:
+                self.set_health(d, False, f"HTTP {status}")
+                tried.append(d)
+                continue
+            self.metrics.request("models", "ok" if status == 200 else "upstream_client_error")
+            return json_response(status, body)

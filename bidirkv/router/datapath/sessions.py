@@ -1,0 +1,137 @@
+"""The router's HTTP client sessions, and the one retry a stale kept-alive connection gets.
+
+An engine closes idle keep-alive connections on its own clock (vLLM's server after 5 s
+by default; the router drops its own idle ones after 4 s, so this is rare), and an
+engine that was stalled closes a whole batch of them the moment it runs again. A request
+written to such a connection fails with a disconnect or a reset before any response
+head: the engine is fine, only the connection was not. Taking the engine out for that
+would turn one stall into a health-check interval of errors.
+
+So a POST to P that fails that way on a reused connection, before the response head
+arrived, is sent once more to the same P on a new connection: `fresh` keeps no pool, so
+the retry cannot pick another stale connection. It carries the same X-Request-Id and
+body, as the other prefill retries do. That includes a decode handle: P admits a handle
+once (its replay guard refuses a second use as `replayed`, and D grants no read of
+blocks it freed), so if the first request did reach P the retry is served without
+reuse, and if it did not (the usual case) the handle is not wasted. A second failure is
+an ordinary prefill failure (`bidirkv/router/datapath/legs.py`).
+
+The decode leg is not retried here: it carries a single-use proof and reads P's
+blocks, so it keeps its own retry on another replica with a fresh prefill.
+
+Part of `Router` (bidirkv/router/datapath/proxy.py), which holds the state these methods use.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import Any
+
+import aiohttp
+
+from bidirkv.router.codec import loads
+from bidirkv.router.datapath.upstream import (
+    UPSTREAM_FAILURES,
+    UpstreamFailure,
+    classify,
+    stale_connection,
+)
+from bidirkv.router.pool.backends import Backend
+
+log = logging.getLogger("bidirkv.router")
+
+STALE_RETRY = "prefill_stale_connection"
+KEEPALIVE_S = 4.0
+
+
+# Set while a request gets its connection (in the requesting task's context): True when
+# that connection had already carried a request, i.e. it came from the keep-alive pool.
+_REUSED: ContextVar[bool] = ContextVar("bidirkv_connection_reused", default=False)
+
+
+class _Connector(aiohttp.TCPConnector):
+    """Remembers which connections already carried a request. aiohttp's tracing
+    (`on_connection_reuseconn`) says the same, but costs ~15 us on every request."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._carried: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
+        conn = await super().connect(req, traces, timeout)
+        proto = conn.protocol
+        if proto is not None:
+            if proto in self._carried:
+                _REUSED.set(True)
+            else:
+                self._carried.add(proto)
+        return conn
+
+
+def _session(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",),
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )
+
+
+def open_sessions() -> tuple[aiohttp.ClientSession, aiohttp.ClientSession]:
+    """(pooled, fresh): keep-alive connections for everything, and a session that opens
+    a new connection for each request (only the stale-connection retries use it)."""
+    # Idle connections are dropped before vLLM's server drops them (uvicorn's 5 s
+    # keep-alive), so after an idle gap the first request does not meet a closed one.
+    pooled = _session(_Connector(limit=4096, limit_per_host=0, ttl_dns_cache=10,
+                                 keepalive_timeout=KEEPALIVE_S))
+    fresh = _session(aiohttp.TCPConnector(limit=0, force_close=True, ttl_dns_cache=10))
+    return pooled, fresh
+
+
+class Sessions:
+    """POSTs to P with the stale-connection retry, and the prefill leg's request."""
+
+    async def _post(self, b: Backend, path: str, payload: bytes | Callable[[], bytes],
+                    rid: str, auth: str | None, timeout: aiohttp.ClientTimeout,
+                    retry_stale: bool = True) -> aiohttp.ClientResponse:
+        """The response, its head read; the caller closes it. A callable payload is built
+        again for the stale-connection retry: the body carries a single-use proof, which
+        the engine may have seen on the first attempt."""
+        assert self.session is not None and self.fresh is not None
+        headers = self._headers(rid, auth)
+        _REUSED.set(False)
+        try:
+            return await self.session.post(
+                b.url + path, data=payload() if callable(payload) else payload,
+                headers=headers, timeout=timeout)
+        except UPSTREAM_FAILURES as exc:
+            if not retry_stale or not _REUSED.get() or not stale_connection(exc):
+                raise
+            self.metrics.retries.labels(STALE_RETRY).inc()
+            log.info("kept-alive connection to %s failed before a response (%s); retrying "
+                     "on a new connection rid=%s", b.url, classify(exc)[1], rid)
+        return await self.fresh.post(
+            b.url + path, data=payload() if callable(payload) else payload,
+            headers=headers, timeout=timeout)
+
+    async def _post_prefill(self, p: Backend, path: str,
+                            payload: bytes | Callable[[], bytes], rid: str,
+                            auth: str | None) -> dict[str, Any]:
+        try:
+            resp = await self._post(p, path, payload, rid, auth, self._t_prefill)
+            async with resp:
+                body = await resp.read()
+                status = resp.status
+        except UPSTREAM_FAILURES as exc:
+            kind, detail = classify(exc)
+            raise UpstreamFailure("prefill", p, kind, detail=detail) from None
+        if status != 200:
+            raise UpstreamFailure("prefill", p, "status", status, body, f"HTTP {status}")
+        try:
+            data = loads(body)
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise UpstreamFailure("prefill", p, "protocol", detail="reply is not a JSON object")
+        return data

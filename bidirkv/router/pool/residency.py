@@ -1,0 +1,177 @@
+"""The router's side of decode residency: it owns the handles, so it says what goes.
+
+Decode keeps a conversation's blocks only for the router that holds the handle to them
+(the engines' side is bidirkv/connector/core/residency.py). Per decode replica, this module:
+- queues the request ids of every handle the store drops without P having read it
+  (superseded, LRU, TTL, watermark, an explicit end, a failed or cancelled reuse) and
+  sends them to `POST /bidirkv/residency` at once, in batches, off the request path;
+- renews this router's lease on the same route every health round (decode releases
+  the handles of a router that stops calling: gone, or restarted with a new id);
+- learns the replica's capacity from the answer, so the store can keep the blocks its
+  handles pin under `retentionWatermark` of it.
+
+Nothing here waits on a request: a failed call costs only reuse (decode's lease and
+pressure reclaim still free the blocks), and its releases go again with the next call. A
+batch decode refuses (400) does not hold the lease back: the renewal goes alone. A replica
+without the route (404: plugin off) is remembered and left alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from bidirkv.router.codec import dumps, loads
+from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION
+
+log = logging.getLogger("bidirkv.router")
+
+BATCH = 1000
+# Releases kept for a retry while a replica does not answer; past this the oldest go
+# (decode frees them anyway once this router's lease lapses, or under pressure).
+MAX_PENDING = 100_000
+# Reasons the store drops a handle whose blocks decode can no longer hold for us, or
+# already freed: nothing to release.
+NO_RELEASE = frozenset({"engine_changed", "replica_removed", "replica_unhealthy"})
+
+
+@dataclass
+class Replica:
+    url: str
+    pending: list[str] = field(default_factory=list)
+    num_blocks: int | None = None  # from the engine; None until it answered
+    supported: bool = True
+    last: dict[str, Any] = field(default_factory=dict)  # the engine's last report
+
+
+class Residency:
+    def __init__(self, lease_seconds: float, timeout: aiohttp.ClientTimeout,
+                 on_result: Callable[[str, str, int], None] | None = None,
+                 owner: str | None = None) -> None:
+        # A new id per process: a restarted router is a new owner, and decode frees the
+        # old one's blocks when its lease lapses.
+        self.owner = owner or f"router-{uuid.uuid4().hex[:16]}"
+        self.lease_seconds = lease_seconds
+        self.timeout = timeout
+        self.replicas: dict[str, Replica] = {}
+        self._on_result = on_result or (lambda url, result, n: None)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def replica(self, url: str) -> Replica:
+        r = self.replicas.get(url)
+        if r is None:
+            r = self.replicas[url] = Replica(url)
+        return r
+
+    def forget(self, url: str) -> None:
+        self.replicas.pop(url, None)
+
+    def capacity(self, url: str) -> int | None:
+        r = self.replicas.get(url)
+        return r.num_blocks if r is not None else None
+
+    # -- called by the store's evict hook (synchronous, on the request path) -------------
+    def release(self, reason: str, entries: list[Any]) -> int:
+        if reason in NO_RELEASE:
+            return 0
+        n = 0
+        for e in entries:
+            if e.request_id:
+                n += self.release_ids(e.decode_url, [e.request_id])
+        return n
+
+    def release_ids(self, url: str, request_ids: list[str]) -> int:
+        r = self.replica(url)
+        if not r.supported:
+            return 0  # nobody to tell: a replica without the route frees by vLLM's TTL
+        r.pending.extend(request_ids)
+        if request_ids:
+            self._wake.set()
+        return len(request_ids)
+
+    @staticmethod
+    def _requeue(r: Replica, batch: list[str]) -> None:
+        r.pending = (batch + r.pending)[-MAX_PENDING:]
+
+    # -- the sender --------------------------------------------------------------------
+    def start(self, session: aiohttp.ClientSession) -> None:
+        self._task = asyncio.create_task(self._flush_loop(session), name="router-residency")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _flush_loop(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            todo = [r for r in self.replicas.values() if r.pending and r.supported]
+            await asyncio.gather(*(self.call(session, r.url) for r in todo))
+
+    async def call(self, session: aiohttp.ClientSession, url: str) -> bool:
+        """One call to a replica: renew the lease, send pending releases, read capacity."""
+        r = self.replica(url)
+        if not r.supported:
+            return False
+        batch, r.pending = r.pending[:BATCH], r.pending[BATCH:]
+        body = {"owner": self.owner, "leaseSeconds": self.lease_seconds, "release": batch,
+                RESIDENCY_VERSION_FIELD: VERSION}
+        try:
+            async with session.post(url + RESIDENCY_PATH, data=dumps(body), timeout=self.timeout,
+                                    headers={"Content-Type": "application/json"}) as resp:
+                raw, status = await resp.read(), resp.status
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            # Kept for the next round (bounded): a replica that was briefly away still
+            # gets told, instead of holding the blocks until this router's lease lapses.
+            self._requeue(r, batch)
+            self._on_result(url, "error", len(batch))
+            log.debug("residency call failed url=%s: %s", url, type(exc).__name__)
+            return False
+        if status == 400 and batch:
+            # Decode refused this batch: renew the lease alone, so a batch it cannot take
+            # never costs every conversation of this router (decode skips ids it cannot
+            # read, so this is a decode of another version). The batch is dropped: sent
+            # again it would be refused again.
+            log.warning("decode %s refused a release batch of %d: %s", url, len(batch),
+                        raw[:200])
+            self._on_result(url, "refused", len(batch))
+            return await self.call(session, url)
+        if status == 409:
+            # Decode speaks another wire version: nothing it would do with the call is
+            # what this router means. Keep the releases for after the upgrade settles.
+            self._requeue(r, batch)
+            self._on_result(url, "wire_version", len(batch))
+            log.warning("decode %s refused the residency call: %s", url, raw[:200])
+            return False
+        if status == 404:
+            r.supported = False
+            self._on_result(url, "unsupported", len(batch))
+            log.warning("decode %s has no %s (bidir-kv plugin not loaded?): its retained "
+                        "KV is freed only by vLLM's TTL", url, RESIDENCY_PATH)
+            return False
+        try:
+            report = loads(raw) if status == 200 else None
+        except ValueError:
+            report = None
+        if not isinstance(report, dict):
+            self._requeue(r, batch)
+            self._on_result(url, "error", len(batch))
+            return False
+        n = report.get("numBlocks")
+        if isinstance(n, int) and n > 0:
+            r.num_blocks = n
+        r.last = report
+        self._on_result(url, "ok", len(batch))
+        if r.pending:
+            self._wake.set()
+        return True

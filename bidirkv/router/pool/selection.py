@@ -1,0 +1,70 @@
+"""Which replica serves a leg: pure functions over the pools' current state."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from bidirkv.router.pool.backends import Backend
+
+
+def least_outstanding(
+    backends: Sequence[Backend], start: int = 0, exclude: Collection[Backend] = ()
+) -> Backend | None:
+    """Healthy replica with the fewest legs in flight.
+
+    Ties are broken by scanning from `start` (a rotating counter), so an idle cluster
+    still spreads sequential requests instead of always picking the first replica.
+    """
+    n = len(backends)
+    best: Backend | None = None
+    for i in range(n):
+        b = backends[(start + i) % n]
+        if not b.healthy or b in exclude:
+            continue
+        if best is None or b.outstanding < best.outstanding:
+            best = b
+            if b.outstanding == 0:
+                break
+    return best
+
+
+def holder_of(
+    decodes: Sequence[Backend], decode_url: str | None, remote_host: str | None
+) -> Backend | None:
+    """The decode replica holding a handle's blocks: by the URL the handle came from, else
+    by its `remote_host` when exactly one replica has that host (ports in params are NIXL
+    side-channel ports, not HTTP ports, so a host shared by replicas is ambiguous)."""
+    if decode_url:
+        for b in decodes:
+            if b.url == decode_url:
+                return b
+    if remote_host:
+        same = [b for b in decodes if b.host == remote_host]
+        if len(same) == 1:
+            return same[0]
+    return None
+
+
+# How many more legs in flight the holder may have than the least loaded replica and still
+# get the turn. The holder is worth a little: its prefix cache still has the history, so
+# D pulls less from P. It is not worth a queue: P reads the holder's blocks on its own leg
+# whichever replica decodes, so any replica can decode the turn.
+HOLDER_SLACK = 4
+
+
+def pick_decode(
+    decodes: Sequence[Backend],
+    start: int = 0,
+    exclude: Collection[Backend] = (),
+    decode_url: str | None = None,
+    remote_host: str | None = None,
+    slack: int = HOLDER_SLACK,
+) -> Backend | None:
+    """The conversation's holder when it is usable and not much busier than the least
+    loaded replica (`slack` legs), else the least loaded replica."""
+    best = least_outstanding(decodes, start, exclude)
+    holder = holder_of(decodes, decode_url, remote_host)
+    if holder is not None and holder.healthy and holder not in exclude and (
+            best is None or holder.outstanding <= best.outstanding + slack):
+        return holder
+    return best

@@ -1,0 +1,5 @@
+"""What a client sends, read before anything is forwarded: body limits, request
+checks with OpenAI-style errors, the tenant and the conversation's lookup keys.
+
+Imports the router's leaf modules only; never `store`, `pool`, `datapath` or `server`.
+"""

@@ -1,0 +1,175 @@
+"""Client request checks: what the router itself relies on, with OpenAI-style errors.
+
+Only fields the router reads or rewrites are checked here (the engines validate the
+rest); each error names the field, the value and what is allowed, and is a 4xx.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bidirkv.router.codec import HAVE_ORJSON, dumps, loads
+from bidirkv.router.request.bodycheck import (
+    container_problem,
+    deep_message,
+    depth_problem,
+    nesting_problem,
+    surrogate_problem,
+)
+
+CHAT = "chat"
+COMPLETIONS = "completions"
+MAX_CONVERSATION_ID = 512
+
+
+class ClientError(Exception):
+    """A request the client must fix; becomes an OpenAI-style error response."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_
+
+
+def error_body(message: str, type_: str, param: str | None = None,
+               code: int | str | None = None) -> bytes:
+    return dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _bad(field: str, value: Any, allowed: str) -> ClientError:
+    return ClientError(400, f"{field}: {_show(value)} is not allowed; expected {allowed}", field)
+
+
+class ParsedRequest:
+    __slots__ = ("body", "stream", "conversation_id")
+
+    def __init__(self, body: dict[str, Any], stream: bool, conversation_id: str | None) -> None:
+        self.body = body
+        self.stream = stream
+        self.conversation_id = conversation_id
+
+
+def _positive_int(body: dict[str, Any], field: str) -> None:
+    value = body.get(field)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _bad(field, value, "a positive integer")
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list):
+        raise _bad("messages", messages, "a list of message objects")
+    if not messages:
+        raise _bad("messages", messages, "a non-empty list of message objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}]", m, "an object with a `role`")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise _bad(f"messages[{i}].role", role, "a non-empty string")
+
+
+def _check_prompt(prompt: Any) -> None:
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            return
+        if all(
+            isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
+                                              for t in p)
+            for p in prompt
+        ):
+            return
+    raise _bad(
+        "prompt", prompt,
+        "a string, a list of strings, a list of token ids or a list of token-id lists",
+    )
+
+
+def _within_model(body: dict[str, Any], max_model_len: int | None) -> None:
+    if max_model_len is None:
+        return
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = body.get(field)
+        if isinstance(value, int) and value > max_model_len:
+            raise ClientError(400, f"{field}: {value} is more than the model's context length "
+                              f"({max_model_len} tokens)", field)
+
+
+def parse_request(raw: bytes, kind: str, header_conversation_id: str | None,
+                  max_model_len: int | None = None,
+                  max_containers: int | None = None) -> ParsedRequest:
+    """Validate and take apart a client body.
+
+    Consumed here and never forwarded upstream: `conversation_id` (ours) and
+    `kv_transfer_params` (only the router may tell engines where KV lives).
+    """
+    # orjson stops past 1024 levels by itself, and the depth is checked once parsed;
+    # the standard library's parser would recurse, so without orjson it is checked first.
+    if problem := ((max_containers is not None and container_problem(raw, max_containers))
+                   or (not HAVE_ORJSON and nesting_problem(raw))
+                   or surrogate_problem(raw)):
+        raise ClientError(400, problem)
+    try:
+        body = loads(raw)
+    except (ValueError, RecursionError) as exc:
+        if "depth limit" in str(exc):  # orjson, past its own limit
+            raise ClientError(400, deep_message()) from None
+        raise ClientError(400, f"request body is not valid JSON: {exc}") from None
+    if HAVE_ORJSON and (problem := depth_problem(body)):
+        raise ClientError(400, problem)
+    if not isinstance(body, dict):
+        raise ClientError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    if kind == CHAT:
+        if "messages" not in body:
+            raise ClientError(400, "messages: required for /v1/chat/completions", "messages")
+        _check_messages(body["messages"])
+    else:
+        if "prompt" not in body:
+            raise ClientError(400, "prompt: required for /v1/completions", "prompt")
+        _check_prompt(body["prompt"])
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
+    elif not isinstance(stream, bool):
+        raise _bad("stream", stream, "true or false")
+    for field in ("max_tokens", "max_completion_tokens", "n"):
+        _positive_int(body, field)
+    _within_model(body, max_model_len)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("model", model, "a string")
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise _bad("stream_options", so, "an object")
+
+    body.pop("kv_transfer_params", None)
+    conversation_id = body.pop("conversation_id", None)
+    if conversation_id is None:
+        conversation_id = header_conversation_id
+        field = "X-Conversation-Id"
+    else:
+        field = "conversation_id"
+    if conversation_id is not None:
+        if not isinstance(conversation_id, str) or not conversation_id:
+            raise _bad(field, conversation_id, "a non-empty string")
+        if len(conversation_id) > MAX_CONVERSATION_ID:
+            raise ClientError(
+                400,
+                f"{field}: {len(conversation_id)} characters is too long; "
+                f"at most {MAX_CONVERSATION_ID} allowed",
+                field,
+            )
+    return ParsedRequest(body, stream, conversation_id)

@@ -1,0 +1,152 @@
+"""The router's HTTP routes: the OpenAI-compatible API, conversations, health, readiness,
+metrics; and the middleware that turns every error into a JSON body."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from bidirkv.router.codec import dumps, dumps_kept, loads
+from bidirkv.router.datapath.prefillonly import UNAVAILABLE
+from bidirkv.router.datapath.proxy import Router, json_error, json_response
+from bidirkv.router.request.validation import CHAT, COMPLETIONS, MAX_CONVERSATION_ID
+from bidirkv.router.store.base import StoreUnavailable
+
+log = logging.getLogger("bidirkv.router")
+
+ROUTER = web.AppKey("router", Router)
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """404/405/unexpected errors as OpenAI-style JSON; nothing a client sends is a 500."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+        if exc.status == 404:
+            msg = f"no route {request.method} {request.path}"
+        elif exc.status == 405:
+            msg = f"method {request.method} not allowed on {request.path}; allowed: " + \
+                headers.get("Allow", "")
+        else:
+            msg = exc.reason
+        return json_error(exc.status, msg, "not_found" if exc.status == 404 else
+                          "invalid_request_error", headers=headers)
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s rid=%s", request.method, request.path,
+                      request.headers.get("X-Request-Id", "-"))
+        return json_error(500, "internal router error", "internal_error")
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await request.app[ROUTER].handle_generate(request, CHAT)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[ROUTER].handle_generate(request, COMPLETIONS)
+
+
+async def _models(request: web.Request) -> web.StreamResponse:
+    return await request.app[ROUTER].handle_models(request)
+
+
+async def _end_conversation(request: web.Request) -> web.Response:
+    """DELETE /v1/conversations/{id}: 204 when this tenant had a handle for it, else 404."""
+    router = request.app[ROUTER]
+    cid = request.match_info["conversation_id"]
+    if len(cid) > MAX_CONVERSATION_ID:
+        return json_error(400, f"conversation id: {len(cid)} characters is too long; at most "
+                          f"{MAX_CONVERSATION_ID} allowed", param="conversation_id")
+    tenant = router.keys.tenant_of(request.headers.get(router.cfg.tenant_header))
+    if await router.end_conversation(tenant, cid):
+        return web.Response(status=204)
+    return json_error(404, "no stored conversation with this id for this tenant (never "
+                      "stored, already ended, expired or released)", "not_found",
+                      param="conversation_id")
+
+
+async def _health(request: web.Request) -> web.Response:
+    return json_response(200, b'{"status":"ok"}')
+
+
+async def _ready(request: web.Request) -> web.Response:
+    router = request.app[ROUTER]
+    mode, reason = router.serving_mode()
+    body = dumps({
+        "ready": mode != UNAVAILABLE,
+        # prefill-only still serves: see bidirkv/router/datapath/prefillonly.py
+        "mode": mode, "reason": reason,
+        "prefill": {"healthy": len(router.prefill.healthy()),
+                    "total": len(router.prefill.backends)},
+        "decode": {"healthy": len(router.decode.healthy()),
+                   "total": len(router.decode.backends)},
+        # Serving goes on without reuse while a shared store is away.
+        "handleStore": {"shared": router.store.owner is not None
+                        or router.cfg.handle_store is not None,
+                        "available": router.store.available},
+    })
+    return json_response(503 if mode == UNAVAILABLE else 200, body)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    router = request.app[ROUTER]
+    with contextlib.suppress(StoreUnavailable):
+        router.metrics.handles.set(await router.store.count())
+    for b in router.backends():
+        router.metrics.backend_outstanding.labels(b.role, b.url).set(b.outstanding)
+    body, ctype = router.metrics.exposition()
+    resp = web.Response(body=body)
+    resp.headers["Content-Type"] = ctype
+    return resp
+
+
+async def _debug_fill(request: web.Request) -> web.Response:
+    """POST {"count": N, "blocks": B}: N handles shaped like D's, via the store's put."""
+    router = request.app[ROUTER]
+    spec = loads(await request.read() or b"{}")
+    count, blocks = int(spec.get("count", 1000)), int(spec.get("blocks", 64))
+    base = await router.store.count()
+    decode = router.decode.backends[0].url if router.decode.backends else "http://decode"
+    for i in range(count):
+        n = base + i
+        params = {
+            "do_remote_prefill": False, "do_remote_decode": True,
+            "remote_block_ids": [[100000 + (n * blocks + j) % 900000 for j in range(blocks)]],
+            "remote_engine_id": "a3f1c2d4-5e6f-4a7b-8c9d-0e1f2a3b4c5d",
+            "remote_request_id": f"chatcmpl-{n:032x}", "remote_host": "10.0.12.34",
+            "remote_port": 5600, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
+            "remote_num_tokens": blocks * 16 - 1, "remote_blocks_expiry_time": 12345.678,
+            "transfer_mode": "pull",
+        }
+        key = n.to_bytes(16, "big")
+        await router.store.put(key, dumps_kept(params), decode, params["remote_engine_id"],
+                               params["remote_num_tokens"])
+    return json_response(200, dumps({"stored": await router.store.count()}))
+
+
+def add_metrics_routes(app: web.Application) -> None:
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/health", _health)
+
+
+def add_routes(app: web.Application, debug: bool, metrics: bool = True) -> None:
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_delete("/v1/conversations/{conversation_id}", _end_conversation)
+    app.router.add_get("/ready", _ready)
+    if metrics:
+        add_metrics_routes(app)
+    else:
+        app.router.add_get("/health", _health)
+    if debug:
+        app.router.add_post("/debug/fill-handles", _debug_fill)

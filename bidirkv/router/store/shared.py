@@ -1,0 +1,314 @@
+"""Decode handles in a Redis-protocol store (Valkey, Redis, ElastiCache non-cluster).
+
+Keys, under a prefix (default `bidirkv:`):
+    h:<key>          the entry (JSON), with a store-side TTL (the router's TTL + a minute,
+                     a safety net: the routers' sweep removes entries at their TTL)
+    order            zset key -> stored-at ms: TTL sweep and the LRU bound
+    rep:<decode url> zset key -> store order: one replica's entries, oldest first
+    pin              hash decode url -> blocks pinned by stored handles
+    len:<tenant>     zset key -> prompt-prefix length (completions identified by prefix)
+    owner            the id decode keeps retained KV for, shared by every router
+and the per-tenant indexes that make the bounds fair (bidirkv/router/store/scripts.py).
+
+Every change of one entry is one Lua script, so it is atomic: two routers taking the same
+handle, one gets it (single use); a put that replaces an entry returns the old one for
+release. Whoever removes an entry (sweep, LRU, watermark, end, replaced) hands it to
+`on_evict`, which releases its blocks on decode.
+
+Memory: the store holds at most `maxConversations` entries (the LRU bound, enforced by
+the routers); run the server with `maxmemory-policy noeviction` so it never drops an
+index entry behind the routers' backs.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from bidirkv.router.codec import dumps, loads
+from bidirkv.router.store.base import EvictHook, PrefixKeys, StoreUnavailable
+from bidirkv.router.store.handles import EXPIRED, HIT, MISS, Entry
+from bidirkv.router.store.scripts import PUT, TAKE, TRIM
+
+SAFETY_TTL_MS = 60_000
+POOL = 64
+SCAN = 200
+# A store call is on a request's path: a healthy server answers in a millisecond, so a
+# call that takes this long counts as a failure.
+CALL_TIMEOUT_S = 0.5
+# The breaker: after this many failures in a row, calls fail at once (the turn is served
+# without reuse) for BREAKER_OPEN_S; then one call tries again.
+BREAKER_FAILURES = 3
+BREAKER_OPEN_S = 5.0
+
+TRIM_LIMIT = 1000
+
+
+def _entry(raw: bytes | str) -> Entry:
+    d = loads(raw)
+    e = Entry(bytes.fromhex(d["key"]), d["params"].encode(), d["decode_url"], d["engine_id"],
+              d["num_tokens"], d["expires_at"],
+              bytes.fromhex(d["tenant"]) if d.get("tenant") else None, d["prefix_len"],
+              d.get("request_id"), d.get("blocks", 0))
+    e.reserved = True
+    return e
+
+
+def _value(e: Entry, stored_ms: int) -> bytes:
+    d = {
+        "key": e.key.hex(), "params": e.params.decode(), "decode_url": e.decode_url,
+        "engine_id": e.engine_id, "num_tokens": e.num_tokens, "expires_at": e.expires_at,
+        "prefix_len": e.prefix_len, "request_id": e.request_id, "blocks": e.blocks,
+        "stored_ms": stored_ms,
+    }
+    if e.tenant is not None:  # absent, not null: Lua's cjson null is truthy
+        d["tenant"] = e.tenant.hex()
+    return dumps(d)
+
+
+class RedisStore:
+    def __init__(self, client: Any, ttl_seconds: float, max_entries: int, on_evict: EvictHook,
+                 prefix: str = "bidirkv:", clock: Any = time.time,
+                 on_error: Any = None) -> None:
+        self.r = client
+        self.ttl = ttl_seconds
+        self.max_entries = max_entries
+        self.max_per_tenant: int | None = None
+        self.prefix = prefix
+        self._on_evict = on_evict
+        self._on_error = on_error or (lambda op: None)
+        self._clock = clock
+        self._take = client.register_script(TAKE)
+        self._put = client.register_script(PUT)
+        self._trim_script = client.register_script(TRIM)
+        self.owner: str | None = None
+        self._available = True
+        self._failures = 0  # in a row
+        self._open_until = 0.0  # monotonic; calls fail at once before it
+
+    @classmethod
+    def from_url(cls, url: str, password: str | None, ttl_seconds: float, max_entries: int,
+                 on_evict: EvictHook, **kw: Any) -> RedisStore:
+        import redis.asyncio as redis
+
+        # A bounded pool that waits for a free connection: under a burst, requests queue
+        # for a moment instead of failing with "too many connections".
+        pool = redis.BlockingConnectionPool.from_url(
+            url, password=password or None, max_connections=POOL, timeout=CALL_TIMEOUT_S,
+            socket_timeout=CALL_TIMEOUT_S, socket_connect_timeout=CALL_TIMEOUT_S,
+            health_check_interval=5)
+        return cls(redis.Redis(connection_pool=pool), ttl_seconds, max_entries, on_evict, **kw)
+
+    @property
+    def available(self) -> bool:
+        return self._available and time.monotonic() >= self._open_until
+
+    def configure(self, ttl_seconds: float, max_entries: int,
+                  max_per_tenant: int | None = None) -> None:
+        self.ttl, self.max_entries = ttl_seconds, max_entries
+        self.max_per_tenant = max_per_tenant
+
+    # -- plumbing ---------------------------------------------------------------------
+    def _k(self, name: str) -> str:
+        return self.prefix + name
+
+    async def _call(self, op: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        import redis
+
+        if time.monotonic() < self._open_until:
+            self._on_error(op)
+            raise StoreUnavailable(f"handle store {op}: not tried, {self._failures} calls "
+                                   "in a row failed")
+        try:
+            out = await fn(*args, **kw)
+        except (redis.RedisError, OSError) as exc:
+            # Every error, not only a lost connection: READONLY after a failover, OOM under
+            # noeviction, NOPERM, a failing script or a slow answer leave the store as
+            # unusable, and a turn served without reuse beats a 500 or a stall.
+            self._available = False
+            self._failures += 1
+            if self._failures >= BREAKER_FAILURES:
+                self._open_until = time.monotonic() + BREAKER_OPEN_S
+            self._on_error(op)
+            raise StoreUnavailable(f"handle store {op}: {exc}") from None
+        self._available = True
+        self._failures = 0
+        return out
+
+    async def start(self) -> None:
+        """The shared owner id (created by the first router that asks)."""
+        await self._call("owner", self.r.set, self._k("owner"),
+                         f"store-{secrets.token_hex(8)}", nx=True)
+        raw = await self._call("owner", self.r.get, self._k("owner"))
+        self.owner = raw.decode() if isinstance(raw, bytes) else raw
+
+    async def close(self) -> None:
+        await self.r.aclose()
+
+    async def _take_key(self, keyhex: str) -> Entry | None:
+        raw = await self._call("take", self._take, keys=[self._k("h:" + keyhex),
+                                                          self._k("order")],
+                               args=[keyhex, self.prefix])
+        return _entry(raw) if raw else None
+
+    def _evicted(self, reason: str, entries: list[Entry]) -> None:
+        if entries:
+            self._on_evict(reason, entries)
+
+    # -- the reservation protocol -------------------------------------------------------
+    async def lookup(self, key: bytes) -> tuple[str, Entry | None]:
+        entry = await self._take_key(key.hex())
+        if entry is None:
+            return MISS, None
+        if entry.expires_at <= self._clock():
+            self._evicted("ttl", [entry])
+            return EXPIRED, None
+        return HIT, entry
+
+    async def lookup_prefix(self, tenant: bytes, text: str, key_of: PrefixKeys
+                            ) -> tuple[str, Entry | None]:
+        found = await self._call("prefix", self.r.zrangebyscore, self._k("len:" + tenant.hex()),
+                                 0, len(text), withscores=True)
+        by_len: dict[int, set[str]] = {}
+        for member, score in found:
+            m = member.decode() if isinstance(member, bytes) else member
+            by_len.setdefault(int(score), set()).add(m)
+        outcome = MISS
+        for length, key in key_of(text, sorted(by_len)):
+            if key.hex() in by_len.get(length, ()):
+                status, entry = await self.lookup(key)
+                if status == HIT:
+                    return HIT, entry
+                if status == EXPIRED:
+                    outcome = EXPIRED
+        return outcome, None
+
+    async def _store(self, entry: Entry, only_if_absent: bool
+                     ) -> tuple[Entry | None, list[int]]:
+        """(the entry that was there, [entries stored, blocks pinned on its replica, the
+        tenant's entries, the tenant's blocks on the replica])."""
+        now_ms = int(self._clock() * 1000)
+        left_ms = max(1, int((entry.expires_at - self._clock()) * 1000))
+        keyhex = entry.key.hex()
+        old, *counts = await self._call(
+            "put", self._put, keys=[self._k("h:" + keyhex), self._k("order")],
+            args=[keyhex, _value(entry, now_ms), now_ms, left_ms + SAFETY_TTL_MS, self.prefix,
+                  "1" if only_if_absent else "0"])
+        return (_entry(old) if old else None), [int(c or 0) for c in counts]
+
+    async def put(self, key: bytes, params: bytes, decode_url: str, engine_id: str | None,
+                  num_tokens: int, *, tenant: bytes | None = None, prefix_len: int = 0,
+                  request_id: str | None = None, blocks: int = 0,
+                  max_pinned: int | None = None,
+                  tenant_max_pinned: int | None = None) -> None:
+        entry = Entry(key, params, decode_url, engine_id, num_tokens,
+                      self._clock() + self.ttl, tenant, prefix_len, request_id, blocks)
+        old, (count, pinned, mine, mine_pinned) = await self._store(entry,
+                                                                    only_if_absent=False)
+        if old is not None:
+            self._evicted("replaced", [old])
+        t = tenant.hex() if tenant is not None else ""
+        if self.max_per_tenant is not None and mine > self.max_per_tenant:
+            self._evicted("tenant_cap", await self._trim_index(
+                "tenant", "", t, self.max_per_tenant))
+        if count > self.max_entries:
+            await self._trim()
+        if tenant_max_pinned is not None and mine_pinned > tenant_max_pinned:
+            self._evicted("tenant_cap", await self._trim_index(
+                "tenantpin", decode_url, t, tenant_max_pinned))
+        if max_pinned is not None and pinned > max_pinned:
+            await self.trim_replica(decode_url, max_pinned)
+
+    async def release(self, entry: Entry) -> None:
+        """P was never asked: back in the store, unless a newer handle took its place."""
+        if entry.expires_at <= self._clock():
+            self._evicted("ttl", [entry])
+            return
+        newer, _ = await self._store(entry, only_if_absent=True)
+        if newer is not None:
+            self._evicted("replaced", [entry])
+
+    async def consume(self, entry: Entry) -> None:
+        return None  # taken at lookup: nothing left in the store
+
+    async def discard(self, entry: Entry, reason: str) -> None:
+        self._evicted(reason, [entry])
+
+    def forget(self, entry: Entry, reason: str) -> None:
+        self._evicted(reason, [entry])  # taken at lookup: only the blocks remain
+
+    async def end(self, key: bytes) -> bool:
+        entry = await self._take_key(key.hex())
+        if entry is None:
+            return False
+        self._evicted("ended", [entry])
+        return True
+
+    # -- bulk ------------------------------------------------------------------------------
+    async def _take_members(self, members: list[Any]) -> list[Entry]:
+        out = []
+        for m in members:
+            e = await self._take_key(m.decode() if isinstance(m, bytes) else m)
+            if e is not None:
+                out.append(e)
+        return out
+
+    async def _trim_index(self, kind: str, url: str, tenant: str, bound: int) -> list[Entry]:
+        raw = await self._call("trim", self._trim_script, keys=[],
+                               args=[self.prefix, kind, url, tenant, bound, TRIM_LIMIT])
+        return [_entry(v) for v in raw or ()]
+
+    async def _trim(self) -> None:
+        self._evicted("lru", await self._trim_index("count", "", "", self.max_entries))
+
+    async def trim_replica(self, decode_url: str, max_blocks: int,
+                           reason: str = "watermark") -> int:
+        doomed = await self._trim_index("pin", decode_url, "", max_blocks)
+        self._evicted(reason, doomed)
+        return len(doomed)
+
+    async def drop_replica(self, decode_url: str, reason: str,
+                           keep_engine_id: str | None = None) -> int:
+        rep = self._k("rep:" + decode_url)
+        members = await self._call("drop", self.r.zrange, rep, 0, -1)
+        doomed = []
+        for m in members:
+            keyhex = m.decode() if isinstance(m, bytes) else m
+            raw = await self._call("drop", self.r.get, self._k("h:" + keyhex))
+            if raw is None:  # expired by the server: TAKE still clears its indexes
+                await self._take_key(keyhex)
+                continue
+            if keep_engine_id is not None and loads(raw).get("engine_id") == keep_engine_id:
+                continue
+            e = await self._take_key(keyhex)
+            if e is not None:
+                doomed.append(e)
+        self._evicted(reason, doomed)
+        return len(doomed)
+
+    async def sweep(self) -> int:
+        """Entries past the TTL, taken out by whichever router gets to them first."""
+        cutoff = int((self._clock() - self.ttl) * 1000)
+        doomed: list[Entry] = []
+        while True:
+            members = await self._call("sweep", self.r.zrangebyscore, self._k("order"),
+                                       "-inf", cutoff, start=0, num=SCAN)
+            if not members:
+                break
+            taken = await self._take_members(members)
+            doomed += [e for e in taken if e.expires_at <= self._clock()]
+            for e in taken:  # stored with a longer TTL by another router's config
+                if e.expires_at > self._clock():
+                    await self._store(e, only_if_absent=True)
+            if len(members) < SCAN:
+                break
+        self._evicted("ttl", doomed)
+        return len(doomed)
+
+    async def pinned(self, decode_url: str) -> int:
+        raw = await self._call("pinned", self.r.hget, self._k("pin"), decode_url)
+        return max(0, int(raw)) if raw is not None else 0
+
+    async def count(self) -> int:
+        return int(await self._call("count", self.r.zcard, self._k("order")))
