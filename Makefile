@@ -29,8 +29,16 @@ $(ENGINE_STAMP): $(DEV_STAMP)
 
 engine: $(ENGINE_STAMP)
 
+# The next vLLM release's wheel, read (never installed) by tests/test_vllm_next.py: the
+# plugin's patch targets checked against its source. pip picks this machine's wheel.
+VLLM_NEXT := 0.33.0
+VLLM_NEXT_STAMP := .cache/vllm-next/.fetched-$(VLLM_NEXT)
+$(VLLM_NEXT_STAMP): | $(PY)
+	$(PY) -m pip download -q --no-deps --only-binary :all: --dest .cache/vllm-next vllm==$(VLLM_NEXT)
+	touch $@
+
 # The data-plane suites run real vLLM CPU servers, so the tests need the engine stack.
-test: $(ENGINE_STAMP)
+test: $(ENGINE_STAMP) $(VLLM_NEXT_STAMP)
 	$(BIN)/ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider
 

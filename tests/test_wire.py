@@ -48,3 +48,11 @@ def test_version_problem_names_both_versions():
     for other in (None, wire.VERSION + 1, str(wire.VERSION), True):
         problem = wire.version_problem(other, "the leg")
         assert problem and repr(other) in problem and str(wire.VERSION) in problem
+
+
+def test_protocol_doc_gives_the_count_of_patched_targets():
+    from bidirkv.connector import plugin
+
+    text = (ROOT / "docs" / "protocol.md").read_text()
+    count = int(re.search(r"The plugin patches \*\*(\d+) targets\*\*", text).group(1))
+    assert count == len(plugin.REQUIRED_TARGETS) + len(plugin.OPTIONAL_TARGETS)
