@@ -10,7 +10,7 @@ It renews the owner's lease (its handles survive only while it calls), frees the
 handles the router dropped, and reports decode's capacity. Loaded through vLLM's
 `vllm.endpoint_plugins` entry point, which vLLM loads only when `VLLM_PLUGINS` names it
 (the operator sets `VLLM_PLUGINS=bidirkv` on engine pods). The work runs in the engine
-core as a utility call (`EngineCore.bidirkv_residency`, patch_residency.py), between steps,
+core as a utility call (`EngineCore.bidirkv_residency`, patches/residency.py), between steps,
 where the scheduler owns the blocks.
 """
 

@@ -126,7 +126,7 @@ class Settings:
             # elsewhere either way.
             keep_affinity=self.keep_affinity is not False,
             # None: leave vLLM's choice (the thread is on) alone.
-            # On CPU the thread is on, with a wait (patch_cpu.py); None: leave vLLM's
+            # On CPU the thread is on, with a wait (patches/cpu.py); None: leave vLLM's
             # choice (the thread is on, NIXL polling without a wait) alone.
             nixl_progress_thread=(
                 self.nixl_progress_thread

@@ -23,7 +23,7 @@ asks decode for a *grant* over the side channel right before it reads. A grant a
 release are decided under one lock: once granted, nothing but the read's notification
 (or vLLM's TTL, which prefill already stays clear of) frees the blocks; once a release
 was decided, a grant is refused and prefill recomputes. Both transitions happen here;
-the vLLM patches only move ids in and out (patch_residency.py).
+the vLLM patches only move ids in and out (connector/patches/residency.py).
 
 The engine thread (scheduler, utility calls) and the side-channel thread (grants) share
 one instance per engine-core process.

@@ -78,7 +78,7 @@ def peer_transfer_pending(engine, now: float | None = None) -> bool:
     such a wait must stay short: polling every 20 ms here made every P/D request wait up
     to 20 ms for its read and stalled D's streams (measured: P/D overhead at concurrency
     1 fell from +33 to +19 ms with a 1 ms poll). On the CPU platform the thread now runs,
-    sleeping between UCX events (patch_cpu.py), and this short poll only frees the read
+    sleeping between UCX events (patches/cpu.py), and this short poll only frees the read
     blocks sooner; it still carries transfers where that thread is off. Of the blocks
     this engine does not retain itself, only those of requests that arrived within
     PEER_WINDOW_S count: blocks nobody came to read (a client that sent only the prefill

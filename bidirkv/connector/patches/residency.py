@@ -15,11 +15,11 @@ Decode, engine-core process:
   vLLM's own expiry path (the worker frees them on this step, and the scheduler frees
   them when the worker reports them, exactly as for an expired TTL).
 - `NixlBaseConnector.update_connector_output`: freed requests leave the residency.
-- the side channel also answers read grants (patch_grants.py).
+- the side channel also answers read grants (grants.py).
 - `EngineCore.bidirkv_residency`: the utility the `/bidirkv/residency` route calls
   (renew an owner's lease, release handles the router dropped, report capacity).
 
-Prefill asks for a grant before it reads decode's retained blocks (patch_grants.py).
+Prefill asks for a grant before it reads decode's retained blocks (grants.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 No I/O here, so every rendering rule is tested without an API server and
 `bidir-kv render -f FILE` prints exactly what the operator would write. The engines'
-children are in renderengine.py, the router's in renderrouter.py, names in naming.py.
+children are in engine.py, the router's in router.py, names in naming.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One stored decode handle (`Entry`), the outcomes of a lookup, and the sorted index of
-stored prompt lengths that prefix lookups walk. Shared by both stores (store.py,
-redisstore.py)."""
+stored prompt lengths that prefix lookups walk. Shared by both stores (handles.py,
+shared.py)."""
 
 from __future__ import annotations
 
