@@ -21,7 +21,7 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
 
 from bidirkv.connector.core import lease  # noqa: E402
 from bidirkv.local.model import build_model, random_text  # noqa: E402
-from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION
+from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION, VERSION_KEY
 
 from .vllm_stack import (  # noqa: E402
     BLOCK,
@@ -165,7 +165,7 @@ def test_untracked_request_is_freed_on_release(stack):
     """Both flags false (no P handle): vLLM retained such requests and never freed them."""
     body = chat([{"role": "user", "content": random_text(300, seed=40)}], max_tokens=4)
     body["kv_transfer_params"] = {"do_remote_prefill": False, "do_remote_decode": False,
-                                  "bidirkv_proof": proof()}
+                                  "bidirkv_proof": proof(), VERSION_KEY: VERSION}
     status, out = post(stack.d_url + "/v1/chat/completions", body)
     assert status == 200, out
     handle = out["kv_transfer_params"]

@@ -26,6 +26,7 @@ from bidirkv.local.model import build_model
 from bidirkv.local.procs import Proc, merged_env, stop_all
 from bidirkv.operator.api.spec import parse_spec
 from bidirkv.proof import make_proof
+from bidirkv.wire import VERSION, VERSION_KEY
 
 KEY = "e2e-handle-key"
 
@@ -189,6 +190,7 @@ def prefill_leg(s: Stack, body: dict, handle: dict | None = None) -> dict:
                                         do_remote_prefill=False) if handle else dict(MISS))
     # What the router adds to a prefill leg too: without it P hands out no handle.
     pbody["kv_transfer_params"]["bidirkv_proof"] = proof()
+    pbody["kv_transfer_params"][VERSION_KEY] = VERSION
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     status, out = post(s.p_url + path, pbody)
     assert status == 200, out
@@ -198,7 +200,8 @@ def prefill_leg(s: Stack, body: dict, handle: dict | None = None) -> dict:
 def decode_leg(s: Stack, body: dict, p_out: dict, streamed: bool = True
                ) -> tuple[str, dict | None, list]:
     dbody = dict(body, stream=streamed,
-                 kv_transfer_params=dict(p_out["kv_transfer_params"], bidirkv_proof=proof()))
+                 kv_transfer_params=dict(p_out["kv_transfer_params"], bidirkv_proof=proof(),
+                                         **{VERSION_KEY: VERSION}))
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     if not streamed:
         status, out = post(s.d_url + path, dbody)
