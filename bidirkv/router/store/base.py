@@ -1,7 +1,8 @@
 """The handle store's interface (`Store`): one async protocol, two implementations.
 
-- `InProcessStore` (bidirkv/router/store/handles.py underneath): one router replica, the default.
-- `RedisStore` (bidirkv/router/store/shared.py): Valkey/Redis/ElastiCache shared by router
+- `InProcessStore` (memory.py, over handles.py's `HandleStore`): one router replica,
+  the default.
+- `RedisStore` (shared.py): Valkey/Redis/ElastiCache shared by router
   replicas, so turns of one conversation may reach any replica and survive restarts.
 
 Both keep the same semantics: tenant-scoped keys (the caller hashes them), single use

@@ -35,7 +35,7 @@ from bidirkv.router.store.base import EvictHook, PrefixKeys
 from bidirkv.router.store.entry import EXPIRED, HIT, MISS, Entry, Lengths
 from bidirkv.router.store.tally import Tally
 
-__all__ = ["EXPIRED", "HIT", "MISS", "Entry", "EvictHook", "HandleStore", "PrefixKeys"]
+__all__ = ["EXPIRED", "HIT", "MISS", "Entry", "HandleStore"]
 
 
 class HandleStore:
