@@ -17,7 +17,7 @@ P_REPLY = ["Served", " by", " prefill"]
 async def without_health_rounds(c):
     """Stop the background health loop: only the test's own requests (and its explicit
     check_health calls) then use the router's connection pool and change health."""
-    task = c.router._health_task
+    task = c.router.upkeep.health_task
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
@@ -31,7 +31,7 @@ async def ready(c):
 async def decodes_down(c, *decodes):
     for d in decodes or c.d:
         d.behaviour.health_status = 503
-    await c.router.check_health()
+    await c.router.health.check_health()
 
 
 async def test_prefill_closing_a_kept_alive_connection_is_retried_on_a_new_one():
@@ -120,7 +120,7 @@ async def test_no_healthy_decode_prefill_serves_whole_requests_until_decode_is_b
         assert 'reuse_total{outcome="miss"} 0.0' in m  # no prefill leg, no reuse to count
         # One decode is healthy again: the two legs, on that decode.
         c.d[1].behaviour.health_status = 200
-        await c.router.check_health()
+        await c.router.health.check_health()
         assert (await ready(c)) == (200, {**body, "mode": "disaggregated", "reason": None,
                                           "decode": {"healthy": 1, "total": 2}})
         r = await c.chat(U1, stream, conversation_id="a")

@@ -87,7 +87,7 @@ async def test_no_healthy_backends_is_503_with_retry_after():
     async with Cluster(config={"healthCheckIntervalSeconds": 3,
                                "prefillOnlyFallback": False}) as c:
         c.d[0].behaviour.health_status = 503
-        await c.router.check_health()
+        await c.router.health.check_health()
         r = await c.chat(U1)
         assert r["status"] == 503 and r["headers"]["Retry-After"] == "3"
         assert "decode" in r["error"]["error"]["message"]
@@ -97,11 +97,11 @@ async def test_no_healthy_backends_is_503_with_retry_after():
             assert "prefillOnlyFallback is off" in ready["reason"]
         c.d[0].behaviour.health_status = 200
         c.p[0].behaviour.health_status = 500
-        await c.router.check_health()
+        await c.router.health.check_health()
         r = await c.chat(U1)
         assert r["status"] == 503 and "prefill" in r["error"]["error"]["message"]
         c.p[0].behaviour.health_status = 200
-        await c.router.check_health()
+        await c.router.health.check_health()
         assert (await c.chat(U1))["status"] == 200
         assert len(c.p[0].generations()) == 1  # nothing was sent while unavailable
 
@@ -133,7 +133,7 @@ async def test_decode_turning_unhealthy_drops_its_handles():
         await c.chat(U1, conversation_id="a")
         assert len(c.router.store) == 1
         c.d[0].behaviour.health_status = 500
-        await c.router.check_health()
+        await c.router.health.check_health()
         assert len(c.router.store) == 0
         assert 'reason="replica_unhealthy"} 1.0' in await c.metrics()
 
@@ -189,10 +189,10 @@ async def test_reserved_handle_is_released_when_prefill_never_ran():
     async with Cluster(prefill=1) as c:
         r1 = await c.chat(U1, conversation_id="a")
         c.p[0].behaviour.health_status = 500
-        await c.router.check_health()
+        await c.router.health.check_health()
         assert (await c.chat(U1 + [r1["message"]], conversation_id="a"))["status"] == 503
         c.p[0].behaviour.health_status = 200
-        await c.router.check_health()
+        await c.router.health.check_health()
         await c.chat(U1 + [r1["message"]], conversation_id="a")
         assert c.p[0].generations()[1].has_handle
 
@@ -210,7 +210,7 @@ async def test_single_decode_failing_is_502_and_timeout_is_504():
         c.d[0].behaviour.fail_next = 1
         r = await c.chat(U1)
         assert r["status"] == 502  # not "no healthy decode": say what happened
-        c.router.set_health(c.router.decode.backends[0], True, "test")
+        c.router.health.set_health(c.router.decode.backends[0], True, "test")
         c.d[0].behaviour.hang = True
         r = await c.chat(U1, stream=True)
         assert r["status"] == 504 and r["error"]["error"]["type"] == "upstream_timeout"

@@ -56,10 +56,10 @@ async def test_bad_requests_get_a_400_naming_field_and_value(cluster, path, body
 async def test_max_tokens_above_the_models_context_is_refused_before_any_engine(cluster):
     # The router learns max_model_len (4096 on the fake engines) from prefill's /v1/models.
     for _ in range(100):
-        if cluster.router.max_model_len:
+        if cluster.router.ctx.max_model_len:
             break
         await asyncio.sleep(0.02)
-    assert cluster.router.max_model_len == 4096
+    assert cluster.router.ctx.max_model_len == 4096
     for field in ("max_tokens", "max_completion_tokens"):
         status, raw, _ = await cluster.post("/v1/chat/completions",
                                             {"messages": U1, field: 10**12})
@@ -138,7 +138,7 @@ async def test_health_ready_models_metrics(cluster):
 
 async def test_models_with_no_healthy_decode_come_from_prefill(cluster):
     cluster.d[0].behaviour.health_status = 500
-    await cluster.router.check_health()
+    await cluster.router.health.check_health()
     async with cluster.session.get(cluster.url + "/v1/models") as r:
         assert r.status == 200 and (await r.json())["data"][0]["id"] == "fake-model"
 
@@ -146,7 +146,7 @@ async def test_models_with_no_healthy_decode_come_from_prefill(cluster):
 async def test_models_with_no_healthy_decode_and_no_fallback_is_503():
     async with Cluster(config={"prefillOnlyFallback": False}) as c:
         c.d[0].behaviour.health_status = 500
-        await c.router.check_health()
+        await c.router.health.check_health()
         async with c.session.get(c.url + "/v1/models") as r:
             assert r.status == 503 and "Retry-After" in r.headers
 

@@ -162,7 +162,7 @@ async def test_a_refused_batch_does_not_hold_back_the_lease():
         c.d[0].behaviour.residency_status = 400
         calls = len(c.d[0].residency_calls)
         c.router.residency.release_ids(c.d[0].url, ["rid-a"])
-        assert not await c.router.residency.call(c.router.session, c.d[0].url)
+        assert not await c.router.residency.call(c.router.clients.pooled, c.d[0].url)
         sent = [call["release"] for call in c.d[0].residency_calls[calls:]]
         # The batch, then the renewal alone (a health round may call too).
         at = sent.index(["rid-a"])

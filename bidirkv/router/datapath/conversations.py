@@ -1,7 +1,4 @@
-"""Naming a request's conversation, taking its handle, storing the next one.
-
-Part of `Router` (bidirkv/router/datapath/proxy.py), which holds the state these methods use.
-"""
+"""Naming a request's conversation, taking its handle, storing the next one."""
 
 from __future__ import annotations
 
@@ -9,6 +6,7 @@ import logging
 from typing import Any
 
 from bidirkv.router.codec import dumps_kept
+from bidirkv.router.datapath.context import Context, quietly
 from bidirkv.router.datapath.sse import MessageCollector
 from bidirkv.router.datapath.upstream import Turn, handle_blocks
 from bidirkv.router.pool.backends import Backend
@@ -24,16 +22,21 @@ log = logging.getLogger("bidirkv.router")
 class Conversations:
     """Naming a request's conversation, taking its handle, storing the next one."""
 
-    async def _identify(self, turn: Turn, conversation_id: str | None) -> None:
-        store = self.store
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    async def identify(self, turn: Turn, conversation_id: str | None) -> None:
+        """Name the turn's conversation and take its handle from the store, if any."""
+        ctx = self.ctx
+        store = ctx.store
         body = turn.body
         key: bytes | None = None
         status, entry = MISS, None
         if conversation_id is not None:
             turn.conv = short_hash(conversation_id)
-            key = turn.store_key = self.keys.explicit_key(turn.tenant, conversation_id)
+            key = turn.store_key = ctx.keys.explicit_key(turn.tenant, conversation_id)
         elif turn.kind == CHAT:
-            turn.history = self.keys.chat_history(turn.tenant, body["messages"])
+            turn.history = ctx.keys.chat_history(turn.tenant, body["messages"])
             key = turn.history.lookup_key
             turn.conv = "auto:" + (key.hex()[:10] if key is not None else "new")
         elif isinstance(body.get("prompt"), str):
@@ -43,7 +46,7 @@ class Conversations:
                 status, entry = await store.lookup(key)
             elif turn.prompt is not None:
                 status, entry = await store.lookup_prefix(turn.tenant, turn.prompt,
-                                                          self.keys.prefix_keys(turn.tenant))
+                                                          ctx.keys.prefix_keys(turn.tenant))
                 turn.conv = "auto:" + (entry.key.hex()[:10] if entry is not None else "new")
         except StoreUnavailable:
             status, entry = MISS, None  # served without reuse (counted)
@@ -52,27 +55,29 @@ class Conversations:
             turn.entry = entry
             turn.holder_url = entry.decode_url
 
-    async def _store_handle(self, turn: Turn, d: Backend, params: dict[str, Any],
-                            collector: MessageCollector | None) -> None:
+    async def store_handle(self, turn: Turn, d: Backend, params: dict[str, Any],
+                           collector: MessageCollector | None) -> None:
+        """Keep decode's handle for the turn's conversation, or have D free its blocks."""
+        ctx = self.ctx
         engine = params.get("remote_engine_id")
         if not isinstance(engine, str):
             engine = None
         if engine is not None and d.engine_id != engine:
             if d.engine_id is not None:
                 log.warning("decode engine id changed (restart) url=%s", d.url)
-                self._background(self._quietly(self.store.drop_replica(
+                ctx.spawn(quietly(ctx.store.drop_replica(
                     d.url, "engine_changed", keep_engine_id=engine)))
             d.engine_id = engine
         rid = params.get("remote_request_id")
         rid = rid if isinstance(rid, str) else None
         key, prefix_len = None, 0
-        if not self.cfg.bidirectional or not d.in_pool or not d.healthy:
+        if not ctx.cfg.bidirectional or not d.in_pool or not d.healthy:
             pass
         elif turn.history is not None and collector is not None:
             key = turn.history.store_key(collector.message())
         elif turn.prompt is not None and collector is not None:
             text = turn.prompt + collector.text
-            key = self.keys.completion_key(turn.tenant, text)
+            key = ctx.keys.completion_key(turn.tenant, text)
             prefix_len = len(text)
         elif turn.store_key is not None:
             key = turn.store_key
@@ -80,28 +85,28 @@ class Conversations:
                                                             "decode's handle")):
             # No engine of this release would admit it: not worth a store entry.
             log.warning("%s; not stored url=%s", problem, d.url)
-            self.metrics.evictions.labels("wire_version").inc()
+            ctx.metrics.evictions.labels("wire_version").inc()
             key = None
         if key is None:
             # D retained the blocks for a handle nobody will ever send: free them now.
             if rid is not None and d.in_pool:
-                self.residency.release_ids(d.url, [rid])
+                ctx.residency.release_ids(d.url, [rid])
             return
         kv = dict(params)
         n = kv.get("remote_num_tokens")
         n = n if isinstance(n, int) and not isinstance(n, bool) else 0
         try:
-            limit = self.max_pinned(d.url)
-            share = self.cfg.tenant_retention_share
-            await self.store.put(
+            limit = ctx.max_pinned(d.url)
+            share = ctx.cfg.tenant_retention_share
+            await ctx.store.put(
                 key, dumps_kept(kv), d.url, engine, n, tenant=turn.tenant, prefix_len=prefix_len,
                 request_id=rid, blocks=handle_blocks(kv), max_pinned=limit,
                 tenant_max_pinned=int(share * limit) if limit is not None and share < 1
                 else None)
         except StoreUnavailable:
             if rid is not None:  # not kept anywhere: D frees the blocks now
-                self.residency.release_ids(d.url, [rid])
+                ctx.residency.release_ids(d.url, [rid])
 
     async def end_conversation(self, tenant: bytes, conversation_id: str) -> bool:
         """DELETE /v1/conversations/{id}: drop the handle, D frees its blocks now."""
-        return await self.store.end(self.keys.explicit_key(tenant, conversation_id))
+        return await self.ctx.store.end(self.ctx.keys.explicit_key(tenant, conversation_id))

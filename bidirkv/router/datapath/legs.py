@@ -1,7 +1,5 @@
-"""The prefill leg and the decode leg, with their retries and error answers.
-
-Part of `Router` (bidirkv/router/datapath/proxy.py), which holds the state these methods use.
-"""
+"""The prefill leg and the decode leg, with their retries; the decode leg's relay to the
+client, and the handle it hands to the conversation's bookkeeping."""
 
 from __future__ import annotations
 
@@ -9,7 +7,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import time
 from typing import Any
 
@@ -18,10 +15,13 @@ from aiohttp import web
 
 from bidirkv.proof import make_proof
 from bidirkv.router.codec import dumps, loads
+from bidirkv.router.datapath.context import Context, quietly
+from bidirkv.router.datapath.conversations import Conversations
+from bidirkv.router.datapath.health import Health
 from bidirkv.router.datapath.reusereport import reuse_report
+from bidirkv.router.datapath.sessions import Clients
 from bidirkv.router.datapath.sse import DONE, PARAMS, MessageCollector, SSEFilter, error_event
 from bidirkv.router.datapath.upstream import (
-    JSON_TYPE,
     PARAMS_MARKER,
     PATHS,
     UPSTREAM_FAILURES,
@@ -30,129 +30,121 @@ from bidirkv.router.datapath.upstream import (
     UpstreamFailure,
     classify,
     decode_body,
-    json_error,
     json_response,
     prefill_body,
+    rejected,
 )
 from bidirkv.router.pool.backends import DECODE, PREFILL, Backend
 from bidirkv.router.pool.selection import least_outstanding
-from bidirkv.router.request.validation import CHAT, error_body
+from bidirkv.router.request.validation import CHAT
 
 log = logging.getLogger("bidirkv.router")
 
 
+def prefill_payload(handle_key: bytes | None, body: dict[str, Any],
+                    handle: dict[str, Any] | None) -> bytes:
+    """The prefill leg's body, with a fresh single-use proof each time it is built
+    (a stale-connection retry builds it again: P may have seen the first proof)."""
+    proof = make_proof(handle_key) if handle_key else None
+    return dumps(prefill_body(body, handle, proof))
+
+
 class Legs:
-    """The prefill leg and the decode leg, with their retries and error answers."""
+    """The prefill leg and the decode leg (or a whole request on P), with their retries."""
 
-    def _unavailable(self, role: str) -> web.Response:
-        retry = str(max(1, math.ceil(self.cfg.health_check_interval_seconds)))
-        return json_error(503, f"no healthy {role} engine; retry later", "service_unavailable",
-                          headers={"Retry-After": retry})
+    def __init__(self, ctx: Context, clients: Clients, health: Health,
+                 conversations: Conversations) -> None:
+        self.ctx = ctx
+        self.clients = clients
+        self.health = health
+        self.conversations = conversations
 
-    def _failure(self, f: UpstreamFailure, rid: str) -> web.Response:
-        if f.kind == "timeout":
-            return json_error(504, f"{f.leg} engine timed out (request {rid})", "upstream_timeout")
-        what = f"HTTP {f.status}" if f.kind == "status" else f.kind
-        return json_error(502, f"{f.leg} engine failed: {what} (request {rid})", "upstream_error")
-
-    def _outcome_of(self, f: UpstreamFailure) -> str:
-        return "timeout" if f.kind == "timeout" else "upstream_error"
-
-    def _headers(self, rid: str, auth: str | None) -> dict[str, str]:
-        h = {"Content-Type": JSON_TYPE, "X-Request-Id": rid}
-        if auth:
-            h["Authorization"] = auth
-        return h
-
-    async def _prefill_leg(self, turn: Turn, rid: str) -> tuple[Backend, dict[str, Any]]:
-        assert self.session is not None
+    async def prefill_leg(self, turn: Turn, rid: str) -> tuple[Backend, dict[str, Any]]:
+        ctx = self.ctx
         tried: list[Backend] = []
         last: UpstreamFailure | None = None
         for attempt in range(2):
-            p = least_outstanding(self.prefill.backends, self.prefill.next_start(), tried)
+            p = least_outstanding(ctx.prefill.backends, ctx.prefill.next_start(), tried)
             if p is None:
                 if last is not None:
                     raise last
                 raise Unavailable(PREFILL)
             entry = turn.entry
             handle = loads(entry.params) if entry is not None else None
-            payload = functools.partial(self._prefill_payload, turn.body, handle)
+            payload = functools.partial(prefill_payload, ctx.handle_key, turn.body, handle)
             t = time.perf_counter()
             p.outstanding += 1
             turn.asked_prefill = True
             try:
-                data = await self._post_prefill(p, PATHS[turn.kind], payload, rid, turn.auth)
+                data = await self.clients.post_prefill(p, PATHS[turn.kind], payload, rid,
+                                                       turn.auth, ctx.timeouts.prefill)
             except asyncio.CancelledError:
                 if entry is not None:
                     # P was asked and may have read D's blocks: not safe to hand out again.
-                    self.store.forget(entry, "cancelled")
+                    ctx.store.forget(entry, "cancelled")
                     turn.entry = None
                 raise
             except UpstreamFailure as f:
-                self.metrics.observe_leg("prefill", "error", time.perf_counter() - t)
+                ctx.metrics.observe_leg("prefill", "error", time.perf_counter() - t)
                 last = f
                 if entry is not None:
-                    # Spent or poisoned: see the module docstring. Retry as a miss.
-                    await self._quietly(self.store.discard(entry, "reuse_failed"))
+                    # Spent or poisoned: see proxy.py's docstring. Retry as a miss.
+                    await quietly(ctx.store.discard(entry, "reuse_failed"))
                     turn.entry = None
                     turn.reuse = "dropped"
                     if f.kind == "connect":
-                        self.set_health(p, False, f.detail)
+                        self.health.set_health(p, False, f.detail)
                         tried.append(p)
-                    self.metrics.retries.labels("prefill_reuse_failed").inc()
+                    ctx.metrics.retries.labels("prefill_reuse_failed").inc()
                     log.warning("prefill with handle failed (%s); retrying without rid=%s "
                                 "conv=%s prefill=%s", f.detail or f.kind, rid, turn.conv, p.url)
                     continue
                 if f.client_error:
                     raise
                 if f.backend_down:
-                    self.set_health(p, False, f.detail or f"HTTP {f.status}")
+                    self.health.set_health(p, False, f.detail or f"HTTP {f.status}")
                 tried.append(p)
                 log.warning("prefill failed (%s) rid=%s conv=%s prefill=%s",
                             f.detail or f"HTTP {f.status}", rid, turn.conv, p.url)
                 if attempt == 0:
-                    self.metrics.retries.labels("prefill_failed").inc()
+                    ctx.metrics.retries.labels("prefill_failed").inc()
                 continue
             finally:
                 p.outstanding -= 1
-            self.metrics.observe_leg("prefill", "ok", time.perf_counter() - t)
+            ctx.metrics.observe_leg("prefill", "ok", time.perf_counter() - t)
             await self._account_reuse(turn, data)
             return p, data
         assert last is not None
         raise last
 
-    def _prefill_payload(self, body: dict[str, Any], handle: dict[str, Any] | None) -> bytes:
-        """The prefill leg's body, with a fresh single-use proof each time it is built
-        (a stale-connection retry builds it again: P may have seen the first proof)."""
-        proof = make_proof(self.handle_key) if self.handle_key else None
-        return dumps(prefill_body(body, handle, proof))
-
     async def _account_reuse(self, turn: Turn, data: dict[str, Any]) -> None:
+        ctx = self.ctx
         report = reuse_report(data)
         entry = turn.entry
         if entry is not None:
-            await self._quietly(self.store.consume(entry))
+            await quietly(ctx.store.consume(entry))
             turn.entry = None
-            if entry.num_tokens >= self.cfg.kv_recompute_threshold:
-                self.metrics.tokens_offered.inc(entry.num_tokens)
+            if entry.num_tokens >= ctx.cfg.kv_recompute_threshold:
+                ctx.metrics.tokens_offered.inc(entry.num_tokens)
             if report is not None and report.partial:
                 turn.reuse = "verified-partial"
             if report is not None and report.reused_tokens:
-                self.metrics.tokens_reused.labels(report.source).inc(report.reused_tokens)
+                ctx.metrics.tokens_reused.labels(report.source).inc(report.reused_tokens)
 
-    async def _decode_leg(self, request: web.Request, turn: Turn, p: Backend,
-                          p_body: dict[str, Any], d: Backend, rid: str
-                          ) -> tuple[web.StreamResponse, str]:
+    async def decode_leg(self, request: web.Request, turn: Turn, p: Backend,
+                         p_body: dict[str, Any], d: Backend, rid: str
+                         ) -> tuple[web.StreamResponse, str]:
+        ctx = self.ctx
         owner = proof = tenant = None
-        if self.cfg.bidirectional:
-            owner = self.residency.owner
-            proof = make_proof(self.handle_key) if self.handle_key else None
+        if ctx.cfg.bidirectional:
+            owner = ctx.residency.owner
+            proof = make_proof(ctx.handle_key) if ctx.handle_key else None
             tenant = turn.tenant
         payload = dumps(decode_body(turn.body, p_body.get(PARAMS), owner, proof, tenant))
-        return await self._generate(request, turn, d, payload, rid, DECODE)
+        return await self.generate(request, turn, d, payload, rid, DECODE)
 
-    async def _generate(self, request: web.Request, turn: Turn, d: Backend, payload: bytes,
-                        rid: str, leg: str) -> tuple[web.StreamResponse, str]:
+    async def generate(self, request: web.Request, turn: Turn, d: Backend, payload: bytes,
+                       rid: str, leg: str) -> tuple[web.StreamResponse, str]:
         """The response and its outcome; UpstreamFailure when `d` failed before the client
         got a byte (the caller may retry elsewhere). `leg`: decode, or prefill_only (P
         serves the whole request: nothing to store)."""
@@ -165,11 +157,12 @@ class Legs:
                 # hold the turn for decodeSeconds; before the first byte the turn can
                 # still go to another replica. (Not streamed, the whole answer is the
                 # first byte: decodeSeconds alone bounds it.)
-                first_byte = self.cfg.timeouts.decode_first_byte_seconds if turn.stream \
+                first_byte = self.ctx.cfg.timeouts.decode_first_byte_seconds if turn.stream \
                     else None
                 async with asyncio.timeout(first_byte):
-                    resp = await self._post(d, PATHS[turn.kind], payload, rid, turn.auth,
-                                            self._t_decode, retry_stale=leg != DECODE)
+                    resp = await self.clients.post(d, PATHS[turn.kind], payload, rid, turn.auth,
+                                                   self.ctx.timeouts.decode,
+                                                   retry_stale=leg != DECODE)
                     if resp.status != 200:
                         body = await resp.read()
                         raise UpstreamFailure(d.role, d, "status", resp.status, body,
@@ -195,13 +188,11 @@ class Legs:
 
     def _leg_failed(self, f: UpstreamFailure, t: float, leg: str
                     ) -> tuple[web.StreamResponse, str]:
-        self.metrics.observe_leg(leg, "error", time.perf_counter() - t)
+        self.ctx.metrics.observe_leg(leg, "error", time.perf_counter() - t)
         if f.client_error:
-            return json_response(f.status or 400, f.body or error_body(
-                f"{f.leg} engine rejected the request: HTTP {f.status}",
-                "invalid_request_error")), "upstream_client_error"
+            return rejected(f), "upstream_client_error"
         if f.backend_down:
-            self.set_health(f.backend, False, f.detail or f"HTTP {f.status}")
+            self.health.set_health(f.backend, False, f.detail or f"HTTP {f.status}")
         raise f
 
     async def _finish_json(self, turn: Turn, d: Backend, body: bytes, t: float, leg: str
@@ -218,11 +209,11 @@ class Legs:
                 if collector is not None:
                     collector.feed_response(obj)
                 if isinstance(params, dict) and keeps:
-                    await self._store_handle(turn, d, params, collector)
+                    await self.conversations.store_handle(turn, d, params, collector)
                 body = dumps(obj)
         now = time.perf_counter()
-        self.metrics.observe_ttft(turn.kind, False, now - turn.t0)
-        self.metrics.observe_leg(leg, "ok", now - t)
+        self.ctx.metrics.observe_ttft(turn.kind, False, now - turn.t0)
+        self.ctx.metrics.observe_leg(leg, "ok", now - t)
         return json_response(200, body, {"X-Request-Id": turn.rid})
 
     async def _relay(self, request: web.Request, turn: Turn, d: Backend,
@@ -245,17 +236,17 @@ class Legs:
             if chunk:
                 await out.write(chunk)
                 done = chunk.endswith(DONE)
-            self.metrics.observe_ttft(turn.kind, True, time.perf_counter() - turn.t0)
+            self.ctx.metrics.observe_ttft(turn.kind, True, time.perf_counter() - turn.t0)
             while True:
                 try:
                     data = await resp.content.readany()
                 except UPSTREAM_FAILURES as exc:
                     kind, detail = classify(exc)
-                    self.metrics.observe_leg(leg, "error", time.perf_counter() - t)
+                    self.ctx.metrics.observe_leg(leg, "error", time.perf_counter() - t)
                     log.warning("%s stream broke (%s) rid=%s conv=%s %s=%s", d.role, detail,
                                 turn.rid, turn.conv, d.role, d.url)
                     if kind == "connect":
-                        self.set_health(d, False, detail)
+                        self.health.set_health(d, False, detail)
                     await self._end_with_error(out, f"{d.role} engine stream {detail}")
                     return out, "stream_error"
                 chunk = filt.feed(data) if data else filt.finish()
@@ -275,7 +266,7 @@ class Legs:
                         turn.rid, turn.conv, d.role, d.url)
             await self._end_with_error(out, f"{d.role} engine stream ended early")
             return out, "stream_error"
-        self.metrics.observe_leg(leg, "ok", time.perf_counter() - t)
+        self.ctx.metrics.observe_leg(leg, "ok", time.perf_counter() - t)
         with contextlib.suppress(ConnectionError):
             await out.write_eof()
         return out, "ok"
@@ -284,7 +275,7 @@ class Legs:
                      collector: MessageCollector | None, stored: bool) -> bool:
         if stored or filt.params is None:
             return stored
-        await self._store_handle(turn, d, filt.params, collector)
+        await self.conversations.store_handle(turn, d, filt.params, collector)
         return True
 
     async def _end_with_error(self, out: web.StreamResponse, message: str) -> None:

@@ -11,8 +11,6 @@ goes through the normal two legs, without reuse the first time.
 
 The mode is decided per request from the health the router already tracks; `/ready`
 says which mode the router is in and why.
-
-Part of `Router` (bidirkv/router/datapath/proxy.py), which holds the state these methods use.
 """
 
 from __future__ import annotations
@@ -22,7 +20,15 @@ import logging
 from aiohttp import web
 
 from bidirkv.router.codec import dumps
-from bidirkv.router.datapath.upstream import Turn, UpstreamFailure
+from bidirkv.router.datapath.context import Context
+from bidirkv.router.datapath.legs import Legs
+from bidirkv.router.datapath.upstream import (
+    Turn,
+    UpstreamFailure,
+    failure_response,
+    outcome_of,
+    unavailable,
+)
 from bidirkv.router.pool.backends import PREFILL, Backend
 from bidirkv.router.pool.selection import least_outstanding
 
@@ -34,42 +40,38 @@ UNAVAILABLE = "unavailable"
 LEG = "prefill_only"  # the leg_duration_seconds label of a whole request served by P
 
 
-class PrefillOnly:
-    """Which mode the router serves in, and serving a request on P alone."""
+def serving_mode(ctx: Context) -> tuple[str, str | None]:
+    """(mode, why it is not disaggregated)."""
+    if not ctx.prefill.healthy():
+        return UNAVAILABLE, "no healthy prefill engine"
+    if ctx.decode.healthy():
+        return DISAGGREGATED, None
+    if ctx.cfg.prefill_only_fallback:
+        return PREFILL_ONLY, ("no healthy decode engine: prefill serves whole requests, "
+                              "without KV reuse")
+    return UNAVAILABLE, "no healthy decode engine (prefillOnlyFallback is off)"
 
-    def serving_mode(self) -> tuple[str, str | None]:
-        """(mode, why it is not disaggregated)."""
-        if not self.prefill.healthy():
-            return UNAVAILABLE, "no healthy prefill engine"
-        if self.decode.healthy():
-            return DISAGGREGATED, None
-        if self.cfg.prefill_only_fallback:
-            return PREFILL_ONLY, ("no healthy decode engine: prefill serves whole requests, "
-                                  "without KV reuse")
-        return UNAVAILABLE, "no healthy decode engine (prefillOnlyFallback is off)"
 
-    def ready(self) -> bool:
-        return self.serving_mode()[0] != UNAVAILABLE
-
-    async def _prefill_only(self, request: web.Request, turn: Turn
-                            ) -> tuple[web.StreamResponse, str]:
-        self.metrics.prefill_only.labels(turn.kind).inc()
-        payload = dumps(turn.body)
-        tried: list[Backend] = []
-        last: UpstreamFailure | None = None
-        for attempt in range(2):
-            p = least_outstanding(self.prefill.backends, self.prefill.next_start(), tried)
-            if p is None:
-                break
-            if attempt:
-                self.metrics.retries.labels("prefill_only_failed").inc()
-            try:
-                return await self._generate(request, turn, p, payload, turn.rid, LEG)
-            except UpstreamFailure as f:
-                tried.append(p)
-                last = f
-                log.warning("prefill-only request failed (%s) rid=%s conv=%s prefill=%s",
-                            f.detail or f.kind, turn.rid, turn.conv, p.url)
-        if last is None:
-            return self._unavailable(PREFILL), "unavailable"
-        return self._failure(last, turn.rid), self._outcome_of(last)
+async def serve_on_prefill(ctx: Context, legs: Legs, request: web.Request, turn: Turn
+                           ) -> tuple[web.StreamResponse, str]:
+    """The client's body as it came on P (a second P if the first fails before a byte)."""
+    ctx.metrics.prefill_only.labels(turn.kind).inc()
+    payload = dumps(turn.body)
+    tried: list[Backend] = []
+    last: UpstreamFailure | None = None
+    for attempt in range(2):
+        p = least_outstanding(ctx.prefill.backends, ctx.prefill.next_start(), tried)
+        if p is None:
+            break
+        if attempt:
+            ctx.metrics.retries.labels("prefill_only_failed").inc()
+        try:
+            return await legs.generate(request, turn, p, payload, turn.rid, LEG)
+        except UpstreamFailure as f:
+            tried.append(p)
+            last = f
+            log.warning("prefill-only request failed (%s) rid=%s conv=%s prefill=%s",
+                        f.detail or f.kind, turn.rid, turn.conv, p.url)
+    if last is None:
+        return unavailable(PREFILL, ctx.cfg.health_check_interval_seconds), "unavailable"
+    return failure_response(last, turn.rid), outcome_of(last)

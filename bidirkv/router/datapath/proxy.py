@@ -27,16 +27,21 @@ import logging
 import re
 import time
 import uuid
-from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from bidirkv.router.config import RouterConfig
+from bidirkv.router.datapath.context import Context, quietly, timeouts_of
 from bidirkv.router.datapath.conversations import Conversations
+from bidirkv.router.datapath.health import Health
 from bidirkv.router.datapath.legs import Legs
-from bidirkv.router.datapath.prefillonly import PREFILL_ONLY, PrefillOnly
-from bidirkv.router.datapath.sessions import Sessions, open_sessions
+from bidirkv.router.datapath.prefillonly import (
+    PREFILL_ONLY,
+    UNAVAILABLE,
+    serve_on_prefill,
+    serving_mode,
+)
+from bidirkv.router.datapath.sessions import Clients
 from bidirkv.router.datapath.upkeep import Upkeep
 from bidirkv.router.datapath.upstream import (
     HANDLE_KEY_ENV,
@@ -45,17 +50,21 @@ from bidirkv.router.datapath.upstream import (
     Unavailable,
     UpstreamFailure,
     classify,
+    failure_response,
     json_error,
     json_response,
+    outcome_of,
+    rejected,
+    unavailable,
+    upstream_headers,
 )
 from bidirkv.router.metrics import Metrics
 from bidirkv.router.pool.backends import DECODE, PREFILL, Backend, Pool
 from bidirkv.router.pool.residency import Residency
 from bidirkv.router.pool.selection import least_outstanding, pick_decode
 from bidirkv.router.request.identity import LookupKeys, short_hash
-from bidirkv.router.request.validation import ClientError, error_body, parse_request
+from bidirkv.router.request.validation import ClientError, parse_request
 from bidirkv.router.store.base import Store, StoreUnavailable
-from bidirkv.router.store.factory import make_store
 
 # Bodies above this take their parse and hashing steps one at a time (_admitted).
 BIG_BODY_BYTES = 256 * 1024
@@ -101,6 +110,24 @@ async def drained(request: web.Request, resp: web.Response) -> web.Response:
     return resp
 
 
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The whole body, refused (413) past `limit` bytes whether or not its length was sent."""
+    n = request.content_length
+    if n is not None and n > limit:
+        raise ClientError(413, f"request body of {n} bytes is over the limit of {limit} "
+                          "bytes (maxBodyBytes)", type_="request_too_large")
+    if n is not None:
+        return await request.read()
+    parts, size = [], 0
+    while chunk := await request.content.read(65536):
+        size += len(chunk)
+        if size > limit:
+            raise ClientError(413, f"request body is over the limit of {limit} bytes "
+                              "(maxBodyBytes)", type_="request_too_large")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 __all__ = ["HANDLE_KEY_ENV", "Router", "json_error", "json_response", "request_id"]
 
 # A client's X-Request-Id is kept only in this shape. vLLM builds the decode request id
@@ -116,167 +143,126 @@ def request_id(client_id: str | None) -> str:
     return uuid.uuid4().hex
 
 
-class Router(Upkeep, Legs, Sessions, PrefillOnly, Conversations):
-    """One router: its config, pools, store, residency and the request flow. The flow
-    reads top to bottom here (`handle_generate` -> `_run`); the legs, the conversation
-    bookkeeping and the background upkeep live in their own modules."""
+class Router:
+    """One router: the request flow reads top to bottom here (`handle_generate` ->
+    `_run`). What the parts share is the `Context`; each part gets it, and the parts it
+    calls, when it is built, and one request's state travels as its `Turn`."""
 
     def __init__(self, cfg: RouterConfig, metrics: Metrics | None = None,
                  handle_key: bytes | None = None, store_password: str | None = None) -> None:
-        self.cfg = cfg
-        # The resource's handle key: signs the proof that a decode leg comes from here.
-        self.handle_key = handle_key
-        # Lookup keys every replica holding this handle key computes alike (identity.py).
-        self.keys = LookupKeys(handle_key)
-        # The served model's context length, from prefill's /v1/models: a max_tokens
-        # above it is refused before any engine works on the request.
-        self.max_model_len: int | None = None
-        self.metrics = metrics or Metrics()
+        self.ctx = ctx = Context(cfg, metrics, handle_key, store_password)
+        self.clients = Clients(ctx.metrics)
+        self.health = Health(ctx, self.clients)
+        self.upkeep = Upkeep(ctx, self.clients, self.health)
+        self.conversations = Conversations(ctx)
+        self.legs = Legs(ctx, self.clients, self.health, self.conversations)
         # Admission (handle_generate): requests and body bytes in flight.
         self.inflight = 0
         self.inflight_bytes = 0
         self._big_bodies = asyncio.Lock()
-        self.store: Store = make_store(cfg, store_password, self._on_evict,
-                                       self._on_store_error)
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self.prefill = Pool(PREFILL, cfg.prefill)
-        self.decode = Pool(DECODE, cfg.decode)
-        self.session: aiohttp.ClientSession | None = None
-        # no pool: see bidirkv/router/datapath/sessions.py
-        self.fresh: aiohttp.ClientSession | None = None
-        self._health_task: asyncio.Task[None] | None = None
-        self._store_task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
-        self._store_due = asyncio.Event()  # set after each health round (health.py)
-        self._set_timeouts()
-        self.residency = Residency(cfg.owner_lease_seconds, self._t_probe,
-                                   on_result=self._on_residency_call)
-        for b in self.backends():
-            self._export_health(b)
+
+    # What the server's routes and the tests read of the shared state.
+    @property
+    def cfg(self) -> RouterConfig:
+        return self.ctx.cfg
+
+    @property
+    def store(self) -> Store:
+        return self.ctx.store
+
+    @property
+    def prefill(self) -> Pool:
+        return self.ctx.prefill
+
+    @property
+    def decode(self) -> Pool:
+        return self.ctx.decode
+
+    @property
+    def residency(self) -> Residency:
+        return self.ctx.residency
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.ctx.metrics
+
+    @property
+    def keys(self) -> LookupKeys:
+        return self.ctx.keys
+
+    def backends(self) -> list[Backend]:
+        return self.ctx.backends()
+
+    def serving_mode(self) -> tuple[str, str | None]:
+        return serving_mode(self.ctx)
+
+    def ready(self) -> bool:
+        return self.serving_mode()[0] != UNAVAILABLE
+
+    async def end_conversation(self, tenant: bytes, conversation_id: str) -> bool:
+        return await self.conversations.end_conversation(tenant, conversation_id)
 
     # -- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
-        self.session, self.fresh = open_sessions()
-        await self._start_store()
-        self._health_task = asyncio.create_task(self._health_loop(), name="router-health")
-        self._store_task = asyncio.create_task(self._store_loop(), name="router-store")
-        self.residency.start(self.session)
-
-    async def _start_store(self) -> None:
-        """A shared store names the owner decode keeps KV for (the same for every router
-        of the store, so a restarted replica keeps the conversations)."""
-        start = getattr(self.store, "start", None)
-        if start is None or self.store.owner is not None:
-            return
-        try:
-            await start()
-        except StoreUnavailable as exc:
-            log.warning("%s; serving without reuse until it answers", exc)
-            return
-        self.residency.owner = self.store.owner
-
-    def _background(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _quietly(self, coro: Any) -> Any:
-        """A store call whose failure costs only reuse (counted by _on_store_error)."""
-        try:
-            return await coro
-        except StoreUnavailable:
-            return None
+        session = self.clients.open()
+        await self.upkeep.start()
+        self.ctx.residency.start(session)
 
     async def close(self) -> None:
-        await self.residency.close()
-        for task in list(self._tasks):
-            task.cancel()
-        # The loops first: none of them may call the store once it is closed.
-        for task in (self._health_task, self._store_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        await self.store.close()
-        for session in (self.session, self.fresh):
-            if session is not None:
-                await session.close()
-
-    def backends(self) -> list[Backend]:
-        return self.prefill.backends + self.decode.backends
-
-    def _set_timeouts(self) -> None:
-        t = self.cfg.timeouts
-        self._t_prefill = aiohttp.ClientTimeout(total=t.prefill_seconds,
-                                                sock_connect=t.connect_seconds)
-        self._t_decode = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_seconds,
-                                               sock_read=t.decode_seconds)
-        probe = max(1.0, min(5.0, self.cfg.health_check_interval_seconds))
-        self._t_probe = aiohttp.ClientTimeout(total=probe, sock_connect=t.connect_seconds)
+        await self.ctx.residency.close()
+        self.ctx.cancel_tasks()
+        await self.upkeep.stop()
+        await self.ctx.store.close()
+        await self.clients.close()
 
     def apply_config(self, cfg: RouterConfig) -> None:
         """Swap in a validated config. Requests in flight keep the Backend objects and
         timeouts they started with, so a reload never fails them."""
-        if cfg.model != self.cfg.model:
-            self.max_model_len = None  # learned again for the new model
-        self.cfg = cfg
-        self.store.configure(cfg.handle_ttl_seconds, cfg.max_conversations,
-                             cfg.max_conversations_per_tenant)
-        self._set_timeouts()
-        self.residency.lease_seconds = cfg.owner_lease_seconds
-        self.residency.timeout = self._t_probe
+        ctx = self.ctx
+        if cfg.model != ctx.cfg.model:
+            ctx.max_model_len = None  # learned again for the new model
+        ctx.cfg = cfg
+        ctx.store.configure(cfg.handle_ttl_seconds, cfg.max_conversations,
+                            cfg.max_conversations_per_tenant)
+        ctx.timeouts = timeouts_of(cfg)
+        ctx.residency.lease_seconds = cfg.owner_lease_seconds
+        ctx.residency.timeout = ctx.timeouts.probe
         changed = False
-        for pool, urls in ((self.prefill, cfg.prefill), (self.decode, cfg.decode)):
+        for pool, urls in ((ctx.prefill, cfg.prefill), (ctx.decode, cfg.decode)):
             added, removed = pool.reconcile(urls)
             for b in removed:
                 with contextlib.suppress(KeyError):
-                    self.metrics.backend_healthy.remove(b.role, b.url)
-                    self.metrics.backend_outstanding.remove(b.role, b.url)
+                    ctx.metrics.backend_healthy.remove(b.role, b.url)
+                    ctx.metrics.backend_outstanding.remove(b.role, b.url)
                 if b.role == DECODE:
-                    self._background(self._quietly(
-                        self.store.drop_replica(b.url, "replica_removed")))
-                    self.residency.forget(b.url)
+                    ctx.spawn(quietly(ctx.store.drop_replica(b.url, "replica_removed")))
+                    ctx.residency.forget(b.url)
                 log.info("backend removed role=%s url=%s", b.role, b.url)
             for b in added:
-                self._export_health(b)
+                self.health.export(b)
                 log.info("backend added role=%s url=%s", b.role, b.url)
             changed = changed or bool(added)
         if changed:
-            self._wake.set()
+            self.upkeep.wake.set()
 
     # -- client requests -------------------------------------------------------------
-    async def read_body(self, request: web.Request, limit: int) -> bytes:
-        n = request.content_length
-        if n is not None and n > limit:
-            raise ClientError(413, f"request body of {n} bytes is over the limit of {limit} "
-                              "bytes (maxBodyBytes)", type_="request_too_large")
-        if n is not None:
-            return await request.read()
-        parts, size = [], 0
-        while chunk := await request.content.read(65536):
-            size += len(chunk)
-            if size > limit:
-                raise ClientError(413, f"request body is over the limit of {limit} bytes "
-                                  "(maxBodyBytes)", type_="request_too_large")
-            parts.append(chunk)
-        return b"".join(parts)
-
     async def handle_generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         """Admission first: at most maxInflightRequests requests and maxInflightBodyBytes
         of bodies (a body of unknown length counts as maxBodyBytes) at once; past either
         a 429 with Retry-After, before anything is read. A body is parsed into objects
         many times its size, so the bytes bound is what keeps the pod within memory."""
-        cfg = self.cfg
+        cfg = self.ctx.cfg
+        metrics = self.ctx.metrics
         n = request.content_length
         if n is not None and n > cfg.max_body_bytes:  # refused before it costs a slot
-            self.metrics.request(kind, "client_error")
+            metrics.request(kind, "client_error")
             return await drained(request, json_error(
                 413, f"request body of {n} bytes is over the limit of {cfg.max_body_bytes} "
                 "bytes (maxBodyBytes)", "request_too_large"))
         charge = n if n is not None else cfg.max_body_bytes
         if (self.inflight >= cfg.max_inflight_requests
                 or self.inflight_bytes + charge > cfg.max_inflight_body_bytes):
-            self.metrics.request(kind, "overloaded")
+            metrics.request(kind, "overloaded")
             return await drained(request, json_error(
                 429, f"the router is at its limit of {cfg.max_inflight_requests} requests or "
                 f"{cfg.max_inflight_body_bytes} body bytes in flight (maxInflightRequests, "
@@ -291,17 +277,18 @@ class Router(Upkeep, Legs, Sessions, PrefillOnly, Conversations):
 
     async def _admitted(self, request: web.Request, kind: str) -> web.StreamResponse:
         t0 = time.perf_counter()
-        cfg = self.cfg
+        ctx = self.ctx
+        cfg, metrics = ctx.cfg, ctx.metrics
         try:
-            raw = await asyncio.wait_for(self.read_body(request, cfg.max_body_bytes),
+            raw = await asyncio.wait_for(read_body(request, cfg.max_body_bytes),
                                          cfg.timeouts.body_read_seconds)
         except TimeoutError:
-            self.metrics.request(kind, "client_error")
+            metrics.request(kind, "client_error")
             return json_error(408, "request body not received within "
                               f"{cfg.timeouts.body_read_seconds:g} s "
                               "(timeouts.bodyReadSeconds)", "request_timeout")
         except ClientError as e:
-            self.metrics.request(kind, "client_error")
+            metrics.request(kind, "client_error")
             return await drained(request, json_error(e.status, e.message, e.type, e.param))
         # Parsing, validating and hashing a body is work on the loop in one piece per
         # step: big bodies take those steps one body at a time, yielding in between, so a
@@ -312,106 +299,106 @@ class Router(Upkeep, Legs, Sessions, PrefillOnly, Conversations):
                 await asyncio.sleep(0)
             try:
                 req = parse_request(raw, kind, request.headers.get("X-Conversation-Id"),
-                                    self.max_model_len, cfg.max_json_containers)
+                                    ctx.max_model_len, cfg.max_json_containers)
             except ClientError as e:
-                self.metrics.request(kind, "client_error")
+                metrics.request(kind, "client_error")
                 return json_error(e.status, e.message, e.type, e.param)
             del raw
             if cfg.model is not None and "model" not in req.body:
                 req.body["model"] = cfg.model
             rid = request_id(request.headers.get("X-Request-Id"))
             turn = Turn(kind, req.stream, req.body, rid, request.headers.get("Authorization"),
-                        self.keys.tenant_of(request.headers.get(cfg.tenant_header)), t0)
+                        ctx.keys.tenant_of(request.headers.get(cfg.tenant_header)), t0)
             if big:
                 await asyncio.sleep(0)
             if cfg.bidirectional:
-                await self._identify(turn, req.conversation_id)
+                await self.conversations.identify(turn, req.conversation_id)
             elif req.conversation_id is not None:
                 turn.conv = short_hash(req.conversation_id)
         try:
             resp, outcome = await self._run(request, turn)
         except asyncio.CancelledError:
-            self.metrics.request(kind, "cancelled")
+            metrics.request(kind, "cancelled")
             log.debug("request cancelled rid=%s conv=%s", rid, turn.conv)
             raise
         finally:
             if turn.entry is not None:
                 entry, turn.entry = turn.entry, None
                 try:
-                    await self.store.release(entry)
+                    await ctx.store.release(entry)
                 except StoreUnavailable:  # it cannot go back: D frees its blocks now
-                    self._on_evict("store_unavailable", [entry])
+                    ctx.evicted("store_unavailable", [entry])
             if turn.asked_prefill:
-                self.metrics.reuse_outcome(turn.reuse)
-        self.metrics.request(kind, outcome)
+                metrics.reuse_outcome(turn.reuse)
+        metrics.request(kind, outcome)
         log.debug("request rid=%s conv=%s kind=%s stream=%s reuse=%s outcome=%s ms=%.2f",
                   rid, turn.conv, kind, turn.stream, turn.reuse, outcome,
                   (time.perf_counter() - t0) * 1000)
         return resp
 
     async def _run(self, request: web.Request, turn: Turn) -> tuple[web.StreamResponse, str]:
-        if not self.prefill.healthy():
-            return self._unavailable(PREFILL), "unavailable"
-        if not self.decode.healthy() and self.cfg.prefill_only_fallback:
-            return await self._prefill_only(request, turn)
+        ctx = self.ctx
+        interval = ctx.cfg.health_check_interval_seconds
+        if not ctx.prefill.healthy():
+            return unavailable(PREFILL, interval), "unavailable"
+        if not ctx.decode.healthy() and ctx.cfg.prefill_only_fallback:
+            return await serve_on_prefill(ctx, self.legs, request, turn)
         tried_decode: list[Backend] = []
         last: UpstreamFailure | None = None
         for attempt in range(2):
             rid = turn.rid if attempt == 0 else f"{turn.rid}-retry{attempt}"
             # D is chosen first: no prefill is spent on a turn that has nowhere to decode.
-            d = pick_decode(self.decode.backends, self.decode.next_start(), tried_decode,
+            d = pick_decode(ctx.decode.backends, ctx.decode.next_start(), tried_decode,
                             turn.holder_url)
             if d is None:
                 if last is not None:
-                    return self._failure(last, turn.rid), self._outcome_of(last)
-                return self._unavailable(DECODE), "unavailable"
+                    return failure_response(last, turn.rid), outcome_of(last)
+                return unavailable(DECODE, interval), "unavailable"
             if attempt:
-                self.metrics.retries.labels("decode_before_first_byte").inc()
+                ctx.metrics.retries.labels("decode_before_first_byte").inc()
                 log.warning("decode failed before first byte (%s); retrying on %s rid=%s "
                             "conv=%s", last.detail if last else "", d.url, turn.rid, turn.conv)
             try:
-                p, p_body = await self._prefill_leg(turn, rid)
+                p, p_body = await self.legs.prefill_leg(turn, rid)
             except Unavailable as u:
-                return self._unavailable(u.role), "unavailable"
+                return unavailable(u.role, interval), "unavailable"
             except UpstreamFailure as f:
                 if f.client_error:
-                    return json_response(f.status or 400, f.body or error_body(
-                        f"prefill engine rejected the request: HTTP {f.status}",
-                        "invalid_request_error")), "upstream_client_error"
-                return self._failure(f, rid), self._outcome_of(f)
+                    return rejected(f), "upstream_client_error"
+                return failure_response(f, rid), outcome_of(f)
             try:
-                return await self._decode_leg(request, turn, p, p_body, d, rid)
+                return await self.legs.decode_leg(request, turn, p, p_body, d, rid)
             except UpstreamFailure as f:
                 tried_decode.append(d)
                 last = f
         assert last is not None
         log.warning("decode failed (%s) rid=%s conv=%s decode=%s", last.detail or last.kind,
                     turn.rid, turn.conv, last.backend.url)
-        return self._failure(last, turn.rid), self._outcome_of(last)
+        return failure_response(last, turn.rid), outcome_of(last)
 
     # -- other routes ------------------------------------------------------------------
     async def handle_models(self, request: web.Request) -> web.StreamResponse:
-        assert self.session is not None
+        ctx = self.ctx
         tried: list[Backend] = []
-        pool = self.prefill if self.serving_mode()[0] == PREFILL_ONLY else self.decode
+        pool = ctx.prefill if self.serving_mode()[0] == PREFILL_ONLY else ctx.decode
         while True:
             d = least_outstanding(pool.backends, pool.next_start(), tried)
             if d is None:
-                self.metrics.request("models", "unavailable")
-                return self._unavailable(pool.role)
+                ctx.metrics.request("models", "unavailable")
+                return unavailable(pool.role, ctx.cfg.health_check_interval_seconds)
             try:
-                async with self.session.get(d.url + "/v1/models", timeout=self._t_prefill,
-                                            headers=self._headers(uuid.uuid4().hex,
-                                                                  request.headers.get(
-                                                                      "Authorization"))) as r:
+                async with self.clients.pooled.get(
+                        d.url + "/v1/models", timeout=ctx.timeouts.prefill,
+                        headers=upstream_headers(uuid.uuid4().hex,
+                                                 request.headers.get("Authorization"))) as r:
                     body, status = await r.read(), r.status
             except UPSTREAM_FAILURES as exc:
-                self.set_health(d, False, classify(exc)[1])
+                self.health.set_health(d, False, classify(exc)[1])
                 tried.append(d)
                 continue
             if status >= 500:
-                self.set_health(d, False, f"HTTP {status}")
+                self.health.set_health(d, False, f"HTTP {status}")
                 tried.append(d)
                 continue
-            self.metrics.request("models", "ok" if status == 200 else "upstream_client_error")
+            ctx.metrics.request("models", "ok" if status == 200 else "upstream_client_error")
             return json_response(status, body)

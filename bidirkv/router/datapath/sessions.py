@@ -19,7 +19,7 @@ an ordinary prefill failure (`bidirkv/router/datapath/legs.py`).
 The decode leg is not retried here: it carries a single-use proof and reads P's
 blocks, so it keeps its own retry on another replica with a fresh prefill.
 
-Part of `Router` (bidirkv/router/datapath/proxy.py), which holds the state these methods use.
+`Clients` holds the sessions; the other parts of the router post through it.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ from bidirkv.router.datapath.upstream import (
     UpstreamFailure,
     classify,
     stale_connection,
+    upstream_headers,
 )
+from bidirkv.router.metrics import Metrics
 from bidirkv.router.pool.backends import Backend
 
 log = logging.getLogger("bidirkv.router")
@@ -89,17 +91,37 @@ def open_sessions() -> tuple[aiohttp.ClientSession, aiohttp.ClientSession]:
     return pooled, fresh
 
 
-class Sessions:
-    """POSTs to P with the stale-connection retry, and the prefill leg's request."""
+class Clients:
+    """The router's two client sessions; POSTs with the stale-connection retry, and the
+    prefill leg's request."""
 
-    async def _post(self, b: Backend, path: str, payload: bytes | Callable[[], bytes],
-                    rid: str, auth: str | None, timeout: aiohttp.ClientTimeout,
-                    retry_stale: bool = True) -> aiohttp.ClientResponse:
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.session: aiohttp.ClientSession | None = None
+        self.fresh: aiohttp.ClientSession | None = None
+
+    def open(self) -> aiohttp.ClientSession:
+        self.session, self.fresh = open_sessions()
+        return self.session
+
+    async def close(self) -> None:
+        for session in (self.session, self.fresh):
+            if session is not None:
+                await session.close()
+
+    @property
+    def pooled(self) -> aiohttp.ClientSession:
+        assert self.session is not None, "the router has not started"
+        return self.session
+
+    async def post(self, b: Backend, path: str, payload: bytes | Callable[[], bytes],
+                   rid: str, auth: str | None, timeout: aiohttp.ClientTimeout,
+                   retry_stale: bool = True) -> aiohttp.ClientResponse:
         """The response, its head read; the caller closes it. A callable payload is built
         again for the stale-connection retry: the body carries a single-use proof, which
         the engine may have seen on the first attempt."""
         assert self.session is not None and self.fresh is not None
-        headers = self._headers(rid, auth)
+        headers = upstream_headers(rid, auth)
         _REUSED.set(False)
         try:
             return await self.session.post(
@@ -115,11 +137,11 @@ class Sessions:
             b.url + path, data=payload() if callable(payload) else payload,
             headers=headers, timeout=timeout)
 
-    async def _post_prefill(self, p: Backend, path: str,
-                            payload: bytes | Callable[[], bytes], rid: str,
-                            auth: str | None) -> dict[str, Any]:
+    async def post_prefill(self, p: Backend, path: str,
+                           payload: bytes | Callable[[], bytes], rid: str,
+                           auth: str | None, timeout: aiohttp.ClientTimeout) -> dict[str, Any]:
         try:
-            resp = await self._post(p, path, payload, rid, auth, self._t_prefill)
+            resp = await self.post(p, path, payload, rid, auth, timeout)
             async with resp:
                 body = await resp.read()
                 status = resp.status

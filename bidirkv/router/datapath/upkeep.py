@@ -1,8 +1,5 @@
-"""Backend health, the model's context length, decode residency renewals, and the store's
-upkeep (its start, the watermark, the TTL sweep) in a task of its own.
-
-Part of `Router` (bidirkv/router/datapath/proxy.py), which holds the state these methods use.
-"""
+"""The router's background work: health rounds, decode residency renewals, and the
+store's upkeep (its start, the watermark, the TTL sweep) in a task of its own."""
 
 from __future__ import annotations
 
@@ -10,127 +7,99 @@ import asyncio
 import contextlib
 import logging
 
-from bidirkv.router.codec import loads
-from bidirkv.router.datapath.upstream import UPSTREAM_FAILURES, classify, model_len
-from bidirkv.router.pool.backends import DECODE, Backend
-from bidirkv.router.store.handles import Entry
+from bidirkv.router.datapath.context import Context, quietly
+from bidirkv.router.datapath.health import Health
+from bidirkv.router.datapath.sessions import Clients
+from bidirkv.router.store.base import StoreUnavailable
 
 log = logging.getLogger("bidirkv.router")
 
 
 class Upkeep:
-    """Backend health, the model's context length, decode residency renewals and the
-    watermark: everything the router does besides serving a request."""
+    """Everything the router does besides serving a request, in two loops."""
 
-    def _on_evict(self, reason: str, entries: list[Entry]) -> None:
-        self.metrics.evictions.labels(reason).inc(len(entries))
-        self.residency.release(reason, entries)
+    def __init__(self, ctx: Context, clients: Clients, health: Health) -> None:
+        self.ctx = ctx
+        self.clients = clients
+        self.health = health
+        self.health_task: asyncio.Task[None] | None = None
+        self.store_task: asyncio.Task[None] | None = None
+        self.wake = asyncio.Event()  # a reload added a backend: probe it now
+        self._store_due = asyncio.Event()  # set after each health round
 
-    def _on_store_error(self, op: str) -> None:
-        self.metrics.store_errors.labels(op).inc()
+    async def start(self) -> None:
+        await self.start_store()
+        self.health_task = asyncio.create_task(self._health_loop(), name="router-health")
+        self.store_task = asyncio.create_task(self._store_loop(), name="router-store")
 
-    def _on_residency_call(self, url: str, result: str, released: int) -> None:
-        self.metrics.residency_calls.labels(result).inc()
-        if released:
-            self.metrics.releases_sent.labels(result).inc(released)
+    async def stop(self) -> None:
+        # Before the store closes: no loop may call it after that.
+        for task in (self.health_task, self.store_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
-    def max_pinned(self, url: str) -> int | None:
-        """Blocks this router's handles may pin on a replica (None: capacity unknown)."""
-        total = self.residency.capacity(url)
-        return None if total is None else int(self.cfg.retention_watermark * total)
+    async def start_store(self) -> None:
+        """A shared store names the owner decode keeps KV for (the same for every router
+        of the store, so a restarted replica keeps the conversations)."""
+        store = self.ctx.store
+        start = getattr(store, "start", None)
+        if start is None or store.owner is not None:
+            return
+        try:
+            await start()
+        except StoreUnavailable as exc:
+            log.warning("%s; serving without reuse until it answers", exc)
+            return
+        self.ctx.residency.owner = store.owner
 
     async def keep_under_watermark(self, url: str) -> None:
         """Drop the replica's oldest handles while they pin more than the watermark."""
-        limit = self.max_pinned(url)
+        limit = self.ctx.max_pinned(url)
         if limit is not None:
-            await self._quietly(self.store.trim_replica(url, limit))
-
-    def _export_health(self, b: Backend) -> None:
-        self.metrics.backend_healthy.labels(b.role, b.url).set(1 if b.healthy else 0)
-
-    def set_health(self, b: Backend, ok: bool, why: str) -> None:
-        if b.healthy == ok or not b.in_pool:
-            return
-        b.healthy = ok
-        self._export_health(b)
-        if ok:
-            log.info("backend healthy role=%s url=%s", b.role, b.url)
-            return
-        if b.role == DECODE:
-            # Its blocks may be gone (restart) or unreachable: handing them to P would
-            # only buy a failed read and a retry.
-            self._background(self._quietly(
-                self.store.drop_replica(b.url, "replica_unhealthy")))
-        log.warning("backend unhealthy role=%s url=%s why=%s", b.role, b.url, why)
-
-    async def _probe(self, b: Backend) -> None:
-        assert self.session is not None
-        try:
-            async with self.session.get(b.url + "/health", timeout=self._t_probe) as r:
-                await r.read()
-                ok, why = r.status == 200, f"health status {r.status}"
-        except UPSTREAM_FAILURES as exc:
-            ok, why = False, f"health check {classify(exc)[1]}"
-        self.set_health(b, ok, why)
-
-    async def check_health(self) -> None:
-        await asyncio.gather(*(self._probe(b) for b in self.backends()))
-        for b in self.backends():
-            self.metrics.backend_outstanding.labels(b.role, b.url).set(b.outstanding)
-
-    async def learn_model_len(self) -> None:
-        """Once per router (and after a reload): the model's max_model_len from P."""
-        if self.max_model_len is not None:
-            return
-        assert self.session is not None
-        for b in self.prefill.healthy():
-            try:
-                async with self.session.get(b.url + "/v1/models", timeout=self._t_probe) as r:
-                    data = loads(await r.read()) if r.status == 200 else None
-            except (*UPSTREAM_FAILURES, ValueError):
-                continue
-            self.max_model_len = model_len(data, self.cfg.model)
-            if self.max_model_len is not None:
-                return
+            await quietly(self.ctx.store.trim_replica(url, limit))
 
     async def renew_residency(self) -> None:
         """Renew this router's lease on every healthy decode; learn their capacity. No
         store call here: a slow store must never make a renewal late (decode would free
         every conversation of this router)."""
-        if not self.cfg.bidirectional:
+        ctx = self.ctx
+        if not ctx.cfg.bidirectional:
             return
-        assert self.session is not None
-        healthy = self.decode.healthy()
-        await asyncio.gather(*(self.residency.call(self.session, b.url) for b in healthy))
+        session = self.clients.pooled
+        await asyncio.gather(*(ctx.residency.call(session, b.url)
+                               for b in ctx.decode.healthy()))
 
     async def store_upkeep(self) -> None:
         """What the store needs after a health round: its start (a shared store names the
         owner), each healthy decode's watermark and pinned count, the TTL sweep, the count."""
-        await self._start_store()
-        if self.cfg.bidirectional:
-            for b in self.decode.healthy():
+        ctx = self.ctx
+        await self.start_store()
+        if ctx.cfg.bidirectional:
+            for b in ctx.decode.healthy():
                 await self.keep_under_watermark(b.url)
-                pinned = await self._quietly(self.store.pinned(b.url))
-                self.metrics.export_residency(b.url, self.residency.replica(b.url), pinned)
-        await self._quietly(self.store.sweep())
-        count = await self._quietly(self.store.count())
+                pinned = await quietly(ctx.store.pinned(b.url))
+                ctx.metrics.export_residency(b.url, ctx.residency.replica(b.url), pinned)
+        await quietly(ctx.store.sweep())
+        count = await quietly(ctx.store.count())
         if count is not None:
-            self.metrics.handles.set(count)
-        self.metrics.store_up.set(1 if self.store.available else 0)
+            ctx.metrics.handles.set(count)
+        ctx.metrics.store_up.set(1 if ctx.store.available else 0)
 
     async def _health_loop(self) -> None:
         while True:
-            self._wake.clear()
+            self.wake.clear()
             try:
-                await self.check_health()
-                await self.learn_model_len()
+                await self.health.check_health()
+                await self.health.learn_model_len()
                 await self.renew_residency()
             except Exception:  # noqa: BLE001 - the loop must outlive any one bad round
                 log.exception("health check round failed")
             self._store_due.set()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(),
-                                       self.cfg.health_check_interval_seconds)
+                await asyncio.wait_for(self.wake.wait(),
+                                       self.ctx.cfg.health_check_interval_seconds)
 
     async def _store_loop(self) -> None:
         """Store upkeep in a task of its own, after each health round (its capacities

@@ -5,6 +5,7 @@ upstream failure kinds, JSON responses, and one request's state (`Turn`).
 from __future__ import annotations
 
 import errno
+import math
 from typing import Any
 
 import aiohttp
@@ -159,6 +160,37 @@ def json_response(status: int, body: bytes, headers: dict[str, str] | None = Non
 def json_error(status: int, message: str, type_: str = "invalid_request_error",
                param: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
     return json_response(status, error_body(message, type_, param, status), headers)
+
+
+def upstream_headers(rid: str, auth: str | None) -> dict[str, str]:
+    h = {"Content-Type": JSON_TYPE, "X-Request-Id": rid}
+    if auth:
+        h["Authorization"] = auth
+    return h
+
+
+def unavailable(role: str, health_interval_s: float) -> web.Response:
+    """503 for a pool with no healthy engine, retried after one health round."""
+    retry = str(max(1, math.ceil(health_interval_s)))
+    return json_error(503, f"no healthy {role} engine; retry later", "service_unavailable",
+                      headers={"Retry-After": retry})
+
+
+def failure_response(f: UpstreamFailure, rid: str) -> web.Response:
+    if f.kind == "timeout":
+        return json_error(504, f"{f.leg} engine timed out (request {rid})", "upstream_timeout")
+    what = f"HTTP {f.status}" if f.kind == "status" else f.kind
+    return json_error(502, f"{f.leg} engine failed: {what} (request {rid})", "upstream_error")
+
+
+def outcome_of(f: UpstreamFailure) -> str:
+    return "timeout" if f.kind == "timeout" else "upstream_error"
+
+
+def rejected(f: UpstreamFailure) -> web.Response:
+    """An engine's 4xx, returned to the client as it came."""
+    return json_response(f.status or 400, f.body or error_body(
+        f"{f.leg} engine rejected the request: HTTP {f.status}", "invalid_request_error"))
 
 
 class Turn:

@@ -1,0 +1,111 @@
+"""What every part of the data path shares, declared in one place: `Context`.
+
+The router is a few parts (clients, health, upkeep, conversations, legs, prefill-only),
+each a class that takes the context and the parts it calls in its constructor. What one
+request carries across them is its `Turn` (upstream.py), handed to each call. Nothing
+here is per request: a request that needs a value of its own puts it on its Turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from bidirkv.router.config import RouterConfig
+from bidirkv.router.metrics import Metrics
+from bidirkv.router.pool.backends import DECODE, PREFILL, Backend, Pool
+from bidirkv.router.pool.residency import Residency
+from bidirkv.router.request.identity import LookupKeys
+from bidirkv.router.store.base import Store, StoreUnavailable
+from bidirkv.router.store.factory import make_store
+from bidirkv.router.store.handles import Entry
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """The client timeouts of one config (a reload swaps the whole set; a request in
+    flight keeps the one it started with)."""
+
+    prefill: aiohttp.ClientTimeout
+    decode: aiohttp.ClientTimeout
+    probe: aiohttp.ClientTimeout
+
+
+def timeouts_of(cfg: RouterConfig) -> Timeouts:
+    t = cfg.timeouts
+    probe = max(1.0, min(5.0, cfg.health_check_interval_seconds))
+    return Timeouts(
+        prefill=aiohttp.ClientTimeout(total=t.prefill_seconds, sock_connect=t.connect_seconds),
+        decode=aiohttp.ClientTimeout(total=None, sock_connect=t.connect_seconds,
+                                     sock_read=t.decode_seconds),
+        probe=aiohttp.ClientTimeout(total=probe, sock_connect=t.connect_seconds),
+    )
+
+
+async def quietly(coro: Any) -> Any:
+    """A store call whose failure costs only reuse (the store counts the error)."""
+    try:
+        return await coro
+    except StoreUnavailable:
+        return None
+
+
+class Context:
+    """The router's shared state. `cfg` and `timeouts` are replaced whole by a reload;
+    `max_model_len` is learned by the health loop and read at admission."""
+
+    def __init__(self, cfg: RouterConfig, metrics: Metrics | None = None,
+                 handle_key: bytes | None = None, store_password: str | None = None) -> None:
+        self.cfg = cfg
+        self.timeouts = timeouts_of(cfg)
+        # The resource's handle key: signs the proof that a leg comes from this router.
+        self.handle_key = handle_key
+        # Lookup keys every replica holding this handle key computes alike (identity.py).
+        self.keys = LookupKeys(handle_key)
+        self.metrics = metrics or Metrics()
+        # The served model's context length, from prefill's /v1/models: a max_tokens
+        # above it is refused before any engine works on the request.
+        self.max_model_len: int | None = None
+        self.prefill = Pool(PREFILL, cfg.prefill)
+        self.decode = Pool(DECODE, cfg.decode)
+        self.residency = Residency(cfg.owner_lease_seconds, self.timeouts.probe,
+                                   on_result=self._on_residency_call)
+        self.store: Store = make_store(cfg, store_password, self.evicted,
+                                       self._on_store_error)
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def backends(self) -> list[Backend]:
+        return self.prefill.backends + self.decode.backends
+
+    def max_pinned(self, url: str) -> int | None:
+        """Blocks this router's handles may pin on a replica (None: capacity unknown)."""
+        total = self.residency.capacity(url)
+        return None if total is None else int(self.cfg.retention_watermark * total)
+
+    def spawn(self, coro: Any) -> None:
+        """Run `coro` beside the request (cancelled at close, never awaited)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def cancel_tasks(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+    # The store's and residency's callbacks: what they report goes to the metrics, and
+    # an evicted handle's blocks are released on its decode (also called for a handle
+    # that could not go back to the store).
+    def evicted(self, reason: str, entries: list[Entry]) -> None:
+        self.metrics.evictions.labels(reason).inc(len(entries))
+        self.residency.release(reason, entries)
+
+    def _on_store_error(self, op: str) -> None:
+        self.metrics.store_errors.labels(op).inc()
+
+    def _on_residency_call(self, url: str, result: str, released: int) -> None:
+        self.metrics.residency_calls.labels(result).inc()
+        if released:
+            self.metrics.releases_sent.labels(result).inc(released)
