@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     from bidirkv.operator.api.spec import DisaggregatedInferenceSpec
 
 ROLES = ("prefill", "decode")
+# bidir-kv's NIXL connector: vLLM's name (its configuration checks compare it), loaded
+# from bidir-kv's module (bidirkv/connector/nixl/connector.py).
+KV_CONNECTOR = "NixlConnector"
+KV_CONNECTOR_MODULE = "bidirkv.connector.nixl.connector"
 ENGINE_PORT = 8000
 # Set by the downward API in a pod; the local stack substitutes the loopback address.
 POD_IP = {"valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
@@ -85,7 +89,8 @@ def kv_transfer_config(spec: DisaggregatedInferenceSpec, role: str) -> dict[str,
         extra["decoder_kv_blocks_ttl"] = kv.decoder_kv_blocks_ttl_seconds
         extra["kv_recompute_threshold"] = kv.kv_recompute_threshold
     cfg = {
-        "kv_connector": "NixlConnector",
+        "kv_connector": KV_CONNECTOR,
+        "kv_connector_module_path": KV_CONNECTOR_MODULE,
         # With bidirectional transfer both roles read and are read from; kv_both is the
         # role that was measured to work for that on vLLM 0.32.
         "kv_role": "kv_both" if kv.bidirectional else (

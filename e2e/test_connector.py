@@ -32,6 +32,7 @@ from .vllm_stack import (  # noqa: E402
     chat,
     decode_leg,
     metric,
+    metric_reaches,
     post,
     prefill_leg,
     running_router,
@@ -59,10 +60,13 @@ def report(p_out: dict) -> dict:
 def test_plugin_is_active_in_every_process(stack):
     for proc in (stack.p, stack.d):
         log = proc.log_path.read_text(errors="replace")
-        assert re.search(r"EngineCore.*bidir-kv: patched verified-reuse", log), proc.name
+        # bidir-kv's connector, loaded by vLLM on both sides, and only it (the guard).
+        assert re.search(r"EngineCore.*bidir-kv: connector NixlConnector \(scheduler side",
+                         log), proc.name
+        assert re.search(r"Worker.*bidir-kv: connector NixlConnector \(worker side", log)
+        assert re.search(r"EngineCore.*bidir-kv: patched bidir-kv-connector-only", log)
         assert re.search(r"APIServer.*bidir-kv: patched stream-params:OpenAIServingChat", log)
-        assert re.search(
-            r"Worker.*bidir-kv: patched keep-affinity, nixl-progress-thread=sleeping", log)
+        assert re.search(r"Worker.*bidir-kv: patched nixl-progress-thread=sleeping", log)
         assert re.search(r"EngineCore.*bidir-kv: patched idle-poll=20ms, notify-hwm=", log)
         assert "worker-sleeps-after-empty-step" in log
     # vLLM moved P's model thread (bound to core 0) to the last core; it was put back.
@@ -88,9 +92,13 @@ def test_streamed_chat_turns_reuse_verified_decode_kv(stack):
     body2 = chat([user1, {"role": "assistant", "content": text1},
                   {"role": "user", "content": random_text(150, seed=12)}])
     before = metric(stack.p_url, "vllm:nixl_bytes_transferred_sum")
+    counted = metric(stack.p_url, "vllm:bidirkv_reused_tokens_total")
     text2, handle2, p2 = turn(stack, body2, handle1)
     rep = report(p2)
     assert rep["verified"] and rep["reason"] == "match", rep
+    # The connector's own counter, in vLLM's /metrics beside NIXL's.
+    want = counted + rep["reused_tokens"]
+    assert metric_reaches(stack.p_url, "vllm:bidirkv_reused_tokens_total", want) == want
     assert rep["reused_tokens"] == rep["offered_tokens"] == len(held["digests"]) * BLOCK
     assert rep["recomputed_tokens"] == p2["usage"]["prompt_tokens"] - rep["reused_tokens"]
     pulled = metric(stack.p_url, "vllm:nixl_bytes_transferred_sum") - before
@@ -231,6 +239,7 @@ def test_only_handles_sealed_with_the_resources_key_are_read(stack):
         "tampered port": dict(handle, remote_port=handle["remote_port"] + 1),
         "tampered blocks": dict(handle, remote_block_ids=[[0, 1, 2]]),
     }
+    dropped = metric(stack.p_url, "vllm:bidirkv_handles_dropped_total")
     for name, forged in cases.items():
         before = metric(stack.p_url, "vllm:nixl_bytes_transferred_sum")
         p_out = prefill_leg(stack, body, forged)
@@ -238,6 +247,9 @@ def test_only_handles_sealed_with_the_resources_key_are_read(stack):
         rep = p_out["kv_transfer_params"]["bidirkv"]
         assert rep["reused_tokens"] == 0 and rep["reason"] == "unauthenticated", (name, rep)
         assert decode_leg(stack, body, p_out, streamed=False)[0] == want, name
+    dropped += len(cases)
+    assert metric_reaches(stack.p_url, "vllm:bidirkv_handles_dropped_total",
+                          dropped) == dropped
     # Sealed with the key, but past its deadline (a leaked handle, replayed late).
     late = dict(handle, **{EXPIRES_KEY: time.time() - 60})
     late[MAC_KEY] = sign(late, KEY.encode())

@@ -28,6 +28,7 @@ from .vllm_stack import (  # noqa: E402
     chat,
     decode_leg,
     metric,
+    metric_reaches,
     post,
     prefill_leg,
     proof,
@@ -129,6 +130,7 @@ def test_a_granted_read_cannot_be_released(stack):
     """The race of a read and a release, decided under decode's lock in both orders."""
     user, text, handle = first_turn(stack, seed=3)
     rid = handle["remote_request_id"]
+    answered = metric(stack.d_url, "vllm:bidirkv_grants_total")
     ok, why = lease.confirm("127.0.0.1", handle["remote_port"], rid)
     assert ok, why
     out = residency(stack, release=[rid])
@@ -140,6 +142,9 @@ def test_a_granted_read_cannot_be_released(stack):
     assert residency(stack, release=[handle2["remote_request_id"]])["releasedBlocks"] > 0
     ok, why = lease.confirm("127.0.0.1", handle2["remote_port"], handle2["remote_request_id"])
     assert not ok and why.startswith(("released", "unknown")), why
+    # Granted, refused, refused: in D's /metrics once D's engine steps again.
+    first_turn(stack, seed=5)
+    assert metric_reaches(stack.d_url, "vllm:bidirkv_grants_total", answered + 3) >= answered + 3
 
 
 def test_a_waiting_request_takes_retained_blocks(stack):
@@ -150,6 +155,7 @@ def test_a_waiting_request_takes_retained_blocks(stack):
             break
     full = residency(stack)
     assert full["freeBlocks"] < 8, full
+    released = metric(stack.d_url, "vllm:bidirkv_released_requests_total")
     # A request needing more than is free: served now, not after the 120 s TTL.
     body = chat([{"role": "user", "content": random_text(1400, seed=30)}], max_tokens=4)
     t = time.monotonic()
@@ -159,6 +165,10 @@ def test_a_waiting_request_takes_retained_blocks(stack):
     assert took < 20, took
     after = residency(stack)
     assert after["released"].get("pressure", 0) > full["released"].get("pressure", 0), after
+    # The connector's counter in D's /metrics (vLLM's stats path) saw them too.
+    grew = after["released"]["pressure"] - full["released"].get("pressure", 0)
+    assert metric_reaches(stack.d_url, "vllm:bidirkv_released_requests_total",
+                          released + grew) >= released + grew
 
 
 def test_untracked_request_is_freed_on_release(stack):
@@ -241,8 +251,11 @@ def test_router_end_of_conversation_and_router_restart(stack):
         assert stream_text(events)
 
 
-def test_engines_log_the_residency_patches(stack):
-    log = stack.d.log_path.read_text(errors="replace")
-    for name in ("residency, read-grants", "yield-retained-kv", "residency-utility"):
-        assert name in log, name
-    assert "grant-before-read" in stack.p.log_path.read_text(errors="replace")
+def test_engines_log_the_connector_and_the_residency_patches(stack):
+    """The retention hooks and the grants are bidir-kv's connector's (its scheduler on
+    D, its worker on P); the step and the route are global patches."""
+    for proc in (stack.p, stack.d):
+        log = proc.log_path.read_text(errors="replace")
+        for name in ("connector NixlConnector (scheduler side", "connector NixlConnector "
+                     "(worker side", "yield-retained-kv", "residency-utility"):
+            assert name in log, (proc.name, name)

@@ -14,6 +14,7 @@ import pathlib
 import re
 import socket
 import sys
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -177,6 +178,18 @@ def metric(url: str, name: str) -> float:
         text = r.read().decode()
     return sum(float(m.group(1)) for m in
                re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def metric_reaches(url: str, name: str, value: float, within_s: float = 10.0) -> float:
+    """The metric once it reaches `value` (or its last reading): vLLM's API server
+    records an engine step's stats as it handles that step's output, which may come
+    after the response that step finished."""
+    deadline = time.monotonic() + within_s
+    got = metric(url, name)
+    while got < value and time.monotonic() < deadline:
+        time.sleep(0.1)
+        got = metric(url, name)
+    return got
 
 
 def chat(messages: list[dict], **over) -> dict:

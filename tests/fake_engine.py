@@ -62,6 +62,9 @@ class Behaviour:
     chunk_delay: float = 0.0  # decode stream: pause between chunks
     reply: list[str] = field(default_factory=lambda: ["Hello", " from", " the", " fake", "."])
     params_on_last_chunk: bool = False  # decode: params on the finish chunk, not alone
+    # decode: as vLLM 0.33 streams, with compact JSON: `"kv_transfer_params":null` on
+    # every chunk, the params on the finish chunk
+    native_stream_params: bool = False
     no_params: bool = False  # decode: finish without kv_transfer_params
     health_status: int = 200
     residency_status: int = 200  # decode: /bidirkv/residency answers with this status
@@ -284,6 +287,9 @@ class FakeEngine:
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
             data = {"id": "cmpl-d", "object": obj, "created": 1, "model": self.model,
                     "choices": choices, **extra}
+            if b.native_stream_params:
+                data.setdefault("kv_transfer_params", None)
+                return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
             return b"data: " + json.dumps(data).encode() + b"\n\n"
 
         events: list[bytes] = []
@@ -301,7 +307,7 @@ class FakeEngine:
         params = None if b.no_params or whole else self._params(self._rid(request), n)
         finish = [{"index": 0, "delta": {}, "finish_reason": "stop"}] if chat else \
             [{"index": 0, "text": "", "finish_reason": "stop"}]
-        if params is not None and b.params_on_last_chunk:
+        if params is not None and (b.params_on_last_chunk or b.native_stream_params):
             events.append(chunk(finish, kv_transfer_params=params))
         else:
             events.append(chunk(finish))

@@ -11,19 +11,13 @@ import pytest
 
 from bidirkv.connector import plugin
 from bidirkv.connector.core.residency import Residency
+from bidirkv.connector.hooks.affinity import kept_affinity
 from bidirkv.connector.launcher import plugin_error
 from bidirkv.connector.patches import cpu as patch_cpu
 from bidirkv.connector.patches import idle as patch_idle
-from bidirkv.connector.patches.guarded import (
-    MARK,
-    Skip,
-    Target,
-    unwrap,
-    vllm_supported,
-    when_imported,
-    wrap,
-)
+from bidirkv.connector.patches.guarded import unwrap, when_imported, wrap
 from bidirkv.connector.settings import Settings
+from bidirkv.connector.targets import MARK, Skip, Target, vllm_supported
 
 
 def test_version_guard():
@@ -92,9 +86,10 @@ def test_a_required_patch_that_cannot_apply_stops_the_process():
 def test_every_patch_target_resolves_in_the_installed_vllm():
     """Targets and parameters against the installed vLLM, without starting a server."""
     pytest.importorskip("vllm")
-    from bidirkv.connector.patches.guarded import target_problems
+    from bidirkv.connector.targets import target_problems
 
-    assert target_problems(plugin.REQUIRED_TARGETS + plugin.OPTIONAL_TARGETS) == []
+    assert target_problems(plugin.REQUIRED_TARGETS + plugin.OPTIONAL_TARGETS
+                           + plugin.CONNECTOR_TARGETS) == []
 
 
 def test_launcher_sees_the_registered_entry_point():
@@ -128,7 +123,6 @@ def test_no_progress_thread_where_it_could_not_sleep(monkeypatch):
         assert base_worker.nixl_agent_config().enable_pthread is False
     finally:
         unwrap(patch_cpu.MODULE, "nixl_agent_config")
-        unwrap(patch_cpu.MODULE, "NixlBaseConnectorWorker.__init__")
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
@@ -137,14 +131,16 @@ def test_model_thread_keeps_its_cores():
     before = os.sched_getaffinity(0)
     last = max(before)
 
-    def nixl_worker_init(self):  # what vLLM 0.32 does on the CPU platform
+    def nixl_worker_init():  # what vLLM 0.32 does on the CPU platform
         os.sched_setaffinity(0, {last})
 
     try:
-        patch_cpu._keep_affinity(nixl_worker_init, Settings().resolve(True))(None)
+        with kept_affinity(Settings().resolve(True).keep_affinity):
+            nixl_worker_init()
         assert os.sched_getaffinity(0) == before
         off = Settings.from_env({"BIDIRKV_CPU_KEEP_AFFINITY": "0"}).resolve(True)
-        patch_cpu._keep_affinity(nixl_worker_init, off)(None)
+        with kept_affinity(off.keep_affinity):
+            nixl_worker_init()
         assert os.sched_getaffinity(0) == {last}
     finally:
         os.sched_setaffinity(0, before)
@@ -334,7 +330,6 @@ def test_nixl_progress_thread_sleeps_between_events():
     finally:
         api.nixlBind.nixlAgentConfig = base
         unwrap(patch_cpu.MODULE, "nixl_agent_config")
-        unwrap(patch_cpu.MODULE, "NixlBaseConnectorWorker.__init__")
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")

@@ -1,8 +1,10 @@
-"""D publishes digests, P verifies: the scheduler patches driven with stand-ins for vLLM.
+"""D publishes digests, P verifies: the connector's reuse hooks driven with stand-ins for
+vLLM.
 
-The wrapped originals mimic vLLM 0.32's NixlPullConnectorScheduler closely enough for the
-contract between the patches (bidirkv/connector/patches/reuse.py) and the pure parts (digests,
-handles, reuse); the real scheduler runs in e2e/test_connector.py.
+The upstream functions mimic vLLM 0.32's NixlPullConnectorScheduler closely enough for the
+contract between the hooks (bidirkv/connector/hooks/reuse.py, called by the connector's
+overrides in bidirkv/connector/nixl/connector.py in this order) and the pure parts
+(digests, handles, reuse); the real connector runs in e2e/test_connector.py.
 """
 
 from types import SimpleNamespace
@@ -11,7 +13,8 @@ import pytest
 
 from bidirkv.connector.core.handles import admit, sign
 from bidirkv.connector.core.reuse import Report, plan
-from bidirkv.connector.patches import reuse as patch_reuse
+from bidirkv.connector.hooks import tally
+from bidirkv.connector.hooks.reuse import Reuse
 from bidirkv.proof import make_proof
 from bidirkv.wire import MAC_KEY, VERSION, VERSION_KEY
 
@@ -66,10 +69,35 @@ def upstream_matched(self, req, num_computed):
 
 
 KEYS = (KEY,)
-on_new = patch_reuse._on_new_request(lambda self, req: None, KEYS)
-matched = patch_reuse._get_num_new_matched_tokens(upstream_matched)
-finished = patch_reuse._request_finished(upstream_finished, KEYS)
-conn_out = patch_reuse._update_connector_output(lambda self, out: None, KEYS)
+
+
+def reuse_of(sched):
+    """The connector's Reuse for this scheduler (one per engine core)."""
+    if "_reuse" not in sched.__dict__:
+        sched._reuse = Reuse(sched, KEYS)
+    return sched._reuse
+
+
+def on_new(sched, req):
+    reuse_of(sched).on_new_request(req)
+
+
+def matched(sched, req, num_computed):
+    r = reuse_of(sched)
+    if r.read_before(req):
+        return 0, False
+    count, load_async = upstream_matched(sched, req, num_computed)
+    r.matched(req, count, load_async, num_computed)
+    return count, load_async
+
+
+def finished(sched, req, block_ids):
+    return reuse_of(sched).finished(req, *upstream_finished(sched, req, block_ids))
+
+
+def conn_out(sched, out):
+    reuse_of(sched).failed(getattr(out, "failed_recving", None))
+
 
 PROMPT1 = list(range(1000, 1070))  # 70 tokens
 OUTPUT1 = list(range(2000, 2030))  # 30 tokens: D holds 99 -> 6 full blocks
@@ -104,6 +132,8 @@ def test_decode_keeps_nothing_for_a_request_without_the_routers_proof():
     again = request("d4", PROMPT1, {VERSION_KEY: VERSION, "bidirkv_proof": proof}, OUTPUT1)
     on_new(d, again)
     assert finished(d, again, ([1],)) == (False, None)
+    # Counted for the connector's stats: d1, d2 and d4 kept nothing.
+    assert reuse_of(d).tally.take()[tally.UNPROVEN] == 3
 
 
 def test_decode_hands_out_no_handle_on_a_leg_of_another_wire_version():
@@ -163,6 +193,9 @@ def test_exact_extension_pulls_every_full_block():
     assert rep["reason"] == "match" and rep["held_tokens"] == 99
     assert rep["recomputed_tokens"] == len(prompt) - 96
     assert out[MAC_KEY] == sign(out, KEY)  # P's own handle, for D
+    counted = reuse_of(p).tally.take()
+    assert counted[tally.REUSE] == {"match": 1} and counted[tally.REUSED_TOKENS] == 96
+    assert counted[tally.RECOMPUTED_TOKENS] == len(prompt) - 96
 
 
 def test_edited_history_pulls_only_the_blocks_before_the_edit():
@@ -236,10 +269,14 @@ def test_a_request_back_from_a_failed_read_recomputes_instead_of_waiting_again()
 def test_untrusted_handles_are_reported_and_not_read(mutate, reason):
     h = decode_turn(scheduler())
     mutate(h)
-    params, count, out = prefill_turn(scheduler(), h, PROMPT1 + OUTPUT1 + [1])
+    p = scheduler()
+    params, count, out = prefill_turn(p, h, PROMPT1 + OUTPUT1 + [1])
     assert count == 0 and "remote_block_ids" not in params
     rep = out["bidirkv"]
     assert (rep["reused_tokens"], rep["verified"], rep["reason"]) == (0, False, reason)
+    counted = reuse_of(p).tally.take()
+    assert counted[tally.DROPPED] == {reason: 1} and counted[tally.REUSE] == {reason: 1}
+    assert reuse_of(p).tally.take() is None  # handed over once
 
 
 def test_a_handle_is_read_at_most_once_per_prefill_engine():
@@ -269,10 +306,9 @@ def test_prompt_embeddings_are_never_reused():
 
 
 def test_a_failing_check_costs_reuse_not_the_engine(caplog):
-    seen = []
-    guarded = patch_reuse._on_new_request(lambda self, req: seen.append(req), KEY)
-    broken = SimpleNamespace()  # no vllm_config: the check itself raises
+    broken = Reuse(scheduler(), KEYS)
+    broken.state = None  # the check itself raises
     req = request("p9", PROMPT1, {"do_remote_prefill": True, "remote_block_ids": [[1]]})
-    guarded(broken, req)
-    assert seen == [req] and req.kv_transfer_params == {}
+    broken.on_new_request(req)
+    assert req.kv_transfer_params == {}
     assert "served without KV transfer" in caplog.text

@@ -21,7 +21,8 @@ LAYERS = {
     "bidirkv.operator": ["api", "kube", "crd", "render", "reconcile", "main"],
     "bidirkv.router": ["codec", "config", "metrics", "request", "store", "pool", "datapath",
                        "server"],
-    "bidirkv.connector": ["core", "settings", "patches", "plugin", "endpoint", "launcher"],
+    "bidirkv.connector": ["core", "settings", "targets", "hooks", "nixl", "patches", "plugin",
+                          "endpoint", "launcher"],
 }
 # The shared modules (bidirkv/*.py) that both sides of the wire use; they import no
 # component.
@@ -172,15 +173,32 @@ def test_package_inits_hold_a_docstring_and_nothing_else():
         assert len(tree.body) == 1, f"{f.relative_to(ROOT)}: code in a package __init__"
 
 
-def test_the_connector_core_never_imports_vllm_at_module_level():
-    """The rules are tested without the engine stack; vLLM is touched in patches/."""
+# The classes vLLM loads through kv_connector_module_path: the only product modules that
+# import vLLM at module level (its connector factory imports them, inside vLLM).
+VLLM_CLASSES = {f"bidirkv.connector.nixl.{m}" for m in ("connector", "scheduler", "worker",
+                                                         "stats")}
+
+
+def _top_imports(path: pathlib.Path) -> set[str]:
+    top = ast.parse(path.read_text()).body
+    mods = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
+    for n in top:
+        if isinstance(n, ast.ImportFrom):
+            mods.add(n.module or "")
+            mods |= {f"{n.module}.{a.name}" for a in n.names}  # a submodule, maybe
+    return mods
+
+
+def test_only_the_connector_classes_import_vllm_at_module_level():
+    """The rules (core/, hooks/), the plugin, the launcher and everything else import
+    without the engine stack; vLLM is touched in patches/ when its module is imported."""
     for name, path in modules().items():
-        if not name.startswith("bidirkv.connector.core"):
+        if name in VLLM_CLASSES:
             continue
-        top = ast.parse(path.read_text()).body
-        mods = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
-        mods |= {n.module or "" for n in top if isinstance(n, ast.ImportFrom)}
+        mods = _top_imports(path)
         assert not [m for m in mods if m.split(".")[0] in ("vllm", "torch")], name
+        # Nor through the classes: importing the plugin must not import vLLM.
+        assert not mods & VLLM_CLASSES, name
 
 
 def test_the_test_api_server_and_dev_tools_are_not_in_the_product():

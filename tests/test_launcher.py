@@ -50,6 +50,14 @@ def test_kv_config_problems(minimal):
     bad[i] = json.dumps(cfg)
     errs = preflight_errors("prefill", bad, env)
     assert any("kv_role='kv_consumer' does not fit role prefill" in e for e in errs)
+    # vLLM's own NIXL connector (no module path) would reuse KV on trust.
+    for path in (None, "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector"):
+        cfg = json.loads(args[i])
+        cfg["kv_connector_module_path"] = path
+        bad[i] = json.dumps(cfg)
+        (err,) = preflight_errors("prefill", bad, env)
+        assert err.startswith(f"kv_connector_module_path={path!r}: bidir-kv needs "
+                              "'bidirkv.connector.nixl.connector'")
 
 
 def test_serve_exits_nonzero_with_one_line_per_problem(minimal, capsys, monkeypatch):
@@ -72,7 +80,7 @@ def test_a_missing_patch_target_refuses_to_start(minimal, capsys, monkeypatch):
     """A vLLM whose internals moved: the launcher names the version and the target."""
     pytest.importorskip("vllm")
     from bidirkv.connector import launcher, plugin
-    from bidirkv.connector.patches.guarded import Target
+    from bidirkv.connector.targets import Target
 
     monkeypatch.setattr(plugin, "REQUIRED_TARGETS", [
         *plugin.REQUIRED_TARGETS,

@@ -146,11 +146,14 @@ async def test_completions_prompt_prefix_identification(stream):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("on_last_chunk", [False, True])
+# alone: the stream patch's chunk (vLLM 0.32); native: vLLM 0.33's own streaming (null on
+# every chunk, the params on the finish chunk)
+@pytest.mark.parametrize("shape", ["alone", "last_chunk", "native"])
 @pytest.mark.parametrize("kind", ["chat", "completions"])
-async def test_params_never_reach_the_client(stream, on_last_chunk, kind):
+async def test_params_never_reach_the_client(stream, shape, kind):
     async with Cluster() as c:
-        c.d[0].behaviour.params_on_last_chunk = on_last_chunk
+        c.d[0].behaviour.params_on_last_chunk = shape == "last_chunk"
+        c.d[0].behaviour.native_stream_params = shape == "native"
         if kind == "chat":
             r = await c.chat(U1, stream, conversation_id="x")
         else:

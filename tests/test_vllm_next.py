@@ -1,7 +1,8 @@
 """vLLM 0.33, read from its wheel's source and never imported (no GPU, no CUDA torch):
-every target the plugin patches, with the parameters it relies on, and the private
-attributes the patches read, are checked against it; and the differences that keep the
-plugin on 0.32 are asserted, so support cannot be switched on while one stands.
+every target the plugin patches or bidir-kv's connector classes override, with the
+parameters they rely on, and the private attributes they read, are checked against it;
+and the differences that keep the plugin on 0.32 are asserted, so support cannot be
+switched on while one stands.
 
 `make test` fetches the wheel (`pip download`, into .cache/vllm-next/); without it these
 tests skip. docs/protocol.md (section 6) records what differs and what stays 0.32-only.
@@ -19,12 +20,12 @@ import pytest
 
 from bidirkv.connector import plugin
 from bidirkv.connector.core.handles import HANDLE_KEYS
-from bidirkv.connector.patches.guarded import Target, vllm_supported
+from bidirkv.connector.targets import Target, vllm_supported
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NEXT = "0.33.0"
 WHEELS = sorted((ROOT / ".cache" / "vllm-next").glob(f"vllm-{NEXT}-*.whl"))
-TARGETS = [*plugin.REQUIRED_TARGETS, *plugin.OPTIONAL_TARGETS]
+TARGETS = [*plugin.REQUIRED_TARGETS, *plugin.OPTIONAL_TARGETS, *plugin.CONNECTOR_TARGETS]
 NIXL = "vllm/distributed/kv_transfer/kv_connector/v1/nixl"
 
 # (file in the wheel, attribute): the private state the patches read or write, which no
@@ -121,8 +122,11 @@ def _top_level(tree: ast.Module, name: str) -> ast.AST | None:
 
 
 def _params(fn: ast.AST) -> tuple[str, ...]:
+    """Parameter names as a caller sees them (a classmethod's `cls` is bound)."""
     args = fn.args
-    return tuple(a.arg for a in [*args.posonlyargs, *args.args])
+    names = tuple(a.arg for a in [*args.posonlyargs, *args.args])
+    bound = any(isinstance(d, ast.Name) and d.id == "classmethod" for d in fn.decorator_list)
+    return names[1:] if bound else names
 
 
 @functools.cache
@@ -184,6 +188,29 @@ def test_the_private_state_the_patches_read_is_still_assigned(path, attr):
     assigned = {node.attr for node in ast.walk(tree)
                 if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)}
     assert attr in assigned, f"{path}: nothing assigns .{attr}"
+
+
+def _pull_connector_init(src: Source) -> tuple[set[str], set[str]]:
+    """(what NixlPullConnector.__init__ calls, what it assigns on self)."""
+    fn = src.find(f"{NIXL.replace('/', '.')}.connector", "NixlPullConnector.__init__")
+    calls = {n.func.id if isinstance(n.func, ast.Name) else n.func.attr
+             for n in ast.walk(fn) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Name | ast.Attribute)}
+    stores = {n.attr for n in ast.walk(fn)
+              if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}
+    return calls, stores
+
+
+@pytest.mark.parametrize("release", ["installed", "next"])
+def test_the_pull_connector_builds_only_its_scheduler_or_worker(release):
+    """bidir-kv's NixlConnector.__init__ does what NixlPullConnector.__init__ does, with
+    its own scheduler and worker (so no NIXL agent is built twice): that holds only while
+    vLLM's does nothing else."""
+    src = installed() if release == "installed" else next_release()
+    calls, stores = _pull_connector_init(src)
+    assert calls == {"super", "__init__", "NixlPullConnectorScheduler",
+                     "NixlPullConnectorWorker"}
+    assert stores == {"connector_scheduler", "connector_worker"}
 
 
 def _returned_keys(src: Source) -> set[str]:

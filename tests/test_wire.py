@@ -50,9 +50,15 @@ def test_version_problem_names_both_versions():
         assert problem and repr(other) in problem and str(wire.VERSION) in problem
 
 
-def test_protocol_doc_gives_the_count_of_patched_targets():
+def test_protocol_doc_gives_the_count_of_patched_and_overridden_targets():
     from bidirkv.connector import plugin
 
     text = (ROOT / "docs" / "protocol.md").read_text()
     count = int(re.search(r"The plugin patches \*\*(\d+) targets\*\*", text).group(1))
     assert count == len(plugin.REQUIRED_TARGETS) + len(plugin.OPTIONAL_TARGETS)
+    count = int(re.search(r"connector overrides or calls \*\*(\d+) targets\*\*",
+                          text).group(1))
+    assert count == len(plugin.CONNECTOR_TARGETS)
+    total = int(re.search(r"by `tests/test_vllm_next.py`: all (\d+) targets", text).group(1))
+    assert total == len(plugin.REQUIRED_TARGETS + plugin.OPTIONAL_TARGETS
+                        + plugin.CONNECTOR_TARGETS)

@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from bidirkv.roleconfig import ROLES
+from bidirkv.roleconfig import KV_CONNECTOR, KV_CONNECTOR_MODULE, ROLES
 
 UNROUTABLE = {"", "0.0.0.0", "::", "[::]"}
 EXPECTED_KV_ROLES = {"prefill": {"kv_producer", "kv_both"}, "decode": {"kv_consumer", "kv_both"}}
@@ -60,9 +60,15 @@ def preflight_errors(
         return errors + [f"--kv-transfer-config is not valid JSON: {exc}"]
     if cfg is None:
         return errors + ["--kv-transfer-config is missing: without it vLLM transfers no KV"]
-    if cfg.get("kv_connector") != "NixlConnector":
+    if cfg.get("kv_connector") != KV_CONNECTOR:
         errors.append(
-            f"kv_connector={cfg.get('kv_connector')!r}: bidir-kv needs 'NixlConnector'"
+            f"kv_connector={cfg.get('kv_connector')!r}: bidir-kv needs {KV_CONNECTOR!r}"
+        )
+    if cfg.get("kv_connector_module_path") != KV_CONNECTOR_MODULE:
+        errors.append(
+            f"kv_connector_module_path={cfg.get('kv_connector_module_path')!r}: bidir-kv "
+            f"needs {KV_CONNECTOR_MODULE!r} (its NIXL connector; vLLM's own would reuse KV "
+            "on trust)"
         )
     if cfg.get("kv_role") not in EXPECTED_KV_ROLES[role]:
         errors.append(
@@ -122,12 +128,15 @@ def plugin_error(env: Mapping[str, str]) -> str | None:
 
 
 def patch_errors() -> list[str]:
-    """Every patch target the installed vLLM lacks or changed (imports vLLM)."""
-    from bidirkv.connector.patches.guarded import target_problems
-    from bidirkv.connector.plugin import REQUIRED_TARGETS, _version
+    """Every target the installed vLLM lacks or changed, patched or overridden by the
+    connector's classes (imports vLLM)."""
+    from bidirkv.connector.plugin import CONNECTOR_TARGETS, REQUIRED_TARGETS, _version
+    from bidirkv.connector.targets import target_problems
 
     return [f"vLLM {_version()}: cannot patch {p}; this image's vLLM does not fit the "
-            "bidir-kv plugin" for p in target_problems(REQUIRED_TARGETS)]
+            "bidir-kv plugin" for p in target_problems(REQUIRED_TARGETS)] + [
+        f"vLLM {_version()}: bidir-kv's NIXL connector relies on {p}; this image's vLLM "
+        "does not fit it" for p in target_problems(CONNECTOR_TARGETS)]
 
 
 def platform_error() -> str | None:

@@ -6,7 +6,11 @@ that process. The plugin fails closed: on a vLLM release it was not written for,
 a handle key, or when a patch that keeps reuse safe cannot apply (a target missing or
 changed), it stops the server with one line that says which, instead of letting vLLM
 reuse KV on trust. Only the CPU performance patches are optional (skipped with a
-warning). `TARGETS` lists everything patched; the launcher checks them all before vLLM
+warning). The connector hooks are not patched: they are overrides of bidir-kv's own NIXL
+connector (connector/nixl/), which vLLM loads through `kv_connector_module_path`, and
+which the connector guard makes the only NIXL connector a server with the plugin runs.
+`REQUIRED_TARGETS` and `OPTIONAL_TARGETS` list what is patched, `CONNECTOR_TARGETS` what
+the connector classes override or call; the launcher checks all of them before vLLM
 starts. Set VLLM_PLUGINS to a list without `bidirkv` to turn the plugin off.
 """
 
@@ -17,22 +21,26 @@ import logging
 import os
 from collections.abc import Callable
 
+from bidirkv.connector.nixl import targets as nixl_targets
+from bidirkv.connector.patches import connector as patch_connector
 from bidirkv.connector.patches import cpu as patch_cpu
-from bidirkv.connector.patches import grants as patch_grants
 from bidirkv.connector.patches import idle as patch_idle
 from bidirkv.connector.patches import residency as patch_residency
-from bidirkv.connector.patches import reuse as patch_reuse
 from bidirkv.connector.patches import stream as patch_stream
-from bidirkv.connector.patches.guarded import Skip, Target, vllm_supported, when_imported
+from bidirkv.connector.patches.guarded import when_imported
 from bidirkv.connector.settings import Resolved, Settings
+from bidirkv.connector.targets import Skip, Target, vllm_supported
 
 log = logging.getLogger("vllm.bidirkv")
 
 NAME = "bidirkv"
 ENTRY_POINT = "bidirkv.connector.plugin:register"
-REQUIRED_TARGETS: list[Target] = [*patch_reuse.TARGETS, *patch_stream.TARGET_LIST,
+# Patched globally: what vLLM gives no hook for (docs/protocol.md, section 5).
+REQUIRED_TARGETS: list[Target] = [*patch_connector.TARGETS, *patch_stream.TARGET_LIST,
                                   *patch_residency.TARGETS]
 OPTIONAL_TARGETS: list[Target] = [*patch_cpu.TARGETS, *patch_idle.TARGETS]
+# Overridden or called by bidir-kv's NIXL connector classes (nixl/), loaded by vLLM.
+CONNECTOR_TARGETS: list[Target] = list(nixl_targets.TARGETS)
 _registered = False
 applied: list[str] = []
 
@@ -86,13 +94,10 @@ def register() -> None:
         raise PluginError(f"bidir-kv: vLLM {version} is not a release the plugin was written "
                           "for; refusing to start (set VLLM_PLUGINS without bidirkv to run "
                           "vLLM without it)")
-    settings = Settings.from_env(os.environ)
-    keys = settings.handle_keys
-    if not keys:
+    if not Settings.from_env(os.environ).handle_keys:
         raise PluginError("bidir-kv: BIDIRKV_HANDLE_KEY is not set; refusing to start "
                           "(KV handles could not be authenticated)")
-    when_imported(patch_reuse.MODULE,
-                  _guarded("verified reuse", lambda: patch_reuse.install(keys)))
+    when_imported(nixl_targets.CONNECTOR, _guarded("connector guard", patch_connector.install))
     for module in patch_stream.TARGETS:
         when_imported(module, _guarded(
             "streamed handles",
@@ -107,13 +112,8 @@ def register() -> None:
     when_imported(patch_idle.WORKER_MODULE, _guarded(
         "idle worker", lambda: patch_idle.install_worker(_resolved().idle_poll_ms),
         required=False))
-    when_imported(patch_residency.CONNECTOR, _guarded(
-        "residency", lambda: patch_residency.install_connector(
-            settings.owner_lease_s, settings.retention_watermark)))
     when_imported(patch_residency.SCHEDULER, _guarded(
         "residency scheduler", patch_residency.install_scheduler))
     when_imported(patch_residency.ENGINE, _guarded(
         "residency utility", patch_residency.install_engine))
-    when_imported(patch_grants.PULL_WORKER, _guarded(
-        "read grants", patch_grants.install_worker))
     log.info("bidir-kv plugin registered in pid %d (vLLM %s)", os.getpid(), version)

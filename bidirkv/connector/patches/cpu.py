@@ -1,12 +1,9 @@
-"""CPU-platform patches of vLLM's NIXL worker (docs/protocol.md, section 5).
+"""CPU-platform patches of vLLM's NIXL worker and executor (docs/protocol.md, section 5).
+(The model thread's cores are kept by bidir-kv's worker itself: connector/hooks/affinity.py.)
 
-- `NixlBaseConnectorWorker.__init__` (nixl/base_worker.py) pins the calling thread to
-  the last core of each NUMA node on the CPU platform, to keep KV transfer off the model's
-  cores. That thread is the model thread, so the forward pass moves onto the reserved
-  core, which on a small host is another server's core: an 8k-token prefill took
-  35-65 s instead of 4.5 s. The binding the CPU worker chose before is put back.
-- The same `__init__` creates the NIXL agent with the progress thread on, and NIXL's
-  Python API gives that thread no wait between polls (`pthrDelay` 0): about one core
+- `NixlBaseConnectorWorker.__init__` creates the NIXL agent (`nixl_agent_config`,
+  `NixlWrapper`) with the progress thread on, and NIXL's Python API gives that thread no
+  wait between polls (`pthrDelay` 0): about one core
   per idle server. Without any progress thread, though, a peer's one-sided read of this
   server's blocks completes only when this server next steps: D's read of P's KV waited
   for P's current prefill step to end (NIXL transfer time at concurrency 4: 22 ms mean
@@ -33,8 +30,9 @@ import logging
 import os
 import sys
 
-from bidirkv.connector.patches.guarded import MARK, Skip, Target, resolve, wrap
+from bidirkv.connector.patches.guarded import wrap
 from bidirkv.connector.settings import Resolved
+from bidirkv.connector.targets import MARK, Skip, Target, resolve
 
 log = logging.getLogger("vllm.bidirkv")
 
@@ -42,21 +40,6 @@ MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
 # Where the engine core starts its workers: run in the engine-core process after vLLM
 # loaded the plugins (EngineCore.__init__ does that first), before any worker exists.
 ENGINE_MODULE = "vllm.v1.executor.multiproc_executor"
-
-
-def _keep_affinity(orig, settings: Resolved):
-    @functools.wraps(orig)
-    def __init__(self, *args, **kwargs):
-        before = os.sched_getaffinity(0) if settings.keep_affinity else None
-        orig(self, *args, **kwargs)
-        after = os.sched_getaffinity(0) if before is not None else None
-        if before is not None and after != before:
-            os.sched_setaffinity(0, before)
-            log.info("bidir-kv: kept the model thread on cores %s (vLLM's NIXL worker "
-                     "had moved it to %s; BIDIRKV_CPU_KEEP_AFFINITY=0 allows that)",
-                     sorted(before), sorted(after))
-
-    return __init__
 
 
 def _agent_config(orig, enable: bool):
@@ -113,8 +96,7 @@ def _pin_engine_core(orig, cores: frozenset[int]):
     return _init_executor
 
 
-TARGETS = [Target(MODULE, "NixlBaseConnectorWorker.__init__"),
-           Target(MODULE, "nixl_agent_config"),
+TARGETS = [Target(MODULE, "nixl_agent_config"),
            Target(MODULE, "NixlWrapper"),
            Target(ENGINE_MODULE, "MultiprocExecutor._init_executor")]
 
@@ -130,10 +112,6 @@ def install_engine_core(settings: Resolved) -> list[str]:
 
 def install(settings: Resolved) -> list[str]:
     applied = []
-    if settings.keep_affinity and hasattr(os, "sched_getaffinity"):
-        wrap(MODULE, "NixlBaseConnectorWorker.__init__",
-             lambda o: _keep_affinity(o, settings))
-        applied.append("keep-affinity")
     if settings.nixl_progress_thread is not None:
         _, _, cfg = resolve(MODULE, "nixl_agent_config")
         if cfg is None:

@@ -38,7 +38,8 @@ import queue
 import time
 
 from bidirkv.connector.core.residency import HELD, current
-from bidirkv.connector.patches.guarded import Skip, Target, target_problem, wrap
+from bidirkv.connector.patches.guarded import wrap
+from bidirkv.connector.targets import Skip, Target, target_problem
 
 MODULE = "vllm.v1.engine.core"
 WORKER_MODULE = "vllm.v1.executor.multiproc_executor"

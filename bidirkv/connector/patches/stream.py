@@ -7,7 +7,8 @@ from bidirkv.connector.core.streamparams import (
     COMPLETION_OBJECT,
     wrap_stream_generator,
 )
-from bidirkv.connector.patches.guarded import MARK, Skip, Target, resolve, wrap
+from bidirkv.connector.patches.guarded import wrap
+from bidirkv.connector.targets import MARK, Skip, Target, resolve
 
 TARGETS = {
     "vllm.entrypoints.openai.chat_completion.serving":

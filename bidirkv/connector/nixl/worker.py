@@ -1,0 +1,48 @@
+"""bidir-kv's pull-mode connector worker: vLLM's, which asks decode for a grant before
+it reads decode's retained blocks, and leaves the model thread on its cores (CPU).
+
+A read of decode's retained blocks (a turn-2 read: it carries D's deadline) asks for the
+grant first (core/lease.py); refused, it takes vLLM's expired-read path and the request
+is recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+    NixlPullConnectorWorker,
+)
+
+from bidirkv.connector.core import lease
+from bidirkv.connector.hooks.affinity import kept_affinity
+
+log = logging.getLogger("vllm.bidirkv")
+
+
+class PullWorker(NixlPullConnectorWorker):
+    def __init__(self, vllm_config, engine_id, kv_cache_config, keep_affinity: bool = False):
+        # Which decode peers lately left a grant unanswered (one gate per worker).
+        self.grant_gate = lease.PeerGate()
+        with kept_affinity(keep_affinity):
+            super().__init__(vllm_config, engine_id, kv_cache_config)
+
+    def _read_blocks_for_req(self, req_id, meta):
+        remote = meta.remote
+        if (
+            self._bidirectional_kv_xfer_enabled
+            and remote is not None
+            and remote.blocks_expiry_time is not None  # D's retained blocks, not P's
+            and remote.engine_id in self._remote_agents
+            and remote.engine_id not in self._invalid_remote_engines
+            and any(len(g) for g in meta.local_physical_block_ids)
+        ):
+            ok, why = self.grant_gate.confirm(remote.host, remote.port, remote.request_id)
+            if not ok:
+                log.warning("bidir-kv: decode refused the read of %s for %s (%s); "
+                            "recomputing", remote.request_id, req_id, why)
+                self.xfer_stats.record_kv_expired_req()
+                self._handle_failed_transfer(req_id, None, self._recv_failures,
+                                             record_failed_transfer=False)
+                return None
+        return super()._read_blocks_for_req(req_id, meta)
