@@ -61,6 +61,7 @@ def test_the_previous_key_is_accepted_during_a_rotation():
     ("remote_request_id", "req-2"), ("remote_port", 5601), ("remote_num_tokens", 900),
     ("remote_blocks_expiry_time", 99999.0), ("tp_size", 2), ("remote_host", "10.6.6.6"),
     (EXPIRES_KEY, 4e9),
+    ("remote_registration_generation", 2),  # vLLM 0.33: added, raised or (below) removed
 ])
 def test_any_change_of_what_is_read_breaks_the_signature(field, value):
     h = d_handle()
@@ -69,6 +70,15 @@ def test_any_change_of_what_is_read_breaks_the_signature(field, value):
     assert not a.handle and a.reason == "unauthenticated"
     assert not any(k.startswith("remote_") for k in a.params)
     assert a.params["do_remote_prefill"] is False and a.params["do_remote_decode"] is True
+
+
+def test_a_signed_registration_generation_cannot_be_removed():
+    """vLLM 0.33's handles carry the issuer's registration generation; without it a reader
+    would keep its agent for a peer that registered its memory anew."""
+    h = d_handle(remote_registration_generation=1)
+    assert admit(dict(h), KEY, MAX).handle
+    del h["remote_registration_generation"]
+    assert admit(h, KEY, MAX).reason == "unauthenticated"
 
 
 def test_wrong_key_and_missing_signature():
@@ -88,6 +98,7 @@ def test_wrong_key_and_missing_signature():
     {"remote_num_tokens": "many"}, {"remote_num_tokens": -1}, {"tp_size": 0},
     {"remote_blocks_expiry_time": "soon"}, {"remote_blocks_expiry_time": float("nan")},
     {EXPIRES_KEY: None}, {EXPIRES_KEY: "later"}, {EXPIRES_KEY: float("inf")},
+    {"remote_registration_generation": -1}, {"remote_registration_generation": "1"},
 ])
 def test_malformed_handles_are_dropped(over):
     a = admit(d_handle(**over), KEY, MAX)

@@ -21,8 +21,38 @@ from bidirkv.connector.targets import MARK, Skip, Target, vllm_supported
 
 
 def test_version_guard():
-    assert vllm_supported("0.32.0") and vllm_supported("0.32.1")
-    assert not vllm_supported("0.33.0") and not vllm_supported("0.3.2")
+    assert vllm_supported("0.32.0") and vllm_supported("0.32.1") and vllm_supported("0.33.0")
+    assert not vllm_supported("0.34.0") and not vllm_supported("0.3.2")
+
+
+def test_no_stream_patch_where_vllm_streams_the_params_itself(monkeypatch):
+    """vLLM 0.33's stream chunk model declares kv_transfer_params: nothing is wrapped."""
+    from bidirkv.connector.patches import stream
+
+    serving, protocol = ModuleType("bidirkv_fake_serving"), ModuleType("bidirkv_fake_proto")
+
+    class Serving:
+        async def chat_completion_stream_generator(self, request, result_generator,
+                                                   request_id, model_name):
+            yield "data: [DONE]\n\n"
+
+    orig = Serving.chat_completion_stream_generator
+    serving.OpenAIServingChat = Serving
+    protocol.ChatCompletionStreamResponse = type("M", (), {"model_fields": {
+        "id": None, "kv_transfer_params": None}})
+    monkeypatch.setitem(sys.modules, serving.__name__, serving)
+    monkeypatch.setitem(sys.modules, protocol.__name__, protocol)
+    monkeypatch.setitem(stream.TARGETS, serving.__name__,
+                        ("OpenAIServingChat.chat_completion_stream_generator", "chat"))
+    monkeypatch.setitem(stream.MODELS, serving.__name__,
+                        (protocol.__name__, "ChatCompletionStreamResponse"))
+    assert stream.streams_params_itself(serving.__name__)
+    assert stream.install(serving.__name__) == []
+    assert Serving.chat_completion_stream_generator is orig
+    # vLLM 0.32's model has no such field: the generator is wrapped.
+    protocol.ChatCompletionStreamResponse.model_fields = {"id": None}
+    assert stream.install(serving.__name__) == ["stream-params:OpenAIServingChat"]
+    assert Serving.chat_completion_stream_generator is not orig
 
 
 @pytest.fixture

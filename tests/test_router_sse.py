@@ -52,6 +52,28 @@ def test_params_on_a_content_chunk_only_lose_the_key():
     assert out.endswith(DONE)
 
 
+def compact(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def test_vllm_0_33_streams_take_out_every_null_and_the_finishing_params():
+    """vLLM 0.33 writes the key on every chunk (`null`) and the params on the finishing
+    chunk: the nulls go as bytes, the rest of each chunk byte-identical."""
+    nulls = [chat_chunk("Hel", kv_transfer_params=None), chat_chunk("lo", kv_transfer_params=None)]
+    data = b"".join(compact(c) for c in nulls) + compact(
+        chat_chunk(finish="stop", kv_transfer_params=PARAMS)) + DONE
+    for step in (1, 9, len(data)):
+        filt = SSEFilter()
+        out = run(filt, data, step)
+        assert b"kv_transfer_params" not in out and filt.params == PARAMS
+        head = b"".join(compact({k: v for k, v in c.items() if k != "kv_transfer_params"})
+                        for c in nulls)
+        assert out.startswith(head)
+        events = [json.loads(event_data(e)) for e in out.split(b"\n\n")
+                  if e and e != DONE.strip()]
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
 def test_usage_chunk_with_params_is_kept():
     usage = {"id": "x", "choices": [], "usage": {"prompt_tokens": 3}}
     assert strip_params({**usage, "kv_transfer_params": PARAMS}) == usage

@@ -1,8 +1,7 @@
 """vLLM 0.33, read from its wheel's source and never imported (no GPU, no CUDA torch):
 every target the plugin patches or bidir-kv's connector classes override, with the
 parameters they rely on, and the private attributes they read, are checked against it;
-and the differences that keep the plugin on 0.32 are asserted, so support cannot be
-switched on while one stands.
+and what 0.33 changes in handles and streams is shown to be handled.
 
 `make test` fetches the wheel (`pip download`, into .cache/vllm-next/); without it these
 tests skip. docs/protocol.md (section 6) records what differs and what stays 0.32-only.
@@ -20,6 +19,7 @@ import pytest
 
 from bidirkv.connector import plugin
 from bidirkv.connector.core.handles import HANDLE_KEYS
+from bidirkv.connector.patches import stream
 from bidirkv.connector.targets import Target, vllm_supported
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -222,20 +222,25 @@ def _returned_keys(src: Source) -> set[str]:
             for kw in node.keywords if kw.arg}
 
 
-def _streams_params(src: Source) -> bool:
-    found = src.module("vllm.entrypoints.openai.chat_completion.protocol")
-    cls = found and _top_level(found[1], "ChatCompletionStreamResponse")
-    return bool(cls) and any(isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
-                             and n.target.id == "kv_transfer_params" for n in cls.body)
+def _stream_fields(src: Source, module: str, name: str) -> list[str]:
+    """The fields a stream chunk model declares, in order."""
+    found = src.module(module)
+    cls = found and _top_level(found[1], name)
+    return [n.target.id for n in (cls.body if cls else ())
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
 
 
-def test_what_keeps_the_plugin_on_0_32_while_it_stands():
+def test_what_0_33_changes_in_handles_and_streams_is_handled():
     """0.33 adds `remote_registration_generation` to every handle (a P worker that sees a
-    newer one drops its agent and handshakes again); our MAC does not cover it yet. And
-    0.33 streams `kv_transfer_params` itself, where the stream patch would send them a
-    second time. Either one keeps 0.33 off the supported list."""
+    newer one drops its agent and handshakes again): it is signed with the rest. And 0.33
+    streams `kv_transfer_params` itself on both stream models the stream patch checks, so
+    the patch stands down there; the key comes after the chunk's first field, so the
+    router takes the `null`s out as bytes."""
     new = _returned_keys(next_release()) - _returned_keys(installed())
-    unsigned = new - set(HANDLE_KEYS)
-    assert unsigned == {"remote_registration_generation"}, unsigned
-    assert not _streams_params(installed()) and _streams_params(next_release())
-    assert not vllm_supported(NEXT)
+    assert new == {"remote_registration_generation"}, new
+    assert new <= set(HANDLE_KEYS)
+    for where, name in stream.MODELS.values():
+        assert stream.PARAMS not in _stream_fields(installed(), where, name), name
+        fields = _stream_fields(next_release(), where, name)
+        assert stream.PARAMS in fields and fields[0] != stream.PARAMS, (name, fields)
+    assert vllm_supported(NEXT)

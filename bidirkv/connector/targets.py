@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # Release lines whose internals the patches were read against.
-SUPPORTED_VLLM = ("0.32.",)
+SUPPORTED_VLLM = ("0.32.", "0.33.")
 MARK = "__bidirkv_patch__"
 
 

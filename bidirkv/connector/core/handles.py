@@ -10,14 +10,15 @@ dropped and the request is served without reuse.
 
 The signature is an HMAC over everything the reading engine acts on: engine, request,
 host and port (the reader connects only where the signature says), blocks, token counts,
-expiry and digests. `bidirkv_expires` is the issuer's wall-clock deadline for the blocks
-(D: `decoder_kv_blocks_ttl`; P: its lease), signed with the rest: a handle admitted after
-it (beyond a few seconds of clock skew between nodes) is dropped, so a handle that
-leaked is worthless once its blocks may hold other KV, whatever the replay guard still
-remembers. vLLM's own `remote_blocks_expiry_time` is the issuer's `perf_counter`, which
-another node cannot compare. It leaves out only the direction flags, which the router sets per
-leg. Its key is `BIDIRKV_HANDLE_KEY`, identical on every engine of a resource (the
-operator's Secret); `BIDIRKV_HANDLE_KEY_PREVIOUS` is also accepted during a rotation.
+expiry, digests and (vLLM 0.33) the issuer's registration generation. `bidirkv_expires`
+is the issuer's wall-clock deadline for the blocks (D: `decoder_kv_blocks_ttl`; P: its
+lease), signed with the rest: a handle admitted after it (beyond a few seconds of clock
+skew between nodes) is dropped, so a handle that leaked is worthless once its blocks may
+hold other KV, whatever the replay guard still remembers. vLLM's own
+`remote_blocks_expiry_time` is the issuer's `perf_counter`, which another node cannot
+compare. It leaves out only the direction flags, which the router sets per leg. Its key
+is `BIDIRKV_HANDLE_KEY`, identical on every engine of a resource (the operator's
+Secret); `BIDIRKV_HANDLE_KEY_PREVIOUS` is also accepted during a rotation.
 There is no default key: an engine without one does not start (plugin.py).
 
 Decode hands out a handle only to a request that carries the router's proof
@@ -46,10 +47,15 @@ from bidirkv.wire import (
     version_problem,
 )
 
+# vLLM 0.33 adds the issuer's registration generation to every handle: a reader that
+# sees a newer one drops its agent for that peer and handshakes again (the peer
+# registered its KV memory anew). Signed like the rest: stripped or lowered, a reader
+# would read with the old registration.
+GENERATION = "remote_registration_generation"
 HANDLE_KEYS = (
     "remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host",
     "remote_port", "remote_num_tokens", "remote_blocks_expiry_time", "tp_size", "dcp_size",
-    "pp_size", BLOCKS_KEY, EXPIRES_KEY, MAC_KEY,
+    "pp_size", GENERATION, BLOCKS_KEY, EXPIRES_KEY, MAC_KEY,
 )
 # Nodes keep time with NTP (milliseconds apart); a few seconds of slack never lets a
 # handle outlive its blocks, which the issuer keeps well past a router's TTL for them.
@@ -91,6 +97,9 @@ def handle_problem(params: dict[str, Any], max_tokens: int) -> str | None:
     n = params.get("remote_num_tokens")
     if n is not None and not _is_int(n, 0, max_tokens + 1):
         return f"remote_num_tokens must be an integer 0-{max_tokens + 1}"
+    gen = params.get(GENERATION)
+    if gen is not None and not _is_int(gen, 0, (1 << 63) - 1):
+        return f"{GENERATION} must be a non-negative integer"
     for key in ("tp_size", "dcp_size", "pp_size"):
         if key in params and params[key] is not None and not _is_int(
             params[key], 1, MAX_PARALLEL
@@ -120,7 +129,7 @@ def stamp_expiry(params: dict[str, Any], lifetime_s: float, wall: float | None =
 
 def _mac_message(params: dict[str, Any]) -> bytes:
     fields = [
-        3,
+        4,  # the message's layout; 4 added the registration generation
         params.get("remote_engine_id"),
         params.get("remote_request_id"),
         params.get("remote_host"),
@@ -133,6 +142,7 @@ def _mac_message(params: dict[str, Any]) -> bytes:
         params.get("pp_size"),
         params.get(BLOCKS_KEY),
         params.get(EXPIRES_KEY),
+        params.get(GENERATION),
     ]
     return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 

@@ -1,10 +1,12 @@
 """Server-sent events from D: pass bytes through, take out D's `kv_transfer_params`.
 
 The params (internal hosts, block ids) arrive in the last data chunk, either alone
-(`{"choices": [], "kv_transfer_params": {...}}`: dropped entirely) or on a chunk that
-carries more (only the key is removed). Everything else is forwarded as received: a
-chunk is only JSON-decoded when it contains the key's bytes, or when the caller collects
-the generated message (needed to name the conversation by its history).
+(`{"choices": [], "kv_transfer_params": {...}}`, bidir-kv's stream patch on vLLM 0.32:
+dropped entirely) or on a chunk that carries more (vLLM 0.33's finishing chunk: only the
+key is removed; its other chunks carry the key as `null`, removed too). Everything else
+is forwarded as received: a chunk is only JSON-decoded when it contains the key's bytes,
+or when the caller collects the generated message (needed to name the conversation by
+its history).
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ from bidirkv.router.codec import dumps, loads
 
 PARAMS = "kv_transfer_params"
 _MARKER = b'"kv_transfer_params"'
+# vLLM 0.33 writes the key on every chunk, `null` but on the finishing one (compact JSON,
+# after the chunk's first key). Taken out as bytes: no decoding of every chunk. Inside a
+# JSON string these bytes cannot occur (its quotes would be escaped).
+_NULL = b',"kv_transfer_params":null'
 DONE = b"data: [DONE]\n\n"
 
 
@@ -167,6 +173,9 @@ class SSEFilter:
         if self.collector is not None:
             return self._process(ready)
         at = ready.find(_MARKER)
+        if at >= 0 and _NULL in ready:
+            ready = ready.replace(_NULL, b"")
+            at = ready.find(_MARKER)
         if at < 0:
             return ready
         # Events before the one holding the params pass through as they are.
