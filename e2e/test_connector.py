@@ -343,6 +343,39 @@ def test_router_counts_verified_reuse(stack):
         assert metric(url, 'bidirkv_router_reuse_total{outcome="verified-partial"}') == 1
 
 
+def test_router_places_each_turn_where_its_kv_is(stack):
+    """`thresholds`: a short append runs whole on the decode replica that holds the
+    conversation (no prefill leg, no KV moved, D's own prefix cache) and gives the
+    reuse-off output; a long one takes the prefill leg and reads D's blocks back."""
+    policy = {"policy": "thresholds", "localPrefillTokens": 64, "maxLocalPrefillTokens": 2048}
+    with running_router(stack, "router-placement", placement=policy) as (url, _):
+        conv = {"conversation_id": "conv-71", "stream": True}
+        user1 = {"role": "user", "content": random_text(300, seed=71)}
+        text1 = stream_text(stream(url + "/v1/chat/completions", {**chat([user1]), **conv}))
+        msgs = [user1, {"role": "assistant", "content": text1},
+                {"role": "user", "content": random_text(8, seed=72)}]
+        p_done = metric(stack.p_url, "vllm:request_success_total")
+        moved = [metric(u, "vllm:nixl_bytes_transferred_sum") for u in (stack.p_url, stack.d_url)]
+        d_hits = metric(stack.d_url, "vllm:prefix_cache_hits_total")
+        text2 = stream_text(stream(url + "/v1/chat/completions", {**chat(msgs), **conv}))
+        extended = 'bidirkv_router_placements_total{decision="extend",reason="short_append"}'
+        assert metric(url, extended) == 1
+        assert metric(stack.p_url, "vllm:request_success_total") == p_done  # P never asked
+        assert [metric(u, "vllm:nixl_bytes_transferred_sum")
+                for u in (stack.p_url, stack.d_url)] == moved  # 0 KV bytes moved
+        assert metric(stack.d_url, "vllm:prefix_cache_hits_total") > d_hits
+        assert text2 == turn(stack, chat(msgs), None, streamed=False)[0]  # reuse-off output
+        # A long append: the prefill leg, reading back what D kept for turn 2.
+        reused = metric(url, 'bidirkv_router_reuse_tokens_total{source="bidirkv"}')
+        msgs += [{"role": "assistant", "content": text2},
+                 {"role": "user", "content": random_text(200, seed=73)}]
+        text3 = stream_text(stream(url + "/v1/chat/completions", {**chat(msgs), **conv}))
+        assert metric(url, 'bidirkv_router_placements_total{decision="read_back",'
+                      'reason="long_append"}') == 1
+        assert metric(url, 'bidirkv_router_reuse_tokens_total{source="bidirkv"}') > reused
+        assert text3 == turn(stack, chat(msgs), None, streamed=False)[0]
+
+
 def test_reuse_cuts_prefill_time(stack):
     user1 = {"role": "user", "content": random_text(2500, seed=71)}
     text1, handle, _ = turn(stack, chat([user1], max_tokens=8))

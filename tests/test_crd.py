@@ -133,6 +133,11 @@ BAD_SPECS = [
     {"model": {"name": "m"}, "router": {"maxConversationsPerTenant": 0}},
     {"model": {"name": "m"}, "kvTransfer": {"retentionWatermark": 1.5}},
     {"model": {"name": "m"}, "kvTransfer": {"ownerLeaseSeconds": 5}},
+    {"model": {"name": "m"}, "router": {"placement": {"policy": "always"}}},
+    {"model": {"name": "m"}, "router": {"placement": {"maxLocalPrefillTokens": -1}}},
+    {"model": {"name": "m"}, "router": {"placement": {"decodeBusyRequests": 0}}},
+    # A threshold above the cap could never apply (CEL rule).
+    {"model": {"name": "m"}, "router": {"placement": {"localPrefillTokens": 2048}}},
     # A lease past vLLM's TTL never matters (CEL rule).
     {"model": {"name": "m"}, "kvTransfer": {"decoderKvBlocksTtlSeconds": 60,
                                             "ownerLeaseSeconds": 61},

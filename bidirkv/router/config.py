@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -59,6 +59,25 @@ class Timeouts(_Model):
     # idle connection) does not keep a socket forever. Like nginx's keepalive_timeout;
     # read when the router starts.
     idle_connection_seconds: float = Field(default=75.0, gt=0, le=86400)
+
+
+class Placement(_Model):
+    """Where each turn runs (bidirkv/router/pool/placement.py; spec.router.placement)."""
+
+    # alwaysDisaggregate until the placement benchmark has measured `cost` (README).
+    policy: Literal["cost", "alwaysDisaggregate", "thresholds"] = "alwaysDisaggregate"
+    max_local_prefill_tokens: int = Field(default=1024, ge=0, le=1_048_576)
+    decode_busy_requests: int = Field(default=4, ge=1, le=100_000)
+    local_prefill_tokens: int = Field(default=256, ge=0, le=1_048_576)
+    prefill_busy_requests: int = Field(default=2, ge=1, le=100_000)
+
+    @model_validator(mode="after")
+    def _thresholds_under_the_cap(self) -> Placement:
+        if self.local_prefill_tokens > self.max_local_prefill_tokens:
+            raise ValueError(
+                f"placement.localPrefillTokens {self.local_prefill_tokens} must be at most "
+                f"placement.maxLocalPrefillTokens {self.max_local_prefill_tokens}")
+        return self
 
 
 def normalise_url(value: str) -> str:
@@ -127,6 +146,7 @@ class RouterConfig(_Model):
     # content parts, past any 100k-token history, and at most ~0.1 s of work.
     max_json_containers: int = Field(default=8192, ge=64, le=10_000_000)
     timeouts: Timeouts = Field(default_factory=Timeouts)
+    placement: Placement = Field(default_factory=Placement)
     health_check_interval_seconds: float = Field(default=5.0, gt=0, le=3600)
     # Share of each decode replica's KV blocks that this router's handles may pin; above
     # it the least recently stored conversations are released (kvTransfer.retentionWatermark).

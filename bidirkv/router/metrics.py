@@ -16,7 +16,8 @@ REQUEST_OUTCOMES = (
     "ok", "client_error", "upstream_client_error", "unavailable", "upstream_error",
     "timeout", "stream_error", "cancelled",
 )
-REUSE_OUTCOMES = ("hit", "miss", "expired", "verified-partial", "dropped", "off")
+REUSE_OUTCOMES = ("hit", "miss", "expired", "verified-partial", "dropped", "off",
+                  "extended")
 
 
 class Metrics:
@@ -31,7 +32,14 @@ class Metrics:
             p + "reuse", "Decode-handle reuse outcome per request that reached P: hit (P took the "
             "handle), miss (none stored), expired (stored but past its TTL), verified-partial "
             "(P reported reusing fewer tokens than offered), dropped (P failed with the "
-            "handle; retried without), off (bidirectional disabled).", ["outcome"], registry=r,
+            "handle; retried without), off (bidirectional disabled); extended: the turn "
+            "was extended on the decode replica holding it, without P.", ["outcome"],
+            registry=r,
+        )
+        self.placements = Counter(
+            p + "placements", "Where each turn ran, and why (bidirkv/router/pool/"
+            "placement.py): decision extend, read_back or prefill.", ["decision", "reason"],
+            registry=r,
         )
         self.tokens_offered = Counter(
             p + "reuse_tokens_offered",

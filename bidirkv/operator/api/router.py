@@ -19,6 +19,54 @@ class ServiceType(StrEnum):
     LoadBalancer = "LoadBalancer"
 
 
+class PlacementPolicy(StrEnum):
+    cost = "cost"
+    alwaysDisaggregate = "alwaysDisaggregate"
+    thresholds = "thresholds"
+
+
+class PlacementSpec(_Model):
+    policy: PlacementPolicy = Field(
+        default=PlacementPolicy.alwaysDisaggregate,
+        description="Where each turn runs. `alwaysDisaggregate` (the default): every "
+        "turn takes the prefill leg, reading back what decode holds. `cost`: a turn whose "
+        "conversation a decode replica holds is extended there (decode prefills only the "
+        "new tokens, nothing is transferred) when that is estimated faster than the prefill "
+        "leg with the read back, from per-token costs the router learns online. "
+        "`thresholds`: extend on decode when the new tokens are at most "
+        "`localPrefillTokens`, or prefill has `prefillBusyRequests` requests in flight. "
+        "Every choice gives the same output.",
+    )
+    max_local_prefill_tokens: int = Field(
+        default=1024,
+        ge=0,
+        le=1_048_576,
+        description="Most new tokens a decode replica prefills for one turn under any "
+        "policy: keeps the inter-token latency of what it is decoding bounded. 0: never.",
+    )
+    decode_busy_requests: int = Field(
+        default=4,
+        ge=1,
+        le=100_000,
+        description="A decode replica with this many requests in flight from this router "
+        "is busy: its conversations' turns take the prefill leg.",
+    )
+    local_prefill_tokens: int = Field(
+        default=256,
+        ge=0,
+        le=1_048_576,
+        description="`thresholds`: extend on decode at most this many new tokens (like "
+        "llm-d's `nonCachedTokens`). At most `maxLocalPrefillTokens`.",
+    )
+    prefill_busy_requests: int = Field(
+        default=2,
+        ge=1,
+        le=100_000,
+        description="`thresholds`: with this many requests in flight on prefill, extend on "
+        "decode up to `maxLocalPrefillTokens` new tokens.",
+    )
+
+
 class SecretKeyRef(_Model):
     name: str = Field(min_length=1, max_length=253, description="Secret name.")
     key: str = Field(min_length=1, max_length=253, description="Key in the Secret.")
@@ -89,4 +137,9 @@ class RouterSpec(_Model):
         default=None,
         description="Share conversation handles between router replicas (and across router "
         "restarts) through a Redis-protocol store. Required when `replicas` > 1.",
+    )
+    placement: PlacementSpec = Field(
+        default_factory=PlacementSpec,
+        description="Per-turn placement: extend a conversation on the decode replica that "
+        "holds it, or take the prefill leg.",
     )

@@ -62,6 +62,13 @@ CEL_RULES: list[tuple[str, str, str]] = [
         ".networkPolicy",
     ),
     (
+        "!has(self.router.placement) || self.router.placement.localPrefillTokens <= "
+        "self.router.placement.maxLocalPrefillTokens",
+        "router.placement.localPrefillTokens must be at most "
+        "router.placement.maxLocalPrefillTokens",
+        ".router.placement.localPrefillTokens",
+    ),
+    (
         "!self.efa.enabled || self.kvTransfer.backend == 'LIBFABRIC'",
         "kvTransfer.backend must be LIBFABRIC when efa.enabled is true "
         "(UCX over EFA falls back to TCP)",
@@ -134,6 +141,13 @@ def cross_field_errors(spec: DisaggregatedInferenceSpec) -> list[str]:
             f"spec.router.replicas: {spec.router.replicas} needs spec.router.handleStore: "
             "without a shared store, turns of one conversation reach different routers and "
             "miss their decode KV"
+        )
+    placement = spec.router.placement
+    if placement.local_prefill_tokens > placement.max_local_prefill_tokens:
+        errors.append(
+            f"spec.router.placement.localPrefillTokens: {placement.local_prefill_tokens} must "
+            f"be at most spec.router.placement.maxLocalPrefillTokens "
+            f"({placement.max_local_prefill_tokens})"
         )
     lease = spec.kv_transfer.owner_lease_seconds
     if lease > ttl:

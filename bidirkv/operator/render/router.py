@@ -47,6 +47,7 @@ def router_config(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dict[st
         "ownerLeaseSeconds": spec.kv_transfer.owner_lease_seconds,
         "kvFingerprint": kv_fingerprint(spec),
         "prefillOnlyFallback": spec.router.prefill_only_fallback,
+        "placement": spec.router.placement.model_dump(mode="json", by_alias=True),
         **({"handleStore": spec.router.handle_store.url} if spec.router.handle_store else {}),
     }
 

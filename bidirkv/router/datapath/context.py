@@ -17,6 +17,7 @@ import aiohttp
 from bidirkv.router.config import RouterConfig
 from bidirkv.router.metrics import Metrics
 from bidirkv.router.pool.backends import DECODE, PREFILL, Backend, Pool
+from bidirkv.router.pool.placement import CostModel
 from bidirkv.router.pool.residency import Residency
 from bidirkv.router.request.identity import LookupKeys
 from bidirkv.router.store.base import Store, StoreUnavailable
@@ -69,6 +70,8 @@ class Context:
         # The served model's context length, from prefill's /v1/models: a max_tokens
         # above it is refused before any engine works on the request.
         self.max_model_len: int | None = None
+        # Per-token costs and characters per token, learned from the legs (placement.py).
+        self.costs = CostModel()
         self.prefill = Pool(PREFILL, cfg.prefill)
         self.decode = Pool(DECODE, cfg.decode)
         self.residency = Residency(cfg.owner_lease_seconds, self.timeouts.probe,

@@ -100,6 +100,7 @@ class Conversations:
             share = ctx.cfg.tenant_retention_share
             await ctx.store.put(
                 key, dumps_kept(kv), d.url, engine, n, tenant=turn.tenant, prefix_len=prefix_len,
+                chars=turn.prompt_chars + len(collector.text) if collector is not None else 0,
                 request_id=rid, blocks=handle_blocks(kv), max_pinned=limit,
                 tenant_max_pinned=int(share * limit) if limit is not None and share < 1
                 else None)

@@ -18,10 +18,11 @@ from bidirkv.router.codec import dumps, loads
 from bidirkv.router.datapath.context import Context, quietly
 from bidirkv.router.datapath.conversations import Conversations
 from bidirkv.router.datapath.health import Health
-from bidirkv.router.datapath.reusereport import reuse_report
+from bidirkv.router.datapath.reusereport import prefill_work, reuse_report
 from bidirkv.router.datapath.sessions import Clients
 from bidirkv.router.datapath.sse import DONE, PARAMS, MessageCollector, SSEFilter, error_event
 from bidirkv.router.datapath.upstream import (
+    LOCAL_PARAMS,
     PARAMS_MARKER,
     PATHS,
     UPSTREAM_FAILURES,
@@ -31,10 +32,12 @@ from bidirkv.router.datapath.upstream import (
     classify,
     decode_body,
     json_response,
+    placement_header,
     prefill_body,
     rejected,
 )
 from bidirkv.router.pool.backends import DECODE, PREFILL, Backend
+from bidirkv.router.pool.placement import EXTEND
 from bidirkv.router.pool.selection import least_outstanding
 from bidirkv.router.request.validation import CHAT
 
@@ -111,11 +114,20 @@ class Legs:
                 continue
             finally:
                 p.outstanding -= 1
-            ctx.metrics.observe_leg("prefill", "ok", time.perf_counter() - t)
+            took = time.perf_counter() - t
+            ctx.metrics.observe_leg("prefill", "ok", took)
+            self._learn_prefill(turn, data, took)
             await self._account_reuse(turn, data)
             return p, data
         assert last is not None
         raise last
+
+    def _learn_prefill(self, turn: Turn, data: dict[str, Any], seconds: float) -> None:
+        work = prefill_work(data)
+        if work is not None:
+            costs = self.ctx.costs
+            costs.observe_prompt(turn.prompt_chars, work.prompt_tokens)
+            costs.observe_prefill(seconds * 1000, work.computed, work.read)
 
     async def _account_reuse(self, turn: Turn, data: dict[str, Any]) -> None:
         ctx = self.ctx
@@ -143,6 +155,17 @@ class Legs:
         payload = dumps(decode_body(turn.body, p_body.get(PARAMS), owner, proof, tenant))
         return await self.generate(request, turn, d, payload, rid, DECODE)
 
+    async def extend_leg(self, request: web.Request, turn: Turn, d: Backend, rid: str
+                         ) -> tuple[web.StreamResponse, str]:
+        """The whole turn on the decode replica holding the conversation: it prefills the
+        new tokens on top of the KV it kept (its prefix cache), keeps the blocks and hands
+        out the next handle. UpstreamFailure before the client got a byte."""
+        ctx = self.ctx
+        proof = make_proof(ctx.handle_key) if ctx.handle_key else None
+        payload = dumps(decode_body(turn.body, dict(LOCAL_PARAMS), ctx.residency.owner,
+                                    proof, turn.tenant))
+        return await self.generate(request, turn, d, payload, rid, EXTEND)
+
     async def generate(self, request: web.Request, turn: Turn, d: Backend, payload: bytes,
                        rid: str, leg: str) -> tuple[web.StreamResponse, str]:
         """The response and its outcome; UpstreamFailure when `d` failed before the client
@@ -162,7 +185,7 @@ class Legs:
                 async with asyncio.timeout(first_byte):
                     resp = await self.clients.post(d, PATHS[turn.kind], payload, rid, turn.auth,
                                                    self.ctx.timeouts.decode,
-                                                   retry_stale=leg != DECODE)
+                                                   retry_stale=leg not in (DECODE, EXTEND))
                     if resp.status != 200:
                         body = await resp.read()
                         raise UpstreamFailure(d.role, d, "status", resp.status, body,
@@ -171,6 +194,7 @@ class Legs:
                         body = await resp.read()
                         return await self._finish_json(turn, d, body, t, leg), "ok"
                     first = await resp.content.readany()
+                    self._learn_first_byte(turn, leg, time.perf_counter() - t)
                 if not first:
                     raise UpstreamFailure(d.role, d, "protocol",
                                           detail="stream ended before any data")
@@ -186,6 +210,14 @@ class Legs:
             if resp is not None:
                 resp.close()
 
+    def _learn_first_byte(self, turn: Turn, leg: str, seconds: float) -> None:
+        """A streamed leg's first token: after P's answer, the second hop's cost; on the
+        holder, what extending cost per new token."""
+        if leg == DECODE:
+            self.ctx.costs.observe_hop(seconds * 1000)
+        elif leg == EXTEND:
+            self.ctx.costs.observe_extend(seconds * 1000, turn.new_tokens)
+
     def _leg_failed(self, f: UpstreamFailure, t: float, leg: str
                     ) -> tuple[web.StreamResponse, str]:
         self.ctx.metrics.observe_leg(leg, "error", time.perf_counter() - t)
@@ -197,7 +229,7 @@ class Legs:
 
     async def _finish_json(self, turn: Turn, d: Backend, body: bytes, t: float, leg: str
                            ) -> web.Response:
-        keeps = leg == DECODE
+        keeps = leg in (DECODE, EXTEND)
         collector = MessageCollector(turn.kind == CHAT) if turn.collects and keeps else None
         if collector is not None or PARAMS_MARKER in body:
             try:
@@ -214,18 +246,19 @@ class Legs:
         now = time.perf_counter()
         self.ctx.metrics.observe_ttft(turn.kind, False, now - turn.t0)
         self.ctx.metrics.observe_leg(leg, "ok", now - t)
-        return json_response(200, body, {"X-Request-Id": turn.rid})
+        return json_response(200, body, {"X-Request-Id": turn.rid, **placement_header(turn)})
 
     async def _relay(self, request: web.Request, turn: Turn, d: Backend,
                      resp: aiohttp.ClientResponse, first: bytes, t: float, leg: str
                      ) -> tuple[web.StreamResponse, str]:
-        keeps = leg == DECODE
+        keeps = leg in (DECODE, EXTEND)
         collector = MessageCollector(turn.kind == CHAT) if turn.collects and keeps else None
         filt = SSEFilter(collector)
         out = web.StreamResponse(headers={
             "Content-Type": "text/event-stream; charset=utf-8",
             "Cache-Control": "no-cache",
             "X-Request-Id": turn.rid,
+            **placement_header(turn),
         })
         done = False
         try:

@@ -60,8 +60,16 @@ from bidirkv.router.datapath.upstream import (
 )
 from bidirkv.router.metrics import Metrics
 from bidirkv.router.pool.backends import DECODE, PREFILL, Backend, Pool
+from bidirkv.router.pool.placement import (
+    EXTEND,
+    Inputs,
+    new_tokens,
+    place,
+    placement_policy,
+    prompt_chars,
+)
 from bidirkv.router.pool.residency import Residency
-from bidirkv.router.pool.selection import least_outstanding, pick_decode
+from bidirkv.router.pool.selection import holder_of, least_outstanding, pick_decode
 from bidirkv.router.request.identity import LookupKeys, short_hash
 from bidirkv.router.request.validation import ClientError, parse_request
 from bidirkv.router.store.base import Store, StoreUnavailable
@@ -312,6 +320,7 @@ class Router:
             if big:
                 await asyncio.sleep(0)
             if cfg.bidirectional:
+                turn.prompt_chars = prompt_chars(req.body)
                 await self.conversations.identify(turn, req.conversation_id)
             elif req.conversation_id is not None:
                 turn.conv = short_hash(req.conversation_id)
@@ -328,7 +337,7 @@ class Router:
                     await ctx.store.release(entry)
                 except StoreUnavailable:  # it cannot go back: D frees its blocks now
                     ctx.evicted("store_unavailable", [entry])
-            if turn.asked_prefill:
+            if turn.asked_prefill or turn.reuse == "extended":
                 metrics.reuse_outcome(turn.reuse)
         metrics.request(kind, outcome)
         log.debug("request rid=%s conv=%s kind=%s stream=%s reuse=%s outcome=%s ms=%.2f",
@@ -345,6 +354,19 @@ class Router:
             return await serve_on_prefill(ctx, self.legs, request, turn)
         tried_decode: list[Backend] = []
         last: UpstreamFailure | None = None
+        holder = self._placement(turn)
+        if holder is not None:
+            try:
+                return await self._extend(request, turn, holder)
+            except UpstreamFailure as f:
+                # Nothing reached the client: the turn takes the two legs, without the
+                # handle (its holder just failed) and on another replica.
+                tried_decode.append(holder)
+                last = f
+                self.ctx.metrics.retries.labels("extend_failed").inc()
+                log.warning("extend on decode failed (%s); taking the prefill leg rid=%s "
+                            "conv=%s decode=%s", f.detail or f.kind, turn.rid, turn.conv,
+                            holder.url)
         for attempt in range(2):
             rid = turn.rid if attempt == 0 else f"{turn.rid}-retry{attempt}"
             # D is chosen first: no prefill is spent on a turn that has nowhere to decode.
@@ -375,6 +397,43 @@ class Router:
         log.warning("decode failed (%s) rid=%s conv=%s decode=%s", last.detail or last.kind,
                     turn.rid, turn.conv, last.backend.url)
         return failure_response(last, turn.rid), outcome_of(last)
+
+    def _placement(self, turn: Turn) -> Backend | None:
+        """Decide where the turn runs; the holder when it is extended there."""
+        ctx = self.ctx
+        holder = None
+        held: int | None = None
+        entry = turn.entry
+        if entry is not None:
+            found = holder_of(ctx.decode.backends, entry.decode_url, None)
+            if found is not None and found.healthy and found.in_pool:
+                holder, held = found, entry.num_tokens
+        turn.new_tokens = new_tokens(turn.prompt_chars, held or 0, ctx.costs.chars_per_token,
+                                     entry.chars if holder is not None and entry else 0)
+        p = least_outstanding(ctx.prefill.backends, ctx.prefill.next_start())
+        decision = place(Inputs(held, turn.new_tokens, p.outstanding if p else 0,
+                                holder.outstanding if holder else 0),
+                         placement_policy(ctx.cfg), ctx.costs.costs)
+        turn.placed = decision
+        ctx.metrics.placements.labels(decision.path, decision.reason).inc()
+        return holder if decision.path == EXTEND else None
+
+    async def _extend(self, request: web.Request, turn: Turn, holder: Backend
+                      ) -> tuple[web.StreamResponse, str]:
+        entry = turn.entry
+        turn.entry = None  # not P's to read: whatever happens, it is not handed out again
+        try:
+            resp = await self.legs.extend_leg(request, turn, holder, turn.rid)
+        except BaseException:
+            if entry is not None:
+                await quietly(self.ctx.store.discard(entry, "extend_failed"))
+            raise
+        turn.reuse = "extended"
+        if entry is not None:
+            # Superseded by the handle of this turn, which shares its blocks on D (its
+            # prefix cache): D frees what only the old request held.
+            await quietly(self.ctx.store.discard(entry, "extended"))
+        return resp
 
     # -- other routes ------------------------------------------------------------------
     async def handle_models(self, request: web.Request) -> web.StreamResponse:

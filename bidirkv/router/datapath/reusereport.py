@@ -44,3 +44,26 @@ def reuse_report(prefill_body: dict[str, Any]) -> ReuseReport | None:
     if cached is not None:
         return ReuseReport(cached, "usage_cached", False)
     return None
+
+
+class PrefillWork(NamedTuple):
+    prompt_tokens: int
+    computed: int  # tokens P prefilled
+    read: int  # tokens P read from decode instead
+
+
+def prefill_work(prefill_body: dict[str, Any]) -> PrefillWork | None:
+    """What P's leg did, for the placement's cost model (None: P did not say)."""
+    usage = prefill_body.get("usage")
+    prompt = _count(usage.get("prompt_tokens")) if isinstance(usage, dict) else None
+    if not prompt:
+        return None
+    kv = prefill_body.get("kv_transfer_params")
+    info = kv.get("bidirkv") if isinstance(kv, dict) else None
+    if isinstance(info, dict):
+        read = _count(info.get("reused_tokens")) or 0
+        computed = _count(info.get("recomputed_tokens"))
+        return PrefillWork(prompt, computed if computed is not None else prompt - read, read)
+    details = usage.get("prompt_tokens_details")
+    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return PrefillWork(prompt, prompt - (cached or 0), 0)

@@ -13,6 +13,7 @@ from aiohttp import web
 
 from bidirkv.router.datapath.sse import PARAMS
 from bidirkv.router.pool.backends import Backend
+from bidirkv.router.pool.placement import Decision
 from bidirkv.router.request.identity import ChatHistory
 from bidirkv.router.request.validation import CHAT, error_body
 from bidirkv.router.store.handles import Entry
@@ -82,6 +83,19 @@ def decode_body(body: dict[str, Any], p_params: Any, owner: str | None = None,
         kv[VERSION_KEY] = VERSION
         out[PARAMS] = kv
     return out
+
+
+# The decode leg of a turn extended on its holder: no P params, both flags false. D
+# prefills the prompt on top of its own KV and, with the router's proof, keeps the blocks
+# and hands out the next handle, as after any decode leg.
+LOCAL_PARAMS = {"do_remote_prefill": False, "do_remote_decode": False}
+PLACEMENT_HEADER = "X-Bidirkv-Placement"
+
+
+def placement_header(turn: Turn) -> dict[str, str]:
+    """`decision; reason=...` for the client (benchmarks read it), when one was made."""
+    d = turn.placed
+    return {PLACEMENT_HEADER: f"{d.path}; reason={d.reason}"} if d is not None else {}
 
 
 def model_len(models: Any, name: str | None) -> int | None:
@@ -198,7 +212,8 @@ class Turn:
 
     __slots__ = (
         "kind", "stream", "body", "rid", "auth", "tenant", "conv", "entry", "reuse",
-        "holder_url", "store_key", "history", "prompt", "t0", "asked_prefill",
+        "holder_url", "store_key", "history", "prompt", "t0", "asked_prefill", "placed",
+        "new_tokens", "prompt_chars",
     )
 
     def __init__(self, kind: str, stream: bool, body: dict[str, Any], rid: str,
@@ -220,6 +235,10 @@ class Turn:
         self.t0 = t0
         # Reuse outcomes are counted only for turns that reached P.
         self.asked_prefill = False
+        # Where the turn runs and why (placement.py), and the new tokens it estimated.
+        self.placed: Decision | None = None
+        self.new_tokens = 0
+        self.prompt_chars = 0
 
     @property
     def collects(self) -> bool:

@@ -24,6 +24,7 @@ class Entry:
         "prefix_len",
         "request_id",
         "blocks",
+        "chars",
     )
 
     def __init__(
@@ -38,6 +39,7 @@ class Entry:
         prefix_len: int,
         request_id: str | None = None,
         blocks: int = 0,
+        chars: int = 0,
     ) -> None:
         self.key = key
         self.params = params
@@ -53,6 +55,9 @@ class Entry:
         # blocks it pins there.
         self.request_id = request_id
         self.blocks = blocks
+        # Characters of the text whose KV D holds (prompt and answer; 0: unknown): the
+        # placement estimates a next turn's new tokens from what it adds.
+        self.chars = chars
 
 
 class Lengths:

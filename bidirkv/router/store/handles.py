@@ -93,6 +93,7 @@ class HandleStore:
         prefix_len: int = 0,
         request_id: str | None = None,
         blocks: int = 0,
+        chars: int = 0,
     ) -> Entry:
         old = self._d.get(key)
         if old is not None:
@@ -109,6 +110,7 @@ class HandleStore:
             prefix_len,
             request_id,
             blocks,
+            chars,
         )
         self._index(entry)
         self._trim()

@@ -1,0 +1,187 @@
+"""Where one turn runs, decided per turn by what it costs (pure functions and a small
+online cost model).
+
+A multi-turn agent's next turn usually adds a few hundred tokens to a history whose KV
+the decode replica that served the last turn still holds. The paths:
+
+    extend      the holder takes the whole request and prefills only the new tokens, on
+                top of that KV (its own prefix cache): no prefill leg, no KV moved
+    read_back   prefill reads the holder's retained blocks, prefills the new tokens,
+                decode pulls it all (the bidirectional path)
+    prefill     prefill computes the prompt (no handle, or its own prefix cache); decode
+                pulls it
+
+Every path gives the reuse-off output: the choice changes only where work is done. A
+cap (`maxLocalPrefillTokens`) bounds what decode prefills locally, so the requests it is
+decoding keep their inter-token latency (the reason for P/D on GPUs), and a busy holder
+(`decodeBusyRequests` legs in flight) is never given a prefill.
+
+Policies: `cost` compares the estimated time to first token of extending on the holder
+with that of the two-leg path, from per-token costs learned online (prefill legs, extend
+legs, reads); `alwaysDisaggregate` (the default until the placement benchmark has
+measured `cost`) is the two-leg path for every turn; and `thresholds`, for teams used to
+llm-d's or Dynamo's deciders: extend when the new tokens are at most
+`localPrefillTokens`, or prefill has `prefillBusyRequests` legs in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+EXTEND = "extend"
+READ_BACK = "read_back"
+PREFILL = "prefill"
+DECISIONS = (EXTEND, READ_BACK, PREFILL)
+
+COST = "cost"
+ALWAYS_DISAGGREGATE = "alwaysDisaggregate"
+THRESHOLDS = "thresholds"
+POLICIES = (COST, ALWAYS_DISAGGREGATE, THRESHOLDS)
+
+# Bounded label values of placements_total{decision,reason}.
+REASONS = ("no_handle", "policy", "append_over_cap", "decode_busy", "short_append",
+           "prefill_busy", "long_append", "cheaper_on_decode", "cheaper_disaggregated")
+
+
+@dataclass(frozen=True)
+class Policy:
+    policy: str = ALWAYS_DISAGGREGATE
+    max_local_prefill_tokens: int = 1024
+    decode_busy_requests: int = 4
+    local_prefill_tokens: int = 256  # thresholds
+    prefill_busy_requests: int = 2  # thresholds
+
+
+def placement_policy(cfg: Any) -> Policy:
+    """The policy of a router config (its `placement` section)."""
+    pc = cfg.placement
+    return Policy(pc.policy, pc.max_local_prefill_tokens, pc.decode_busy_requests,
+                  pc.local_prefill_tokens, pc.prefill_busy_requests)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    held_tokens: int | None  # tokens the holder retains for this conversation; None: none
+    new_tokens: int  # the turn's tokens beyond those (estimated)
+    prefill_inflight: int  # legs in flight on the least loaded prefill
+    holder_inflight: int  # legs in flight on the holder
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Milliseconds: per token prefilled on P and on D, per token read from D, and the
+    second leg's own cost (a request, a connection, D's pull of P's blocks)."""
+
+    prefill_ms: float = 0.5
+    extend_ms: float = 0.5
+    read_ms: float = 0.05
+    hop_ms: float = 20.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    path: str
+    reason: str
+
+
+def estimate_ms(inp: Inputs, c: Costs) -> tuple[float, float]:
+    """(extend on the holder, the two-leg path with the read), time to first token. A
+    leg in flight ahead of this one costs about one more prefill of the same size."""
+    held = inp.held_tokens or 0
+    extend = inp.new_tokens * c.extend_ms * (1 + inp.holder_inflight)
+    prefill_work = held * min(c.read_ms, c.prefill_ms) + inp.new_tokens * c.prefill_ms
+    return extend, c.hop_ms + prefill_work * (1 + inp.prefill_inflight)
+
+
+def place(inp: Inputs, policy: Policy, costs: Costs) -> Decision:
+    if inp.held_tokens is None:
+        return Decision(PREFILL, "no_handle")
+    if policy.policy == ALWAYS_DISAGGREGATE:
+        return Decision(READ_BACK, "policy")
+    if inp.new_tokens > policy.max_local_prefill_tokens:
+        return Decision(READ_BACK, "append_over_cap")
+    if inp.holder_inflight >= policy.decode_busy_requests:
+        return Decision(READ_BACK, "decode_busy")
+    if policy.policy == THRESHOLDS:
+        if inp.new_tokens <= policy.local_prefill_tokens:
+            return Decision(EXTEND, "short_append")
+        if inp.prefill_inflight >= policy.prefill_busy_requests:
+            return Decision(EXTEND, "prefill_busy")
+        return Decision(READ_BACK, "long_append")
+    extend, disaggregated = estimate_ms(inp, costs)
+    if extend <= disaggregated:
+        return Decision(EXTEND, "cheaper_on_decode")
+    return Decision(READ_BACK, "cheaper_disaggregated")
+
+
+def prompt_chars(body: dict[str, Any]) -> int:
+    """Characters of a chat or completion body's prompt text (what tokens are made of)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt)
+    n = 0
+    for m in body.get("messages") or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(len(p["text"]) for p in content
+                     if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return n
+
+
+def new_tokens(prompt_chars: int, held_tokens: int, chars_per_token: float,
+               held_chars: int = 0) -> int:
+    """The turn's tokens beyond what the holder retains. With the characters of the text
+    it holds, from what the prompt adds to them; else from the whole prompt's size. The
+    router has no tokenizer; the ratio is learned from the engines' usage (CostModel)."""
+    if held_chars > 0:
+        return max(0, round((prompt_chars - held_chars) / chars_per_token))
+    return max(0, round(prompt_chars / chars_per_token) - held_tokens)
+
+
+def _ewma(old: float, sample: float, weight: float = 0.2) -> float:
+    return old + weight * (sample - old)
+
+
+class CostModel:
+    """Per-token costs and the prompt's characters per token, learned from what the legs
+    took and what the engines reported; starts from safe defaults."""
+
+    def __init__(self, costs: Costs | None = None, chars_per_token: float = 4.0) -> None:
+        self.costs = costs or Costs()
+        self.chars_per_token = chars_per_token
+        self._ratio_seen = False
+
+    def observe_prompt(self, prompt_chars: int, prompt_tokens: int) -> None:
+        if prompt_chars > 0 and prompt_tokens > 0:
+            ratio = prompt_chars / prompt_tokens
+            # The first real ratio replaces the default: tokenizers differ far more than
+            # one model's prompts do.
+            self.chars_per_token = (_ewma(self.chars_per_token, ratio) if self._ratio_seen
+                                    else ratio)
+            self._ratio_seen = True
+
+    def observe_prefill(self, ms: float, computed: int, read: int = 0) -> None:
+        """A prefill leg: `computed` tokens prefilled, `read` read from decode."""
+        c = self.costs
+        if computed > 0 and read == 0:
+            self.costs = _with(c, prefill_ms=_ewma(c.prefill_ms, ms / computed))
+        elif read > 0:
+            rest = max(0.0, ms - computed * c.prefill_ms)
+            self.costs = _with(c, read_ms=_ewma(c.read_ms, rest / read))
+
+    def observe_hop(self, ms: float) -> None:
+        """The two-leg path's second leg, from P's answer to D's first byte."""
+        if ms >= 0:
+            self.costs = _with(self.costs, hop_ms=_ewma(self.costs.hop_ms, ms))
+
+    def observe_extend(self, ms: float, computed: int) -> None:
+        if computed > 0:
+            self.costs = _with(self.costs, extend_ms=_ewma(self.costs.extend_ms,
+                                                           ms / computed))
+
+
+def _with(c: Costs, **over: float) -> Costs:
+    return Costs(**{**c.__dict__, **over})

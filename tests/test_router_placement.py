@@ -1,0 +1,196 @@
+"""Placement by cost: the decision function against tables of inputs, and the cost model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bidirkv.router.pool.placement import (
+    ALWAYS_DISAGGREGATE,
+    COST,
+    EXTEND,
+    PREFILL,
+    READ_BACK,
+    REASONS,
+    THRESHOLDS,
+    CostModel,
+    Costs,
+    Inputs,
+    Policy,
+    new_tokens,
+    place,
+)
+
+CP = Policy(policy=COST)
+COSTS = Costs(prefill_ms=0.5, extend_ms=0.5, read_ms=0.05, hop_ms=20.0)
+
+
+def inp(held=4000, new=200, p_busy=0, d_busy=0):
+    return Inputs(held_tokens=held, new_tokens=new, prefill_inflight=p_busy,
+                  holder_inflight=d_busy)
+
+
+@pytest.mark.parametrize("inputs, policy, want", [
+    # No handle: the turn has nothing on decode to extend.
+    (inp(held=None), CP, (PREFILL, "no_handle")),
+    (inp(held=None, new=10), Policy(policy=THRESHOLDS), (PREFILL, "no_handle")),
+    # Today's behaviour on request.
+    (inp(new=10), Policy(policy=ALWAYS_DISAGGREGATE), (READ_BACK, "policy")),
+    # The cap and a busy holder win over any policy that could extend.
+    (inp(new=1025), CP, (READ_BACK, "append_over_cap")),
+    (inp(new=1025), Policy(policy=THRESHOLDS), (READ_BACK, "append_over_cap")),
+    (inp(new=10, d_busy=4), CP, (READ_BACK, "decode_busy")),
+    (inp(new=10, d_busy=3), CP, (EXTEND, "cheaper_on_decode")),
+    # cost: 200 new tokens on D (100 ms) against 20 ms + 4000 read (200 ms) + 100 ms.
+    (inp(new=200), CP, (EXTEND, "cheaper_on_decode")),
+    # A short history read back is cheap: 20 + 5 + 300 ms against 600 ms on D.
+    (inp(held=100, new=600, d_busy=1), CP, (READ_BACK, "cheaper_disaggregated")),
+    # A queue on prefill makes the two-leg path dearer.
+    (inp(held=100, new=600, p_busy=2, d_busy=1), CP, (EXTEND, "cheaper_on_decode")),
+    # thresholds: the llm-d / Dynamo style knobs.
+    (inp(new=256), Policy(policy=THRESHOLDS), (EXTEND, "short_append")),
+    (inp(new=257), Policy(policy=THRESHOLDS), (READ_BACK, "long_append")),
+    (inp(new=700, p_busy=2), Policy(policy=THRESHOLDS), (EXTEND, "prefill_busy")),
+    (inp(new=700, p_busy=2, d_busy=5), Policy(policy=THRESHOLDS), (READ_BACK, "decode_busy")),
+])
+def test_decisions(inputs, policy, want):
+    d = place(inputs, policy, COSTS)
+    assert (d.path, d.reason) == want
+    assert d.reason in REASONS
+
+
+def test_the_cap_is_configurable():
+    wide = Policy(policy=COST, max_local_prefill_tokens=4096)
+    assert place(inp(new=2000), wide, COSTS).path == EXTEND
+    never = Policy(policy=COST, max_local_prefill_tokens=0)
+    assert place(inp(new=10), never, COSTS).reason == "append_over_cap"
+
+
+def test_the_default_is_todays_path():
+    assert place(inp(new=10), Policy(), COSTS).path == READ_BACK
+
+
+def test_new_tokens_from_the_prompt_size():
+    assert new_tokens(4400, 1000, 4.0) == 100
+    assert new_tokens(1000, 1000, 4.0) == 0  # never negative (an edited, shorter history)
+    # With the characters of what D holds, only the append is estimated: a ratio off by
+    # 10% is off by 10% of the append, not of the whole history.
+    assert new_tokens(80_400, 20_000, 4.4, held_chars=80_000) == 91
+    assert new_tokens(80_400, 20_000, 4.4) == 0
+
+
+def test_the_cost_model_learns_from_the_legs():
+    m = CostModel(Costs(prefill_ms=1.0, extend_ms=1.0, read_ms=0.1, hop_ms=20.0))
+    m.observe_prompt(prompt_chars=5600, prompt_tokens=1000)
+    assert m.chars_per_token == 5.6  # the first real ratio replaces the default
+    for _ in range(40):
+        m.observe_prefill(ms=100.0, computed=1000)  # 0.1 ms a token
+        m.observe_extend(ms=60.0, computed=200)  # 0.3 ms a token
+        m.observe_hop(5.0)
+        m.observe_prompt(prompt_chars=3000, prompt_tokens=1000)
+    c = m.costs
+    assert c.prefill_ms == pytest.approx(0.1, rel=0.01)
+    assert c.extend_ms == pytest.approx(0.3, rel=0.01)
+    assert c.hop_ms == pytest.approx(5.0, rel=0.01)
+    assert m.chars_per_token == pytest.approx(3.0, rel=0.01)
+    for _ in range(40):  # a read leg: what the prefilled part does not explain
+        m.observe_prefill(ms=30.0, computed=100, read=1000)
+    assert m.costs.read_ms == pytest.approx(0.02, rel=0.01)
+    m.observe_prefill(ms=5.0, computed=0)  # nothing to learn from
+    m.observe_prompt(0, 0)
+    assert m.costs.read_ms == pytest.approx(0.02, rel=0.01)
+
+
+# -- over HTTP, against fake engines ------------------------------------------------------
+
+from fake_engine import Cluster  # noqa: E402
+
+U1 = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+
+def placement(cluster_config=None, **over):
+    return {"placement": {"policy": THRESHOLDS, **over}, **(cluster_config or {})}
+
+
+def released(engine):
+    return [rid for call in engine.residency_calls for rid in call.get("release") or ()]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_short_append_is_extended_on_the_decode_replica_holding_it(stream):
+    async with Cluster(config=placement(), handle_key=b"k" * 32) as c:
+        r1 = await c.chat(U1, stream, headers={"X-Request-Id": "t1"})
+        assert r1["headers"]["X-Bidirkv-Placement"] == "prefill; reason=no_handle"
+        turn2 = U1 + [r1["message"], {"role": "user", "content": "and then?"}]
+        r2 = await c.chat(turn2, stream, headers={"X-Request-Id": "t2"})
+        assert r2["status"] == 200 and r2["text"] == r1["text"]
+        assert r2["headers"]["X-Bidirkv-Placement"] == "extend; reason=short_append"
+        # P saw only turn 1; D took turn 2 whole, with the router's proof and no P params.
+        assert len(c.p[0].generations()) == 1
+        d2 = c.d[0].generations()[1]
+        kv = d2.kv
+        assert kv["do_remote_prefill"] is False and kv["do_remote_decode"] is False
+        assert "bidirkv_proof" in kv and "remote_block_ids" not in kv
+        # Turn 2's handle replaced turn 1's, whose blocks D frees now.
+        t1 = c.d[0].generations()[0]
+        for _ in range(50):
+            if released(c.d[0]):
+                break
+            await asyncio.sleep(0.02)
+        assert released(c.d[0]) == [t1.headers["X-Request-Id"]]
+        # Turn 3 extends on turn 2's handle.
+        turn3 = turn2 + [r2["message"], {"role": "user", "content": "more"}]
+        r3 = await c.chat(turn3, stream)
+        assert r3["headers"]["X-Bidirkv-Placement"] == "extend; reason=short_append"
+        assert len(c.p[0].generations()) == 1
+        text = await c.metrics()
+        assert ('bidirkv_router_placements_total{decision="extend",reason="short_append"} '
+                '2.0') in text
+        assert 'bidirkv_router_reuse_total{outcome="extended"} 2.0' in text
+
+
+@pytest.mark.timeout(30)
+async def test_a_long_append_takes_the_read_back():
+    async with Cluster(config=placement(localPrefillTokens=4, maxLocalPrefillTokens=8)) as c:
+        r1 = await c.chat(U1)
+        long = {"role": "user", "content": "tell me " * 40}
+        r2 = await c.chat(U1 + [r1["message"], long])
+        assert r2["headers"]["X-Bidirkv-Placement"] == "read_back; reason=append_over_cap"
+        p2 = c.p[0].generations()[1]
+        assert p2.has_handle  # P reads what D holds
+
+
+@pytest.mark.timeout(30)
+async def test_a_busy_holder_sends_the_turn_to_prefill():
+    async with Cluster(decode=1, config=placement(decodeBusyRequests=1)) as c:
+        r1 = await c.chat(U1, conversation_id="a")
+        c.d[0].behaviour.chunk_delay = 0.3  # another conversation keeps D busy
+        other = asyncio.create_task(c.chat([{"role": "user", "content": "x"}], True))
+        for _ in range(100):
+            if c.d[0].generations()[1:]:
+                break
+            await asyncio.sleep(0.01)
+        c.d[0].behaviour.chunk_delay = 0.0
+        r2 = await c.chat(U1 + [r1["message"], {"role": "user", "content": "ok"}],
+                          conversation_id="a")
+        assert r2["headers"]["X-Bidirkv-Placement"] == "read_back; reason=decode_busy"
+        assert c.p[0].generations()[-1].has_handle
+        await other
+
+
+@pytest.mark.timeout(30)
+async def test_an_extend_that_fails_before_a_byte_takes_the_two_legs_elsewhere():
+    async with Cluster(decode=2, config=placement()) as c:
+        r1 = await c.chat(U1, conversation_id="a")
+        holder = next(d for d in c.d if d.generations())
+        other = next(d for d in c.d if d is not holder)
+        holder.behaviour.fail_next = 1
+        r2 = await c.chat(U1 + [r1["message"], {"role": "user", "content": "ok"}],
+                          conversation_id="a")
+        assert r2["status"] == 200
+        # The turn went P -> the other replica, without the failed holder's handle.
+        assert not c.p[0].generations()[-1].has_handle
+        assert other.generations()
+        assert "extend_failed" in await c.metrics()
