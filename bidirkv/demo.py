@@ -187,6 +187,7 @@ def run_phase(label: str, patch: dict[str, Any] | None, bench_kw: dict[str, Any]
             raise StartError("\n".join([str(exc), *stack.exited()])) from None
         doc = run_document(cfg, records, time.monotonic() - t, runner.loadavg,
                            retention_cap_s=stack.retention_s)
+        doc["placements"] = placements(stack.router_url)
         write_json(args.out / f"{label}.json", doc)
         load = runner.loadavg
         print(f"    {len(records)} turns in {time.monotonic() - t:.0f} s (1-min load average "
@@ -196,6 +197,19 @@ def run_phase(label: str, patch: dict[str, Any] | None, bench_kw: dict[str, Any]
             then(stack)
     print(f"    stopped P, D and router of the {label.upper()} stack", flush=True)
     return doc
+
+
+def placements(router_url: str) -> dict[str, float]:
+    """The router's placement decisions so far, `decision/reason` -> turns."""
+    from bidirkv.bench.promtext import scrape
+
+    samples = scrape(router_url + "/metrics") or {}
+    out = {}
+    for (name, labels), value in sorted(samples.items()):
+        if name == "bidirkv_router_placements_total" and value:
+            lab = dict(labels)
+            out[f"{lab.get('decision')}/{lab.get('reason')}"] = value
+    return out
 
 
 def data_plane(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]], Any]
@@ -231,19 +245,27 @@ def data_plane(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]
                + ("" if args.skip_concurrency else ", concurrency") + ", stop",
                lambda: run_phase("on", None, bench_kw, args, lower_bound=False,
                                  then=concurrency))
+    cost = None
+    if not args.skip_placement:
+        cost = timed("bidirectional ON with placement `cost` (a turn may run whole on the "
+                     "decode server holding it): restart, benchmark, stop",
+                     lambda: run_phase("cost", {"router": {"placement": {"policy": "cost"}}},
+                                       bench_kw, args, lower_bound=False))
     off = timed("bidirectional OFF (servers and router): restart, benchmark + lower bound, "
                 "stop", lambda: run_phase("off", {"kvTransfer": {"bidirectional": False}},
                                           bench_kw, args, lower_bound=True))
     doc = report.compare_document(on, off, {
         "spec": str(args.spec), "cpu": cpu.to_json(),
-        "dtype": {"dtype": choice.dtype, "picked": choice.picked, "reason": choice.reason}})
+        "dtype": {"dtype": choice.dtype, "picked": choice.picked, "reason": choice.reason}},
+        cost=cost)
     paths = report.write_comparison(
         args.out, doc, f"1P1D vLLM CPU, tiny model, {choice.dtype}\n{cpu.model} ({cpu.isa()})")
     step(f"results (median over conversations per turn; {cpu.model}, {choice.dtype})")
     print(report.comparison_text(doc))
     print("\nReuse by reason (turns):")
-    for label, run in (("ON", on), ("OFF", off)):
-        print("  " + summary_text(label, run["reuse_reasons"]))
+    for label, run in (("ON", on), ("cost", cost), ("OFF", off)):
+        if run is not None:
+            print("  " + summary_text(label, run["reuse_reasons"]))
     print("\nHow each column is measured:")
     print(report.method_text())
     print()
@@ -273,6 +295,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="leave out the concurrent run under decode KV pressure")
     p.add_argument("--skip-concurrency", action="store_true",
                    help="leave out the concurrency run (vllm bench serve)")
+    p.add_argument("--skip-placement", action="store_true",
+                   help="leave out the multi-turn run under placement `cost`")
     p.add_argument("--only-pressure", action="store_true",
                    help="only the concurrent run under decode KV pressure")
     p.add_argument("--no-progress", action="store_true")

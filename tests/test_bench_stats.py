@@ -76,6 +76,28 @@ def test_aims():
     assert "NOT met" in text and "not measured" in text and ": met" in text
 
 
+def test_the_placement_run_beside_on_and_off_with_its_aims():
+    from bidirkv.bench.report import compare_document, comparison_text
+
+    def run(ttfts, lb=None, reason="hit"):
+        records = [{**rec(t, 0, x, 1000 * t, lb=lb and lb[t - 1]), "reason": reason}
+                   for t, x in enumerate(ttfts, 1)]
+        return {"per_turn": stats.per_turn(records), "records": records}
+
+    on = run([1.0, 0.5, 0.6])
+    off = run([1.0, 1.0, 1.2], lb=[None, 0.20, 0.25], reason="off")
+    cost = {**run([1.0, 0.21, 0.26], reason="extended"), "placements": {"extend/x": 2.0}}
+    doc = compare_document(on, off, cost=cost)
+    assert [r["ttft_cost_s"] for r in doc["rows"]] == [1.0, 0.21, 0.26]
+    pl = doc["placement"]
+    assert (pl["cost"]["p50_s"], pl["bound"]["p50_s"], pl["off"]["p99_s"]) == (0.21, 0.20, 1.2)
+    assert [a["met"] for a in pl["aims"]] == [True, True]  # 1.05x the bound; under OFF
+    text = comparison_text(doc)
+    assert "TTFT cost ms" in text and "aggregated bound" in text and "extend/x 2" in text
+    # Without the placement run the document is as before.
+    assert "placement" not in compare_document(on, off)
+
+
 def test_table_has_one_line_per_row_and_dashes_for_missing():
     cmp = stats.compare(rows((1, 1000, 0.4, None)), rows((1, 1000, 1.2, None)))
     text = stats.table(cmp, stats.COMPARE_COLUMNS)

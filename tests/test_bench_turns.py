@@ -29,6 +29,7 @@ def test_bad_think_settings_say_what_is_allowed(kw, word):
 
 @pytest.mark.parametrize("turn, outcome, reused, refusals, want", [
     (2, "hit", 1024, {}, "hit"),
+    (2, "extended", 0, {}, "extended"),  # ran whole on the decode server holding it
     (1, "miss", 0, {}, "first turn"),
     (3, "off", None, {}, "off"),
     (4, "hit", 0, {"near_expiry": 1}, "near expiry"),

@@ -42,6 +42,8 @@ def ttft_plot(rows: Sequence[Mapping[str, Any]], path: pathlib.Path, title: str)
     xs = [r["context_tokens"] if by_context else r["turn"] for r in rows]
     for key, label, style in (("ttft_off_s", "bidirectional OFF (recompute)", "o-"),
                               ("ttft_on_s", "bidirectional ON (read from D)", "s-"),
+                              ("ttft_cost_s", "ON, placement cost (extend on D when cheaper)",
+                               "d-"),
                               ("lower_bound_s", "lower bound (warm local cache)", "^--")):
         pts = [(x, r[key] * 1000) for x, r in zip(xs, rows, strict=True)
                if r.get(key) is not None]

@@ -79,8 +79,18 @@ def write_json(path: pathlib.Path, doc: Mapping[str, Any]) -> pathlib.Path:
 
 
 def compare_document(on: Mapping[str, Any], off: Mapping[str, Any],
-                     extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                     extra: Mapping[str, Any] | None = None,
+                     cost: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """ON (alwaysDisaggregate) against OFF, per turn; with `cost`, the run under placement
+    `cost` beside them and the placement's TTFT percentiles against the bound."""
     rows = stats.compare(on["per_turn"], off["per_turn"])
+    placement = None
+    if cost is not None:
+        rows = stats.with_run(rows, cost["per_turn"], "cost")
+        placement = stats.placement_summary(
+            {"cost": cost["records"], "on": on["records"], "off": off["records"]},
+            off["records"])
+        placement["decisions"] = cost.get("placements", {})
     compared, differ = stats.outputs_identical(on["records"], off["records"])
     aims = stats.check_aims(rows)
     return {
@@ -92,7 +102,8 @@ def compare_document(on: Mapping[str, Any], off: Mapping[str, Any],
                             "e2e/test_local_stack.py); bf16 greedy output of a random-weight "
                             "model is not reproducible across runs (near-tied logits)"},
         "method": METHOD,
-        "runs": {"on": dict(on), "off": dict(off)},
+        "runs": {"on": dict(on), "off": dict(off), **({"cost": dict(cost)} if cost else {})},
+        **({"placement": placement} if placement is not None else {}),
         **(dict(extra) if extra else {}),
     }
 
@@ -112,12 +123,17 @@ def write_comparison(out_dir: pathlib.Path, doc: Mapping[str, Any], title: str
 
 def comparison_text(doc: Mapping[str, Any]) -> str:
     aims = [stats.Aim(**a) for a in doc["aims"]]
-    return "\n".join([
-        stats.table(doc["rows"], stats.COMPARE_COLUMNS),
-        "",
-        "Aims:",
-        stats.format_aims(aims),
-    ])
+    placement = doc.get("placement")
+    columns = stats.COMPARE_COLUMNS
+    if placement is not None:
+        columns = [*columns, *stats.COST_COLUMNS]
+        aims += [stats.Aim(**a) for a in placement["aims"]]
+    parts = [stats.table(doc["rows"], columns)]
+    if placement is not None:
+        decisions = ", ".join(f"{k} {v:g}" for k, v in placement["decisions"].items())
+        parts += ["", "Placement (turns that came back; the cost run's decisions: "
+                  f"{decisions or 'none recorded'}):", stats.placement_text(placement)]
+    return "\n".join([*parts, "", "Aims:", stats.format_aims(aims)])
 
 
 def method_text() -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 # Aims on the CPU stack (2 cores, tiny model, any CPU and dtype), from the issues.
@@ -112,6 +112,65 @@ def compare(on: Sequence[Mapping[str, Any]], off: Sequence[Mapping[str, Any]]
     return out
 
 
+def with_run(rows: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str, Any]],
+             name: str) -> list[dict[str, Any]]:
+    """`rows` with another run's per-turn TTFT and reuse reason as `ttft_<name>_s` and
+    `reason_<name>` (the placement phase of the demo)."""
+    by_turn = {r["turn"]: r for r in other}
+    return [{**r, f"ttft_{name}_s": by_turn.get(r["turn"], {}).get("ttft_s"),
+             f"reason_{name}": by_turn.get(r["turn"], {}).get("reason")} for r in rows]
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (None for no values)."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    return xs[min(len(xs) - 1, max(0, int(-(-q * len(xs) // 100)) - 1))]
+
+
+def later_ttfts(records: Sequence[Mapping[str, Any]], key: str = "ttft_s") -> list[float]:
+    """TTFTs (or lower bounds) of the turns that came back (turn > 1)."""
+    return [r[key] for r in records if r.get("turn", 1) > 1 and r.get(key) is not None]
+
+
+def placement_summary(runs: Mapping[str, Sequence[Mapping[str, Any]]],
+                      bound: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """TTFT p50/p99 over the turns that came back, per run, and the aggregated bound (one
+    engine with a warm prefix cache, measured before each turn of the OFF run); the aims
+    of the placement: `cost` within 1.1x of the bound at p50 and at most OFF at p99."""
+    out: dict[str, Any] = {}
+    for name, recs in [*runs.items(), ("bound", bound)]:
+        xs = later_ttfts(recs, "lower_bound_s" if name == "bound" else "ttft_s")
+        out[name] = {"turns": len(xs), "p50_s": percentile(xs, 50), "p99_s": percentile(xs, 99)}
+    cost, off, b = out.get("cost", {}), out.get("off", {}), out["bound"]
+    p50 = _ratio(cost.get("p50_s"), b.get("p50_s"))
+    p99 = _ratio(cost.get("p99_s"), off.get("p99_s"))
+    out["aims"] = [
+        asdict(Aim("placement cost: TTFT p50 within 1.1x of the aggregated bound",
+                   _ok(p50, 1.1), f"cost/bound {_x(p50)}")),
+        asdict(Aim("placement cost: TTFT p99 at most OFF's", _ok(p99, 1.0),
+                   f"cost/OFF {_x(p99)}")),
+    ]
+    return out
+
+
+def _ok(ratio: float | None, limit: float) -> bool | None:
+    return None if ratio is None else ratio <= limit
+
+
+def placement_text(summary: Mapping[str, Any]) -> str:
+    lines = ["run                 turns  TTFT p50 ms  TTFT p99 ms"]
+    labels = {"cost": "placement cost", "on": "alwaysDisaggregate", "off": "OFF",
+              "bound": "aggregated bound"}
+    for name, label in labels.items():
+        s = summary.get(name)
+        if s:
+            lines.append(f"{label:<19} {s['turns']:>5}  {_ms(s['p50_s']):>11}  "
+                         f"{_ms(s['p99_s']):>11}")
+    return "\n".join(lines)
+
+
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.0f}"
 
@@ -145,6 +204,12 @@ COMPARE_COLUMNS = [
     ("transfer_on_bytes", "read MB", _mb),
     ("gap_on_s", "gap ON s", _int),
     ("reason_on", "ON reuse", lambda v: v or "-"),
+]
+
+# The placement phase's run (placement `cost`), beside ON and OFF.
+COST_COLUMNS = [
+    ("ttft_cost_s", "TTFT cost ms", _ms),
+    ("reason_cost", "cost reuse", lambda v: v or "-"),
 ]
 
 RUN_COLUMNS = [

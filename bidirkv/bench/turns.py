@@ -7,6 +7,8 @@ takes a minute). Seeded, so two runs (ON and OFF) share the schedule.
 
 Reasons: every measured turn gets one, from what the router, P and D counted around it:
 - `hit`: P read the history from D;
+- `extended`: the router ran the turn on the decode replica holding the history, which
+  extended its own KV (placement `cost` or `thresholds`);
 - `first turn`: nothing could be held yet;
 - `near expiry`: D refused the read, its blocks were about to reach the retention cap;
 - `released under pressure`: D had given the blocks to new work (or its watermark);
@@ -28,9 +30,10 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-REASONS = ("hit", "first turn", "near expiry", "released under pressure",
+REASONS = ("hit", "extended", "first turn", "near expiry", "released under pressure",
            "released by the router", "none held", "dropped", "other", "off")
-MISSES = tuple(r for r in REASONS if r not in ("hit", "first turn", "off"))
+MISSES = tuple(r for r in REASONS if r not in ("hit", "extended", "first turn", "off"))
+REUSED = ("hit", "extended")
 
 _REFUSAL_REASON = {
     "near_expiry": "near expiry",
@@ -93,6 +96,8 @@ def reason(turn: int, router_outcome: str | None, reused_tokens: float | None,
     """Why this turn reused or not (see the module docstring)."""
     if router_outcome == "off":
         return "off"
+    if router_outcome == "extended":
+        return "extended"
     if reused_tokens:
         return "hit"
     if turn <= 1:
@@ -120,7 +125,7 @@ def summary(records: list[Mapping], cap_s: float | None = None) -> dict:
         "max_gap_s": max((r["gap_s"] for r in later), default=None),
         "cap_s": cap_s,
         "returned_within_cap": len(within),
-        "hits_within_cap": sum(1 for r in within if r.get("reason") == "hit"),
+        "hits_within_cap": sum(1 for r in within if r.get("reason") in REUSED),
         "returned_beyond_cap": len(later) - len(within),
     }
 
