@@ -98,6 +98,15 @@ def test_the_placement_run_beside_on_and_off_with_its_aims():
     assert "placement" not in compare_document(on, off)
 
 
+def test_the_benchmark_knows_every_reuse_outcome_the_router_counts():
+    from bidirkv.bench.runner import REUSE_OUTCOMES as BENCH
+    from bidirkv.router.metrics import REUSE_OUTCOMES as ROUTER
+
+    assert set(BENCH) == set(ROUTER)
+    # An extended turn also counted as a hit at lookup is an extended turn.
+    assert reuse_outcome({"reuse_hit": 1.0, "reuse_extended": 1.0}) == "extended"
+
+
 def test_table_has_one_line_per_row_and_dashes_for_missing():
     cmp = stats.compare(rows((1, 1000, 0.4, None)), rows((1, 1000, 1.2, None)))
     text = stats.table(cmp, stats.COMPARE_COLUMNS)

@@ -84,6 +84,10 @@ def test_the_cost_model_learns_from_the_legs():
     m = CostModel(Costs(prefill_ms=1.0, extend_ms=1.0, read_ms=0.1, hop_ms=20.0))
     m.observe_prompt(prompt_chars=5600, prompt_tokens=1000)
     assert m.chars_per_token == 5.6  # the first real ratio replaces the default
+    m.observe_prefill(ms=300.0, computed=1000)
+    # The first measurement replaces the default; decode is taken to prefill as fast as
+    # prefill until an extend was measured.
+    assert m.costs.prefill_ms == m.costs.extend_ms == 0.3
     for _ in range(40):
         m.observe_prefill(ms=100.0, computed=1000)  # 0.1 ms a token
         m.observe_extend(ms=60.0, computed=200)  # 0.3 ms a token

@@ -31,7 +31,10 @@ from bidirkv.bench.turns import Think, refusals_delta
 from bidirkv.bench.turns import reason as turn_reason
 from bidirkv.wire import RESIDENCY_VERSION_FIELD, VERSION
 
-REUSE_OUTCOMES = ("hit", "miss", "expired", "verified-partial", "dropped", "off")
+# The router's reuse outcomes (bidirkv/router/metrics.py; a client of any router, so not
+# imported from it, and held equal by tests/test_bench_stats.py). "extended" first: such
+# a turn was looked up as a hit, then ran on decode.
+REUSE_OUTCOMES = ("extended", "hit", "miss", "expired", "verified-partial", "dropped", "off")
 
 ROUTER_METRICS: dict[str, tuple[str, dict[str, str]]] = {
     "prefill_s": ("bidirkv_router_leg_duration_seconds_sum", {"leg": "prefill"}),

@@ -147,40 +147,50 @@ def _ewma(old: float, sample: float, weight: float = 0.2) -> float:
 
 class CostModel:
     """Per-token costs and the prompt's characters per token, learned from what the legs
-    took and what the engines reported; starts from safe defaults."""
+    took and what the engines reported. Each starts from a default that its first
+    measurement replaces (the defaults only order the first turns), and until an extend
+    was measured decode is taken to prefill as fast as prefill does (the same engine)."""
 
     def __init__(self, costs: Costs | None = None, chars_per_token: float = 4.0) -> None:
-        self.costs = costs or Costs()
+        self._costs = costs or Costs()
         self.chars_per_token = chars_per_token
-        self._ratio_seen = False
+        self._seen: set[str] = set()
+
+    @property
+    def costs(self) -> Costs:
+        if "extend_ms" in self._seen:
+            return self._costs
+        return _with(self._costs, extend_ms=self._costs.prefill_ms)
+
+    def _learn(self, name: str, sample: float) -> None:
+        old = getattr(self._costs, name)
+        value = _ewma(old, sample) if name in self._seen else sample
+        self._seen.add(name)
+        self._costs = _with(self._costs, **{name: value})
 
     def observe_prompt(self, prompt_chars: int, prompt_tokens: int) -> None:
         if prompt_chars > 0 and prompt_tokens > 0:
             ratio = prompt_chars / prompt_tokens
-            # The first real ratio replaces the default: tokenizers differ far more than
-            # one model's prompts do.
-            self.chars_per_token = (_ewma(self.chars_per_token, ratio) if self._ratio_seen
-                                    else ratio)
-            self._ratio_seen = True
+            self.chars_per_token = (_ewma(self.chars_per_token, ratio)
+                                    if "chars" in self._seen else ratio)
+            self._seen.add("chars")
 
     def observe_prefill(self, ms: float, computed: int, read: int = 0) -> None:
         """A prefill leg: `computed` tokens prefilled, `read` read from decode."""
-        c = self.costs
         if computed > 0 and read == 0:
-            self.costs = _with(c, prefill_ms=_ewma(c.prefill_ms, ms / computed))
+            self._learn("prefill_ms", ms / computed)
         elif read > 0:
-            rest = max(0.0, ms - computed * c.prefill_ms)
-            self.costs = _with(c, read_ms=_ewma(c.read_ms, rest / read))
+            rest = max(0.0, ms - computed * self._costs.prefill_ms)
+            self._learn("read_ms", rest / read)
 
     def observe_hop(self, ms: float) -> None:
         """The two-leg path's second leg, from P's answer to D's first byte."""
         if ms >= 0:
-            self.costs = _with(self.costs, hop_ms=_ewma(self.costs.hop_ms, ms))
+            self._learn("hop_ms", ms)
 
     def observe_extend(self, ms: float, computed: int) -> None:
         if computed > 0:
-            self.costs = _with(self.costs, extend_ms=_ewma(self.costs.extend_ms,
-                                                           ms / computed))
+            self._learn("extend_ms", ms / computed)
 
 
 def _with(c: Costs, **over: float) -> Costs:
