@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bidirkv.bench.conversation import Appends
 from bidirkv.wire import RESIDENCY_PATH
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -43,6 +44,10 @@ OUT = ROOT / "out" / "demo"
 # 30 s retention, so the run shows a conversation that comes back late still reusing.
 DEFAULTS = {"conversations": 2, "turns": 9, "new_tokens": 1000, "output_tokens": 48,
             "think": (1.0, 5.0), "pause_s": 35.0, "pause_turn": 5}
+
+
+# `--trace agent`: what an agent's turns add (words are tokens with the tiny model).
+AGENT_APPENDS = Appends(min_words=50, max_words=2000, tool_every=3, tool_words=4000)
 
 
 def step(text: str) -> None:
@@ -226,11 +231,14 @@ def data_plane(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]
     print(f"    {shown}; CPU {cpu.describe()}\n    {choice.line()}")
     think = Think(min_s=args.think[0], max_s=args.think[1], pause_s=args.pause,
                   pause_turns=(args.pause_turn,) if args.pause and args.pause_turn else ())
+    appends = AGENT_APPENDS if args.trace == "agent" else None
     bench_kw = {"conversations": args.conversations, "turns": args.turns,
                 "new_tokens": args.new_tokens, "output_tokens": args.output_tokens,
-                "warmup_turns": args.warmup_turns, "settle_s": args.settle, "think": think}
+                "warmup_turns": args.warmup_turns, "settle_s": args.settle, "think": think,
+                "appends": appends}
+    added = appends.describe() if appends else f"+{args.new_tokens} user tokens"
     print(f"    benchmark: {args.conversations} conversations x {args.turns} turns, "
-          f"+{args.new_tokens} user tokens and {args.output_tokens} output tokens a turn, "
+          f"{added} and {args.output_tokens} output tokens a turn, "
           f"{think.describe()} (seeded), streamed, P prefix caching off (emulated eviction)")
     concurrency = None
     if not args.skip_concurrency:
@@ -295,6 +303,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="leave out the concurrent run under decode KV pressure")
     p.add_argument("--skip-concurrency", action="store_true",
                    help="leave out the concurrency run (vllm bench serve)")
+    p.add_argument("--trace", choices=("turns", "agent"), default="turns",
+                   help="turns: --new-tokens every turn; agent: appends of 50-2000 tokens "
+                   "and a 4000-token tool output every third turn (seeded)")
     p.add_argument("--skip-placement", action="store_true",
                    help="leave out the multi-turn run under placement `cost`")
     p.add_argument("--only-pressure", action="store_true",

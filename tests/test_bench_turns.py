@@ -64,3 +64,18 @@ def test_summary_counts_reasons_and_returns_within_the_cap():
     assert (s["returned_within_cap"], s["hits_within_cap"], s["returned_beyond_cap"]) == (2, 2, 1)
     assert s["max_gap_s"] == 70
     assert "2/2 later turns back within the 60 s retention cap reused" in summary_text("ON", s)
+
+
+def test_agent_appends_are_seeded_within_range_with_tool_outputs():
+    from bidirkv.bench.conversation import Appends
+
+    a = Appends(50, 2000, tool_every=3, tool_words=4000)
+    sizes = [a.words(0, c, t) for c in range(12) for t in range(1, 7)]
+    assert sizes == [a.words(0, c, t) for c in range(12) for t in range(1, 7)]  # seeded
+    assert [a.words(0, 0, t) for t in (3, 6)] == [4000, 4000]
+    plain = [a.words(0, c, t) for c in range(12) for t in (1, 2, 4, 5)]
+    assert all(50 <= n <= 2000 for n in plain) and len(set(plain)) > 20
+    with pytest.raises(ValueError, match="need 1 <= min <= max"):
+        Appends(10, 5)
+    with pytest.raises(ValueError, match="words >= 1"):
+        Appends(1, 5, tool_every=2)

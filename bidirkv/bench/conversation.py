@@ -24,6 +24,37 @@ def user_text(seed: int, conversation: int, turn: int, words: int) -> str:
     return random_text(words, mixed)
 
 
+@dataclass(frozen=True)
+class Appends:
+    """How many new user words each turn adds: a seeded size in [min, max] per (seed,
+    conversation, turn), and every `tool_every`-th turn a tool output of `tool_words`
+    instead (an agent reading a file or a page). 0 turns off the tool outputs."""
+
+    min_words: int
+    max_words: int
+    tool_every: int = 0
+    tool_words: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_words <= self.max_words:
+            raise ValueError(f"appends {self.min_words}-{self.max_words}: need 1 <= min <= max")
+        if self.tool_every < 0 or (self.tool_every and self.tool_words < 1):
+            raise ValueError(f"tool outputs every {self.tool_every} turns of "
+                             f"{self.tool_words} words: need every >= 0 and words >= 1")
+
+    def words(self, seed: int, conversation: int, turn: int) -> int:
+        if self.tool_every and turn > 1 and turn % self.tool_every == 0:
+            return self.tool_words
+        digest = hashlib.sha256(f"append/{seed}/{conversation}/{turn}".encode()).digest()
+        span = self.max_words - self.min_words + 1
+        return self.min_words + int.from_bytes(digest[:8], "big") % span
+
+    def describe(self) -> str:
+        tool = (f", a {self.tool_words}-word tool output every {self.tool_every} turns"
+                if self.tool_every else "")
+        return f"appends of {self.min_words}-{self.max_words} words (seeded){tool}"
+
+
 def chat_body(model: str, messages: list[dict[str, str]], output_tokens: int, stream: bool
               ) -> dict[str, Any]:
     body: dict[str, Any] = {

@@ -26,7 +26,13 @@ from typing import Any
 
 from bidirkv.bench import promtext
 from bidirkv.bench.client import Reply, chat, first_model, post_json
-from bidirkv.bench.conversation import Conversation, chat_body, user_text, with_conversation_id
+from bidirkv.bench.conversation import (
+    Appends,
+    Conversation,
+    chat_body,
+    user_text,
+    with_conversation_id,
+)
 from bidirkv.bench.turns import Think, refusals_delta
 from bidirkv.bench.turns import reason as turn_reason
 from bidirkv.wire import RESIDENCY_VERSION_FIELD, VERSION
@@ -76,6 +82,8 @@ class BenchConfig:
     lower_bound_url: str | None = None
     decode_residency: str | None = None  # D's /bidirkv/residency: refusals by reason
     think: Think = field(default_factory=Think)
+    # Variable appends (an agent's trace) instead of new_tokens every turn.
+    appends: Appends | None = None
     seed: int = 0
     timeout_s: float = 600.0
 
@@ -150,7 +158,9 @@ class Runner:
     def turn(self, conv: Conversation, turn: int, measure: bool, think_s: float = 0.0
              ) -> TurnRecord:
         c = self.cfg
-        conv.ask(user_text(c.seed, conv.index, turn, c.new_tokens))
+        words = (c.appends.words(c.seed, conv.index, turn) if c.appends is not None
+                 else c.new_tokens)
+        conv.ask(user_text(c.seed, conv.index, turn, words))
         lb = self._lower_bound(conv) if (measure and c.lower_bound_url) else None
         body, headers = with_conversation_id(
             chat_body(self.model or "", conv.messages, c.output_tokens, c.stream), conv.cid,
