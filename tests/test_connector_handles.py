@@ -72,6 +72,15 @@ def test_any_change_of_what_is_read_breaks_the_signature(field, value):
     assert a.params["do_remote_prefill"] is False and a.params["do_remote_decode"] is True
 
 
+def test_handles_without_a_generation_keep_the_earlier_mac_layout():
+    """vLLM 0.32's handles sign as before (layout 3), so engines of this release and the
+    previous one read each other's handles during a rolling upgrade."""
+    from bidirkv.connector.core.handles import _mac_message
+
+    assert _mac_message(d_handle()).startswith(b"[3,")
+    assert _mac_message(d_handle(remote_registration_generation=1)).startswith(b"[4,")
+
+
 def test_a_signed_registration_generation_cannot_be_removed():
     """vLLM 0.33's handles carry the issuer's registration generation; without it a reader
     would keep its agent for a peer that registered its memory anew."""

@@ -68,10 +68,11 @@ async def put(s, key, rid, url=D0, blocks=2, engine="e0", **kw):
 
 async def test_single_use_and_release(make):
     s = await make()
-    await put(s, b"k", "r1", chars=1234)
+    await put(s, b"k", "r1", chars=1234, prompt_key=b"\x00\x00\x00\x02" + b"h" * 16)
     status, e = await s.lookup(b"k")
     assert status == HIT and e.request_id == "r1" and e.decode_url == D0
-    assert e.chars == 1234  # what the placement measures the next turn's append against
+    # What the placement measures the next turn's append, and checks its prefix, against.
+    assert e.chars == 1234 and e.prompt_key == b"\x00\x00\x00\x02" + b"h" * 16
     assert await s.lookup(b"k") == (MISS, None)  # taken: a concurrent turn misses
     await s.release(e)  # P was never asked: usable again
     status, e = await s.lookup(b"k")

@@ -53,6 +53,10 @@ def inp(held=4000, new=200, p_busy=0, d_busy=0):
     (inp(new=257), Policy(policy=THRESHOLDS), (READ_BACK, "long_append")),
     (inp(new=700, p_busy=2), Policy(policy=THRESHOLDS), (EXTEND, "prefill_busy")),
     (inp(new=700, p_busy=2, d_busy=5), Policy(policy=THRESHOLDS), (READ_BACK, "decode_busy")),
+    # An explicit id, or a history shorter than what D holds: the append is unknown.
+    (Inputs(4000, 10, 0, 0, extends_held=False), CP, (READ_BACK, "prefix_unknown")),
+    (Inputs(4000, 10, 0, 0, extends_held=False), Policy(policy=THRESHOLDS),
+     (READ_BACK, "prefix_unknown")),
 ])
 def test_decisions(inputs, policy, want):
     d = place(inputs, policy, COSTS)
@@ -65,6 +69,7 @@ def test_the_cap_is_configurable():
     assert place(inp(new=2000), wide, COSTS).path == EXTEND
     never = Policy(policy=COST, max_local_prefill_tokens=0)
     assert place(inp(new=10), never, COSTS).reason == "append_over_cap"
+    assert place(inp(new=0), never, COSTS).reason == "append_over_cap"  # 0 means never
 
 
 def test_the_default_is_todays_path():
@@ -104,6 +109,11 @@ def test_the_cost_model_learns_from_the_legs():
     m.observe_prefill(ms=5.0, computed=0)  # nothing to learn from
     m.observe_prompt(0, 0)
     assert m.costs.read_ms == pytest.approx(0.02, rel=0.01)
+    # A few tokens say more about a leg's fixed cost than its cost per token.
+    m.observe_prefill(ms=30.0, computed=3)
+    m.observe_extend(ms=30.0, computed=3)
+    assert m.costs.prefill_ms == pytest.approx(0.1, rel=0.01)
+    assert m.costs.extend_ms == pytest.approx(0.3, rel=0.01)
 
 
 # -- over HTTP, against fake engines ------------------------------------------------------
@@ -156,6 +166,33 @@ async def test_a_short_append_is_extended_on_the_decode_replica_holding_it(strea
 
 
 @pytest.mark.timeout(30)
+async def test_an_explicit_id_extends_only_a_prompt_that_extends_the_last_one():
+    """With an explicit id the router keeps a keyed hash of the prompt's messages: the
+    next turn is extended only when its first messages are those (a client that edited
+    or compacted its history gets the read back of the verified prefix instead)."""
+    async with Cluster(config=placement()) as c:
+        r1 = await c.chat(U1, conversation_id="a")
+        turn2 = U1 + [r1["message"], {"role": "user", "content": "ok"}]
+        r2 = await c.chat(turn2, conversation_id="a")
+        assert r2["headers"]["X-Bidirkv-Placement"] == "extend; reason=short_append"
+        edited = [{"role": "system", "content": "be verbose"}, *turn2[1:], r2["message"],
+                  {"role": "user", "content": "again"}]
+        r3 = await c.chat(edited, conversation_id="a")
+        assert r3["headers"]["X-Bidirkv-Placement"] == "read_back; reason=prefix_unknown"
+        assert c.p[0].generations()[-1].has_handle
+
+
+@pytest.mark.timeout(30)
+async def test_the_default_decides_nothing():
+    async with Cluster() as c:
+        r1 = await c.chat(U1)
+        r2 = await c.chat(U1 + [r1["message"], {"role": "user", "content": "ok"}])
+        assert "X-Bidirkv-Placement" not in r2["headers"]
+        assert c.p[0].generations()[-1].has_handle
+        assert "bidirkv_router_placements_total{" not in await c.metrics()
+
+
+@pytest.mark.timeout(30)
 async def test_a_long_append_takes_the_read_back():
     async with Cluster(config=placement(localPrefillTokens=4, maxLocalPrefillTokens=8)) as c:
         r1 = await c.chat(U1)
@@ -169,7 +206,7 @@ async def test_a_long_append_takes_the_read_back():
 @pytest.mark.timeout(30)
 async def test_a_busy_holder_sends_the_turn_to_prefill():
     async with Cluster(decode=1, config=placement(decodeBusyRequests=1)) as c:
-        r1 = await c.chat(U1, conversation_id="a")
+        r1 = await c.chat(U1)
         c.d[0].behaviour.chunk_delay = 0.3  # another conversation keeps D busy
         other = asyncio.create_task(c.chat([{"role": "user", "content": "x"}], True))
         for _ in range(100):
@@ -177,8 +214,7 @@ async def test_a_busy_holder_sends_the_turn_to_prefill():
                 break
             await asyncio.sleep(0.01)
         c.d[0].behaviour.chunk_delay = 0.0
-        r2 = await c.chat(U1 + [r1["message"], {"role": "user", "content": "ok"}],
-                          conversation_id="a")
+        r2 = await c.chat(U1 + [r1["message"], {"role": "user", "content": "ok"}])
         assert r2["headers"]["X-Bidirkv-Placement"] == "read_back; reason=decode_busy"
         assert c.p[0].generations()[-1].has_handle
         await other
@@ -187,13 +223,14 @@ async def test_a_busy_holder_sends_the_turn_to_prefill():
 @pytest.mark.timeout(30)
 async def test_an_extend_that_fails_before_a_byte_takes_the_two_legs_elsewhere():
     async with Cluster(decode=2, config=placement()) as c:
-        r1 = await c.chat(U1, conversation_id="a")
+        r1 = await c.chat(U1)
         holder = next(d for d in c.d if d.generations())
         other = next(d for d in c.d if d is not holder)
         holder.behaviour.fail_next = 1
-        r2 = await c.chat(U1 + [r1["message"], {"role": "user", "content": "ok"}],
-                          conversation_id="a")
+        r2 = await c.chat(U1 + [r1["message"], {"role": "user", "content": "ok"}])
         assert r2["status"] == 200
+        assert r2["headers"]["X-Bidirkv-Placement"] == "prefill; reason=extend_failed"
+        assert 'bidirkv_router_reuse_total{outcome="dropped"} 1.0' in await c.metrics()
         # The turn went P -> the other replica, without the failed holder's handle.
         assert not c.p[0].generations()[-1].has_handle
         assert other.generations()

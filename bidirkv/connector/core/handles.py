@@ -128,8 +128,13 @@ def stamp_expiry(params: dict[str, Any], lifetime_s: float, wall: float | None =
 
 
 def _mac_message(params: dict[str, Any]) -> bytes:
+    # Layout 3 for handles without a registration generation (vLLM 0.32): their MACs are
+    # those of earlier bidir-kv releases, so engines of both read each other's handles
+    # during a rolling upgrade. Layout 4 (vLLM 0.33) signs the generation too; removing
+    # it or adding one changes the layout, so the MAC no longer matches.
+    gen = params.get(GENERATION)
     fields = [
-        4,  # the message's layout; 4 added the registration generation
+        3 if gen is None else 4,
         params.get("remote_engine_id"),
         params.get("remote_request_id"),
         params.get("remote_host"),
@@ -142,7 +147,7 @@ def _mac_message(params: dict[str, Any]) -> bytes:
         params.get("pp_size"),
         params.get(BLOCKS_KEY),
         params.get(EXPIRES_KEY),
-        params.get(GENERATION),
+        *(() if gen is None else (gen,)),
     ]
     return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 

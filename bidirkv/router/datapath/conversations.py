@@ -13,6 +13,7 @@ from bidirkv.router.pool.backends import Backend
 from bidirkv.router.request.identity import short_hash
 from bidirkv.router.request.validation import CHAT
 from bidirkv.router.store.base import StoreUnavailable
+from bidirkv.router.store.entry import Entry
 from bidirkv.router.store.handles import EXPIRED, HIT, MISS
 from bidirkv.wire import VERSION_KEY, version_problem
 
@@ -101,12 +102,38 @@ class Conversations:
             await ctx.store.put(
                 key, dumps_kept(kv), d.url, engine, n, tenant=turn.tenant, prefix_len=prefix_len,
                 chars=turn.prompt_chars + len(collector.text) if collector is not None else 0,
+                prompt_key=self.prompt_key(turn),
                 request_id=rid, blocks=handle_blocks(kv), max_pinned=limit,
                 tenant_max_pinned=int(share * limit) if limit is not None and share < 1
                 else None)
         except StoreUnavailable:
             if rid is not None:  # not kept anywhere: D frees the blocks now
                 ctx.residency.release_ids(d.url, [rid])
+
+    def prompt_key(self, turn: Turn, n: int | None = None) -> bytes | None:
+        """An explicit-id chat turn's first `n` messages (all: None), as Entry.prompt_key;
+        only under a placement that may extend (hashing costs a pass over the body)."""
+        ctx = self.ctx
+        messages = turn.body.get("messages")
+        if (turn.store_key is None or not isinstance(messages, list)
+                or ctx.cfg.placement.policy == "alwaysDisaggregate"):
+            return None
+        n = len(messages) if n is None else n
+        return n.to_bytes(4, "big") + ctx.keys.messages_key(turn.tenant, messages, n)
+
+    def extends(self, turn: Turn, entry: Entry) -> bool:
+        """The turn's prompt extends what the entry's holder keeps (placement): named by
+        its history or its prompt prefix, or by an explicit id whose stored prompt is the
+        first messages of this one."""
+        if entry.chars > 0:
+            return turn.prompt_chars >= entry.chars
+        key = entry.prompt_key
+        if key is None or len(key) < 5:
+            return False
+        n = int.from_bytes(key[:4], "big")
+        messages = turn.body.get("messages")
+        return (isinstance(messages, list) and len(messages) > n
+                and self.prompt_key(turn, n) == key)
 
     async def end_conversation(self, tenant: bytes, conversation_id: str) -> bool:
         """DELETE /v1/conversations/{id}: drop the handle, D frees its blocks now."""

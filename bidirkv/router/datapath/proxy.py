@@ -61,13 +61,16 @@ from bidirkv.router.datapath.upstream import (
 from bidirkv.router.metrics import Metrics
 from bidirkv.router.pool.backends import DECODE, PREFILL, Backend, Pool
 from bidirkv.router.pool.placement import (
+    ALWAYS_DISAGGREGATE,
     EXTEND,
+    Decision,
     Inputs,
     new_tokens,
     place,
     placement_policy,
     prompt_chars,
 )
+from bidirkv.router.pool.placement import PREFILL as PREFILL_PATH
 from bidirkv.router.pool.residency import Residency
 from bidirkv.router.pool.selection import holder_of, least_outstanding, pick_decode
 from bidirkv.router.request.identity import LookupKeys, short_hash
@@ -363,6 +366,8 @@ class Router:
                 # handle (its holder just failed) and on another replica.
                 tried_decode.append(holder)
                 last = f
+                turn.reuse = "dropped"
+                turn.placed = Decision(PREFILL_PATH, "extend_failed")
                 self.ctx.metrics.retries.labels("extend_failed").inc()
                 log.warning("extend on decode failed (%s); taking the prefill leg rid=%s "
                             "conv=%s decode=%s", f.detail or f.kind, turn.rid, turn.conv,
@@ -399,8 +404,12 @@ class Router:
         return failure_response(last, turn.rid), outcome_of(last)
 
     def _placement(self, turn: Turn) -> Backend | None:
-        """Decide where the turn runs; the holder when it is extended there."""
+        """Decide where the turn runs; the holder when it is extended there. Under
+        alwaysDisaggregate nothing is decided: every turn takes the prefill leg."""
         ctx = self.ctx
+        policy = placement_policy(ctx.cfg)
+        if policy.policy == ALWAYS_DISAGGREGATE:
+            return None
         holder = None
         held: int | None = None
         entry = turn.entry
@@ -408,12 +417,16 @@ class Router:
             found = holder_of(ctx.decode.backends, entry.decode_url, None)
             if found is not None and found.healthy and found.in_pool:
                 holder, held = found, entry.num_tokens
+        held_chars = entry.chars if holder is not None and entry is not None else 0
         turn.new_tokens = new_tokens(turn.prompt_chars, held or 0, ctx.costs.chars_per_token,
-                                     entry.chars if holder is not None and entry else 0)
-        p = least_outstanding(ctx.prefill.backends, ctx.prefill.next_start())
-        decision = place(Inputs(held, turn.new_tokens, p.outstanding if p else 0,
-                                holder.outstanding if holder else 0),
-                         placement_policy(ctx.cfg), ctx.costs.costs)
+                                     held_chars)
+        # Read, not picked: the prefill leg's own pick keeps its rotation.
+        p_load = min((b.outstanding for b in ctx.prefill.healthy()), default=0)
+        decision = place(Inputs(held, turn.new_tokens, p_load,
+                                holder.outstanding if holder else 0,
+                                extends_held=entry is not None
+                                and self.conversations.extends(turn, entry)),
+                         policy, ctx.costs.costs)
         turn.placed = decision
         ctx.metrics.placements.labels(decision.path, decision.reason).inc()
         return holder if decision.path == EXTEND else None
@@ -428,6 +441,10 @@ class Router:
             if entry is not None:
                 await quietly(self.ctx.store.discard(entry, "extend_failed"))
             raise
+        if resp[1] == "upstream_client_error":  # the client's request, refused by D
+            if entry is not None:
+                await quietly(self.ctx.store.discard(entry, "extend_failed"))
+            return resp
         turn.reuse = "extended"
         if entry is not None:
             # Superseded by the handle of this turn, which shares its blocks on D (its

@@ -40,8 +40,12 @@ THRESHOLDS = "thresholds"
 POLICIES = (COST, ALWAYS_DISAGGREGATE, THRESHOLDS)
 
 # Bounded label values of placements_total{decision,reason}.
-REASONS = ("no_handle", "policy", "append_over_cap", "decode_busy", "short_append",
-           "prefill_busy", "long_append", "cheaper_on_decode", "cheaper_disaggregated")
+REASONS = ("no_handle", "policy", "prefix_unknown", "append_over_cap", "decode_busy",
+           "short_append", "prefill_busy", "long_append", "cheaper_on_decode",
+           "cheaper_disaggregated", "extend_failed")
+# A leg that prefilled fewer tokens than this says more about its fixed costs than about
+# its cost per token: not learned from.
+MIN_SAMPLE_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,11 @@ class Inputs:
     new_tokens: int  # the turn's tokens beyond those (estimated)
     prefill_inflight: int  # legs in flight on the least loaded prefill
     holder_inflight: int  # legs in flight on the holder
+    # The router knows the prompt extends exactly what the holder keeps (the conversation
+    # was named by its history or its prompt prefix, and the prompt is not shorter): an
+    # explicit conversation id proves nothing of the sort, and an edited history would
+    # have decode prefill all of it past the edit.
+    extends_held: bool = True
 
 
 @dataclass(frozen=True)
@@ -99,7 +108,9 @@ def place(inp: Inputs, policy: Policy, costs: Costs) -> Decision:
         return Decision(PREFILL, "no_handle")
     if policy.policy == ALWAYS_DISAGGREGATE:
         return Decision(READ_BACK, "policy")
-    if inp.new_tokens > policy.max_local_prefill_tokens:
+    if not inp.extends_held:
+        return Decision(READ_BACK, "prefix_unknown")
+    if inp.new_tokens > policy.max_local_prefill_tokens or policy.max_local_prefill_tokens == 0:
         return Decision(READ_BACK, "append_over_cap")
     if inp.holder_inflight >= policy.decode_busy_requests:
         return Decision(READ_BACK, "decode_busy")
@@ -177,9 +188,9 @@ class CostModel:
 
     def observe_prefill(self, ms: float, computed: int, read: int = 0) -> None:
         """A prefill leg: `computed` tokens prefilled, `read` read from decode."""
-        if computed > 0 and read == 0:
+        if computed >= MIN_SAMPLE_TOKENS and read == 0:
             self._learn("prefill_ms", ms / computed)
-        elif read > 0:
+        elif read >= MIN_SAMPLE_TOKENS:
             rest = max(0.0, ms - computed * self._costs.prefill_ms)
             self._learn("read_ms", rest / read)
 
@@ -189,7 +200,7 @@ class CostModel:
             self._learn("hop_ms", ms)
 
     def observe_extend(self, ms: float, computed: int) -> None:
-        if computed > 0:
+        if computed >= MIN_SAMPLE_TOKENS:
             self._learn("extend_ms", ms / computed)
 
 

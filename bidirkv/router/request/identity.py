@@ -158,6 +158,15 @@ class LookupKeys:
                 lookup = h.copy().digest()
         return ChatHistory(lookup, h)
 
+    def messages_key(self, tenant: bytes, messages: list[Any], n: int) -> bytes:
+        """Of the first `n` messages: what a turn named by an explicit id stores, so that
+        its next turn can show its prompt extends that one (placement)."""
+        h = self._hasher(b"prefix", tenant)
+        for m in messages[:n]:
+            h.update(canonical_message(m) if isinstance(m, dict) else canonical(m))
+            h.update(_SEP)
+        return h.digest()
+
     # -- completions prompt prefixes ---------------------------------------------------
     def completion_key(self, tenant: bytes, text: str) -> bytes:
         h = self._hasher(b"completion", tenant)

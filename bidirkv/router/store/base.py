@@ -47,7 +47,7 @@ class Store(Protocol):
     async def put(self, key: bytes, params: bytes, decode_url: str, engine_id: str | None,
                   num_tokens: int, *, tenant: bytes | None = None, prefix_len: int = 0,
                   request_id: str | None = None, blocks: int = 0, chars: int = 0,
-                  max_pinned: int | None = None,
+                  prompt_key: bytes | None = None, max_pinned: int | None = None,
                   tenant_max_pinned: int | None = None) -> None:
         """Store; then keep the entry bounds and, given `max_pinned` (the replica's
         watermark) and `tenant_max_pinned` (the tenant's share of it), the block bounds."""

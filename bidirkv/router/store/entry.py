@@ -25,6 +25,7 @@ class Entry:
         "request_id",
         "blocks",
         "chars",
+        "prompt_key",
     )
 
     def __init__(
@@ -40,6 +41,7 @@ class Entry:
         request_id: str | None = None,
         blocks: int = 0,
         chars: int = 0,
+        prompt_key: bytes | None = None,
     ) -> None:
         self.key = key
         self.params = params
@@ -58,6 +60,10 @@ class Entry:
         # Characters of the text whose KV D holds (prompt and answer; 0: unknown): the
         # placement estimates a next turn's new tokens from what it adds.
         self.chars = chars
+        # An explicit-id chat turn's prompt: its message count and their keyed hash
+        # (LookupKeys.messages_key, as bytes: 4-byte count + digest). The next turn's
+        # prompt extends it when its first messages hash the same.
+        self.prompt_key = prompt_key
 
 
 class Lengths:

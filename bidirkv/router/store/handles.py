@@ -94,6 +94,7 @@ class HandleStore:
         request_id: str | None = None,
         blocks: int = 0,
         chars: int = 0,
+        prompt_key: bytes | None = None,
     ) -> Entry:
         old = self._d.get(key)
         if old is not None:
@@ -111,6 +112,7 @@ class HandleStore:
             request_id,
             blocks,
             chars,
+            prompt_key,
         )
         self._index(entry)
         self._trim()

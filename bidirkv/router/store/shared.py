@@ -50,7 +50,8 @@ def _entry(raw: bytes | str) -> Entry:
     e = Entry(bytes.fromhex(d["key"]), d["params"].encode(), d["decode_url"], d["engine_id"],
               d["num_tokens"], d["expires_at"],
               bytes.fromhex(d["tenant"]) if d.get("tenant") else None, d["prefix_len"],
-              d.get("request_id"), d.get("blocks", 0), d.get("chars", 0))
+              d.get("request_id"), d.get("blocks", 0), d.get("chars", 0),
+              bytes.fromhex(d["prompt_key"]) if d.get("prompt_key") else None)
     e.reserved = True
     return e
 
@@ -61,6 +62,7 @@ def _value(e: Entry, stored_ms: int) -> bytes:
         "engine_id": e.engine_id, "num_tokens": e.num_tokens, "expires_at": e.expires_at,
         "prefix_len": e.prefix_len, "request_id": e.request_id, "blocks": e.blocks,
         "chars": e.chars, "stored_ms": stored_ms,
+        **({"prompt_key": e.prompt_key.hex()} if e.prompt_key else {}),
     }
     if e.tenant is not None:  # absent, not null: Lua's cjson null is truthy
         d["tenant"] = e.tenant.hex()
@@ -200,10 +202,11 @@ class RedisStore:
     async def put(self, key: bytes, params: bytes, decode_url: str, engine_id: str | None,
                   num_tokens: int, *, tenant: bytes | None = None, prefix_len: int = 0,
                   request_id: str | None = None, blocks: int = 0, chars: int = 0,
-                  max_pinned: int | None = None,
+                  prompt_key: bytes | None = None, max_pinned: int | None = None,
                   tenant_max_pinned: int | None = None) -> None:
         entry = Entry(key, params, decode_url, engine_id, num_tokens,
-                      self._clock() + self.ttl, tenant, prefix_len, request_id, blocks, chars)
+                      self._clock() + self.ttl, tenant, prefix_len, request_id, blocks, chars,
+                      prompt_key)
         old, (count, pinned, mine, mine_pinned) = await self._store(entry,
                                                                     only_if_absent=False)
         if old is not None:
