@@ -107,6 +107,19 @@ def test_the_benchmark_knows_every_reuse_outcome_the_router_counts():
     assert reuse_outcome({"reuse_hit": 1.0, "reuse_extended": 1.0}) == "extended"
 
 
+def test_the_bench_waits_for_the_router_to_count_the_request():
+    from bidirkv.bench.runner import request_pending
+
+    def scrape(n):
+        return promtext.parse(f'bidirkv_router_requests_total{{route="chat",outcome="ok"}} '
+                              f"{n}\n")
+
+    assert request_pending(scrape(3), scrape(3))  # answered, not counted yet
+    assert not request_pending(scrape(3), scrape(4))
+    assert not request_pending(scrape(3), promtext.parse("other_total 1\n"))  # not ours
+    assert not request_pending(None, scrape(4)) and not request_pending(scrape(3), None)
+
+
 def test_table_has_one_line_per_row_and_dashes_for_missing():
     cmp = stats.compare(rows((1, 1000, 0.4, None)), rows((1, 1000, 1.2, None)))
     text = stats.table(cmp, stats.COMPARE_COLUMNS)

@@ -118,6 +118,18 @@ class TurnRecord:
         return asdict(self)
 
 
+def request_pending(before: Any, after: Any) -> bool:
+    """True while the router's request counter has not grown since `before` (a router
+    without that counter, or no scrape, is never waited for)."""
+    if before is None or after is None:
+        return False
+    was = promtext.total(before, "bidirkv_router_requests_total")
+    now = promtext.total(after, "bidirkv_router_requests_total")
+    if now is None:
+        return False
+    return now <= (was or 0)
+
+
 def reuse_outcome(m: dict[str, float | None]) -> str | None:
     for o in REUSE_OUTCOMES:
         if (m.get(f"reuse_{o}") or 0) > 0:
@@ -144,6 +156,18 @@ class Runner:
         c = self.cfg
         return (promtext.scrape(c.url.rstrip("/") + "/metrics"),
                 promtext.scrape(c.prefill_metrics), promtext.scrape(c.decode_metrics))
+
+    def _scrape_after(self, before: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+        """The scrape once the router has counted the request: it counts a request's
+        outcome (and its reuse) when the handler ends, which can be just after the client
+        read the last byte. A router that counts nothing gives up after 2 s."""
+        after = self._scrape()
+        for _ in range(40):
+            if not request_pending(before[0], after[0]):
+                break
+            time.sleep(0.05)
+            after = self._scrape()
+        return after
 
     def _send(self, conv: Conversation, url: str, body: dict[str, Any], headers: dict[str, str]
               ) -> Reply:
@@ -173,7 +197,7 @@ class Runner:
         gap = time.monotonic() - last if last is not None else None
         reply = self._send(conv, c.url, body, headers)
         self._answered[conv.index] = time.monotonic()
-        after = self._scrape() if measure else (None, None, None)
+        after = self._scrape_after(before) if measure else (None, None, None)
         refused = refusals_delta(res_before, self._residency()) if measure else {}
         conv.answer(reply.text)
         m: dict[str, float | None] = {}
