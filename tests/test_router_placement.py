@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from bidirkv.router.config import Placement
 from bidirkv.router.pool.placement import (
     ALWAYS_DISAGGREGATE,
     COST,
@@ -17,12 +18,11 @@ from bidirkv.router.pool.placement import (
     CostModel,
     Costs,
     Inputs,
-    Policy,
     new_tokens,
     place,
 )
 
-CP = Policy(policy=COST)
+CP = Placement(policy=COST)
 COSTS = Costs(prefill_ms=0.5, extend_ms=0.5, read_ms=0.05, hop_ms=20.0)
 
 
@@ -34,12 +34,12 @@ def inp(held=4000, new=200, p_busy=0, d_busy=0):
 @pytest.mark.parametrize("inputs, policy, want", [
     # No handle: the turn has nothing on decode to extend.
     (inp(held=None), CP, (PREFILL, "no_handle")),
-    (inp(held=None, new=10), Policy(policy=THRESHOLDS), (PREFILL, "no_handle")),
+    (inp(held=None, new=10), Placement(policy=THRESHOLDS), (PREFILL, "no_handle")),
     # Today's behaviour on request.
-    (inp(new=10), Policy(policy=ALWAYS_DISAGGREGATE), (READ_BACK, "policy")),
+    (inp(new=10), Placement(policy=ALWAYS_DISAGGREGATE), (READ_BACK, "policy")),
     # The cap and a busy holder win over any policy that could extend.
     (inp(new=1025), CP, (READ_BACK, "append_over_cap")),
-    (inp(new=1025), Policy(policy=THRESHOLDS), (READ_BACK, "append_over_cap")),
+    (inp(new=1025), Placement(policy=THRESHOLDS), (READ_BACK, "append_over_cap")),
     (inp(new=10, d_busy=4), CP, (READ_BACK, "decode_busy")),
     (inp(new=10, d_busy=3), CP, (EXTEND, "cheaper_on_decode")),
     # cost: 200 new tokens on D (100 ms) against 20 ms + 4000 read (200 ms) + 100 ms.
@@ -49,13 +49,13 @@ def inp(held=4000, new=200, p_busy=0, d_busy=0):
     # A queue on prefill makes the two-leg path dearer.
     (inp(held=100, new=600, p_busy=2, d_busy=1), CP, (EXTEND, "cheaper_on_decode")),
     # thresholds: the llm-d / Dynamo style knobs.
-    (inp(new=256), Policy(policy=THRESHOLDS), (EXTEND, "short_append")),
-    (inp(new=257), Policy(policy=THRESHOLDS), (READ_BACK, "long_append")),
-    (inp(new=700, p_busy=2), Policy(policy=THRESHOLDS), (EXTEND, "prefill_busy")),
-    (inp(new=700, p_busy=2, d_busy=5), Policy(policy=THRESHOLDS), (READ_BACK, "decode_busy")),
+    (inp(new=256), Placement(policy=THRESHOLDS), (EXTEND, "short_append")),
+    (inp(new=257), Placement(policy=THRESHOLDS), (READ_BACK, "long_append")),
+    (inp(new=700, p_busy=2), Placement(policy=THRESHOLDS), (EXTEND, "prefill_busy")),
+    (inp(new=700, p_busy=2, d_busy=5), Placement(policy=THRESHOLDS), (READ_BACK, "decode_busy")),
     # An explicit id, or a history shorter than what D holds: the append is unknown.
     (Inputs(4000, 10, 0, 0, extends_held=False), CP, (READ_BACK, "prefix_unknown")),
-    (Inputs(4000, 10, 0, 0, extends_held=False), Policy(policy=THRESHOLDS),
+    (Inputs(4000, 10, 0, 0, extends_held=False), Placement(policy=THRESHOLDS),
      (READ_BACK, "prefix_unknown")),
 ])
 def test_decisions(inputs, policy, want):
@@ -65,15 +65,15 @@ def test_decisions(inputs, policy, want):
 
 
 def test_the_cap_is_configurable():
-    wide = Policy(policy=COST, max_local_prefill_tokens=4096)
+    wide = Placement(policy=COST, max_local_prefill_tokens=4096)
     assert place(inp(new=2000), wide, COSTS).path == EXTEND
-    never = Policy(policy=COST, max_local_prefill_tokens=0)
+    never = Placement(policy=COST, max_local_prefill_tokens=0, local_prefill_tokens=0)
     assert place(inp(new=10), never, COSTS).reason == "append_over_cap"
     assert place(inp(new=0), never, COSTS).reason == "append_over_cap"  # 0 means never
 
 
 def test_the_default_is_todays_path():
-    assert place(inp(new=10), Policy(), COSTS).path == READ_BACK
+    assert place(inp(new=10), Placement(), COSTS).path == READ_BACK
 
 
 def test_new_tokens_from_the_prompt_size():

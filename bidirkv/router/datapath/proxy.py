@@ -67,7 +67,6 @@ from bidirkv.router.pool.placement import (
     Inputs,
     new_tokens,
     place,
-    placement_policy,
     prompt_chars,
 )
 from bidirkv.router.pool.placement import PREFILL as PREFILL_PATH
@@ -407,7 +406,7 @@ class Router:
         """Decide where the turn runs; the holder when it is extended there. Under
         alwaysDisaggregate nothing is decided: every turn takes the prefill leg."""
         ctx = self.ctx
-        policy = placement_policy(ctx.cfg)
+        policy = ctx.cfg.placement
         if policy.policy == ALWAYS_DISAGGREGATE:
             return None
         holder = None

@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from bidirkv.router.config import Placement
+
 EXTEND = "extend"
 READ_BACK = "read_back"
 PREFILL = "prefill"
@@ -46,22 +48,6 @@ REASONS = ("no_handle", "policy", "prefix_unknown", "append_over_cap", "decode_b
 # A leg that prefilled fewer tokens than this says more about its fixed costs than about
 # its cost per token: not learned from.
 MIN_SAMPLE_TOKENS = 64
-
-
-@dataclass(frozen=True)
-class Policy:
-    policy: str = ALWAYS_DISAGGREGATE
-    max_local_prefill_tokens: int = 1024
-    decode_busy_requests: int = 4
-    local_prefill_tokens: int = 256  # thresholds
-    prefill_busy_requests: int = 2  # thresholds
-
-
-def placement_policy(cfg: Any) -> Policy:
-    """The policy of a router config (its `placement` section)."""
-    pc = cfg.placement
-    return Policy(pc.policy, pc.max_local_prefill_tokens, pc.decode_busy_requests,
-                  pc.local_prefill_tokens, pc.prefill_busy_requests)
 
 
 @dataclass(frozen=True)
@@ -103,7 +89,7 @@ def estimate_ms(inp: Inputs, c: Costs) -> tuple[float, float]:
     return extend, c.hop_ms + prefill_work * (1 + inp.prefill_inflight)
 
 
-def place(inp: Inputs, policy: Policy, costs: Costs) -> Decision:
+def place(inp: Inputs, policy: Placement, costs: Costs) -> Decision:
     if inp.held_tokens is None:
         return Decision(PREFILL, "no_handle")
     if policy.policy == ALWAYS_DISAGGREGATE:
