@@ -40,8 +40,15 @@ METRICS = (
 )
 
 
-def _nixl_keys() -> dict[str, Any]:
-    return NixlKVConnectorStats().data
+# NIXL's own keys, each a list of observations (read once: building stats happens on
+# every engine step).
+NIXL_KEYS = tuple(NixlKVConnectorStats().data)
+
+
+def _with_nixl_keys(data: dict[str, Any]) -> dict[str, Any]:
+    for k in NIXL_KEYS:
+        data.setdefault(k, [])
+    return data
 
 
 class BidirkvStats(NixlKVConnectorStats):
@@ -51,8 +58,7 @@ class BidirkvStats(NixlKVConnectorStats):
         if not self.data:
             self.reset()
             return
-        for k, v in _nixl_keys().items():
-            self.data.setdefault(k, v)
+        _with_nixl_keys(self.data)
         tally.merge(self.data, {})  # bidir-kv's keys, zero where missing
 
     def reset(self):
@@ -65,7 +71,7 @@ class BidirkvStats(NixlKVConnectorStats):
     def aggregate(self, other):
         if other.is_empty():
             return self
-        for k in _nixl_keys():
+        for k in NIXL_KEYS:
             self.data.setdefault(k, []).extend(other.data.get(k) or [])
         tally.merge(self.data, other.data)
         return self
@@ -95,9 +101,7 @@ class BidirkvPromMetrics(NixlPromMetrics):
                                                     labelnames=names), label is not None)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
-        data = dict(transfer_stats_data)
-        for k, v in _nixl_keys().items():
-            data.setdefault(k, v)
+        data = _with_nixl_keys(dict(transfer_stats_data))
         super().observe(data, engine_idx)
         values = self.per_engine_labelvalues[engine_idx]
         for key, (counter, labelled) in self._bidirkv.items():

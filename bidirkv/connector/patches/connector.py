@@ -14,7 +14,7 @@ import functools
 
 from bidirkv.connector.nixl.targets import CONNECTOR, MODULE_PATH, NAME
 from bidirkv.connector.patches.guarded import wrap
-from bidirkv.connector.targets import MARK, Target, resolve
+from bidirkv.connector.targets import Target
 
 QUALNAME = "NixlBaseConnector.__init__"
 TARGETS = [Target(CONNECTOR, QUALNAME, ("self", "vllm_config", "role", "kv_cache_config"))]
@@ -37,11 +37,6 @@ def _only_ours(orig):
         return orig(self, vllm_config, role, kv_cache_config)
 
     return __init__
-
-
-def installed() -> bool:
-    """True in a process where the plugin put the guard in place."""
-    return bool(getattr(resolve(CONNECTOR, QUALNAME)[2], MARK, False))
 
 
 def install() -> list[str]:
