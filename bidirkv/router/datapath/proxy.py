@@ -322,7 +322,8 @@ class Router:
             if big:
                 await asyncio.sleep(0)
             if cfg.bidirectional:
-                turn.prompt_chars = prompt_chars(req.body)
+                if cfg.placement.policy != ALWAYS_DISAGGREGATE:  # a pass over the body
+                    turn.prompt_chars = prompt_chars(req.body)
                 await self.conversations.identify(turn, req.conversation_id)
             elif req.conversation_id is not None:
                 turn.conv = short_hash(req.conversation_id)
