@@ -12,7 +12,8 @@ machine and the multi-turn TTFT benchmark with bidirectional KV transfer ON and 
 5. Pressure: decode limited to 128 KV blocks and vLLM's default 480 s retention, more
    conversations than it can keep, 4 requests in flight (the concurrent benchmark), ON
    then OFF: retained KV must never make new work wait.
-6. Tables, JSON and PNGs in out/demo/.
+6. Tables, JSON and PNGs in out/demo/; one returning turn's trace from the router's
+   span file (ON stack), as a tree of its spans.
 
 Every process started is stopped at the end, on failure, on Ctrl-C and on SIGTERM.
 """
@@ -157,6 +158,22 @@ def pressure(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]],
 
 
 # -- 2-5. data plane -----------------------------------------------------------------------
+def traces_file(args: argparse.Namespace, label: str) -> pathlib.Path:
+    """The router's span file of the `label` stack (tracing.file, in its state dir)."""
+    from bidirkv.local.engines import ROUTER_TRACES
+
+    return args.out / f"stack-{label}" / ROUTER_TRACES
+
+
+def show_trace(path: pathlib.Path) -> None:
+    from bidirkv.bench.traces import returning_turn_text
+
+    text = returning_turn_text(path)
+    step("one returning turn through the router (its spans, from the ON stack)")
+    print(text if text is not None else "    no request span recorded")
+    print(f"traces: {path} (one span a line; every turn of the run)")
+
+
 def run_phase(label: str, patch: dict[str, Any] | None, bench_kw: dict[str, Any],
               args: argparse.Namespace, lower_bound: bool,
               then: Callable[[Any], Any] | None = None) -> dict[str, Any]:
@@ -169,6 +186,8 @@ def run_phase(label: str, patch: dict[str, Any] | None, bench_kw: dict[str, Any]
     from bidirkv.local.stack import StartError
 
     progress = not args.no_progress
+    # The router appends to its span file: this run's turns only.
+    traces_file(args, label).unlink(missing_ok=True)
     stack = prepare_stack(args.spec, args.out / f"stack-{label}", patch=patch, cwd=ROOT,
                           progress=progress)
     with stack:
@@ -346,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
             rc = 0 if args.only_pressure else data_plane(args, timed)
             if rc == 0 and not args.skip_pressure:
                 pressure(args, timed)
+            if rc == 0 and not args.only_pressure:
+                show_trace(traces_file(args, "on"))
     except KeyboardInterrupt:
         print("\ndemo: interrupted; every process it started is stopped", file=sys.stderr)
         return 130

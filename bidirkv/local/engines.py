@@ -22,6 +22,9 @@ from bidirkv.roleconfig import POD, Placement
 
 LOOPBACK = "127.0.0.1"
 LOCAL_OWNER = Owner(name="local", namespace="local", uid="local")
+# The router's spans, as JSON lines: relative, so in the router's working directory,
+# which is the stack's state directory (stack.py starts every server there).
+ROUTER_TRACES = "router-traces.jsonl"
 # secret name -> key -> value: what a pod would read through secretKeyRef.
 LocalSecrets = Mapping[str, Mapping[str, str]]
 
@@ -91,8 +94,11 @@ def engine_process(
 def local_router_config(
     spec: DisaggregatedInferenceSpec, prefill: list[LocalPorts], decode: list[LocalPorts]
 ) -> dict[str, Any]:
-    """The router ConfigMap's content with the per-pod endpoints mapped to local ports."""
+    """The router ConfigMap's content with the per-pod endpoints mapped to local ports,
+    and its spans written to a file of the state directory (no collector here; an OTLP
+    endpoint the spec names is kept)."""
     cfg = router_config(LOCAL_OWNER, spec)
     cfg["prefill"] = [f"http://{LOOPBACK}:{p.http}" for p in prefill]
     cfg["decode"] = [f"http://{LOOPBACK}:{p.http}" for p in decode]
+    cfg["tracing"] = {**cfg.get("tracing", {}), "file": ROUTER_TRACES}
     return cfg

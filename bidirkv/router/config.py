@@ -23,6 +23,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from bidirkv.otlp import endpoint_problem
+
 MIB = 1024 * 1024
 
 
@@ -78,6 +80,43 @@ class Placement(_Model):
                 f"placement.localPrefillTokens {self.local_prefill_tokens} must be at most "
                 f"placement.maxLocalPrefillTokens {self.max_local_prefill_tokens}")
         return self
+
+
+class Tracing(_Model):
+    """Where the router's spans go (bidirkv/router/datapath/tracing.py). Neither exporter
+    set: no span is recorded, and a client's `traceparent` is still passed on upstream."""
+
+    # The OTLP/HTTP (protobuf) traces URL, used as given (as vLLM's --otlp-traces-endpoint
+    # is): a collector's receiver is `http://HOST:4318/v1/traces`. Headers (a collector's
+    # token) come from OTEL_EXPORTER_OTLP_TRACES_HEADERS, never from this file.
+    otlp_endpoint: str | None = Field(default=None, max_length=512)
+    # Spans as JSON lines appended to this file, for a machine without a collector (the
+    # local stack). A relative path is relative to the router's working directory.
+    file: str | None = Field(default=None, min_length=1, max_length=4096)
+    service_name: str = Field(default="bidir-kv-router", min_length=1, max_length=128)
+    # Share of traces the router starts that are sampled; a client's sampled flag wins.
+    sample_ratio: float = Field(default=1.0, ge=0, le=1)
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        problem = endpoint_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("file")
+    @classmethod
+    def _file(cls, value: str | None) -> str | None:
+        if value is not None and ("\0" in value or value.endswith("/")):
+            raise ValueError("expected the path of a file (no NUL byte, no trailing slash)")
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        return self.otlp_endpoint is not None or self.file is not None
 
 
 def normalise_url(value: str) -> str:
@@ -147,6 +186,7 @@ class RouterConfig(_Model):
     max_json_containers: int = Field(default=8192, ge=64, le=10_000_000)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     placement: Placement = Field(default_factory=Placement)
+    tracing: Tracing = Field(default_factory=Tracing)
     health_check_interval_seconds: float = Field(default=5.0, gt=0, le=3600)
     # Share of each decode replica's KV blocks that this router's handles may pin; above
     # it the least recently stored conversations are released (kvTransfer.retentionWatermark).
@@ -225,6 +265,11 @@ class RouterConfig(_Model):
         )
 
 
+# The nested sections, by key: an unknown key inside one lists that section's keys.
+_SECTIONS: dict[Any, type[_Model]] = {"timeouts": Timeouts, "placement": Placement,
+                                      "tracing": Tracing}
+
+
 def _loc(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
@@ -242,9 +287,12 @@ def format_errors(exc: ValidationError, source: str) -> str:
         value = err.get("input")
         if where in ("handleStore", "handle_store"):
             value = "<not shown: it may hold a password>"
+        elif where == "tracing.otlpEndpoint" and isinstance(value, str) and "@" in value:
+            value = "<not shown: it holds credentials>"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            model = Timeouts if err["loc"][:1] == ("timeouts",) else RouterConfig
+            model = _SECTIONS.get(err["loc"][0], RouterConfig) if len(err["loc"]) > 1 \
+                else RouterConfig
             allowed = ", ".join(sorted(f.alias or n for n, f in model.model_fields.items()))
             msg = f"unknown key; allowed keys: {allowed}"
         elif err["type"] == "missing":

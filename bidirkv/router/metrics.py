@@ -67,6 +67,10 @@ class Metrics:
             p + "prefill_only", "Client requests served by prefill alone, by route: no "
             "decode replica was healthy (prefillOnlyFallback).", ["route"], registry=r,
         )
+        self.prefill_only_mode = Gauge(
+            p + "prefill_only_mode", "1 while prefill serves whole requests because no "
+            "decode replica is healthy (prefillOnlyFallback), else 0.", registry=r,
+        )
         self.handles = Gauge(p + "handles", "Decode handles stored.", registry=r)
         self.evictions = Counter(
             p + "handle_evictions", "Handles removed before use, by reason.", ["reason"],
@@ -103,6 +107,10 @@ class Metrics:
             registry=r,
         )
         self.store_up.set(1)
+        self.store_info = Gauge(
+            p + "handle_store_info", "1 for the handle store in use: memory (in this "
+            "process) or redis (shared by router replicas).", ["mode"], registry=r,
+        )
         self.backend_healthy = Gauge(
             p + "backend_healthy", "1 when the backend is usable.", ["role", "url"], registry=r,
         )

@@ -15,13 +15,14 @@ from typing import Any
 import aiohttp
 
 from bidirkv.router.config import RouterConfig
+from bidirkv.router.datapath.tracing import Traces
 from bidirkv.router.metrics import Metrics
 from bidirkv.router.pool.backends import DECODE, PREFILL, Backend, Pool
 from bidirkv.router.pool.placement import CostModel
 from bidirkv.router.pool.residency import Residency
 from bidirkv.router.request.identity import LookupKeys
 from bidirkv.router.store.base import Store, StoreUnavailable
-from bidirkv.router.store.factory import make_store
+from bidirkv.router.store.factory import make_store, store_mode
 from bidirkv.router.store.handles import Entry
 
 
@@ -76,8 +77,13 @@ class Context:
         self.decode = Pool(DECODE, cfg.decode)
         self.residency = Residency(cfg.owner_lease_seconds, self.timeouts.probe,
                                    on_result=self._on_residency_call)
+        # The request spans and their exporters (tracing.py); a reload may replace them.
+        # First: a span file that cannot be opened stops the start before anything else.
+        self.traces = Traces(cfg.tracing)
         self.store: Store = make_store(cfg, store_password, self.evicted,
                                        self._on_store_error)
+        # Kept for the router's life: a reload does not change the store.
+        self.metrics.store_info.labels(store_mode(cfg)).set(1)
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def backends(self) -> list[Backend]:

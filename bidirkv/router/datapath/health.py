@@ -1,5 +1,6 @@
-"""Backend health (probes, and what a failed leg says about its engine) and the model's
-context length, learned from prefill."""
+"""Backend health (probes, and what a failed leg says about its engine), the serving mode
+it makes (disaggregated, prefill-only, unavailable), and the model's context length,
+learned from prefill."""
 
 from __future__ import annotations
 
@@ -14,6 +15,22 @@ from bidirkv.router.pool.backends import DECODE, Backend
 
 log = logging.getLogger("bidirkv.router")
 
+DISAGGREGATED = "disaggregated"
+PREFILL_ONLY = "prefill-only"
+UNAVAILABLE = "unavailable"
+
+
+def serving_mode(ctx: Context) -> tuple[str, str | None]:
+    """(mode, why it is not disaggregated); prefill-only: prefillonly.py."""
+    if not ctx.prefill.healthy():
+        return UNAVAILABLE, "no healthy prefill engine"
+    if ctx.decode.healthy():
+        return DISAGGREGATED, None
+    if ctx.cfg.prefill_only_fallback:
+        return PREFILL_ONLY, ("no healthy decode engine: prefill serves whole requests, "
+                              "without KV reuse")
+    return UNAVAILABLE, "no healthy decode engine (prefillOnlyFallback is off)"
+
 
 class Health:
     """Which backends are in service; every part that sees an engine fail reports it here."""
@@ -23,15 +40,23 @@ class Health:
         self.clients = clients
         for b in ctx.backends():
             self.export(b)
+        self.export_mode()
 
     def export(self, b: Backend) -> None:
         self.ctx.metrics.backend_healthy.labels(b.role, b.url).set(1 if b.healthy else 0)
+
+    def export_mode(self) -> None:
+        """The prefill-only gauge, after anything that can change the mode: a health
+        change here, replicas or prefillOnlyFallback changed by a reload (proxy.py)."""
+        mode = serving_mode(self.ctx)[0]
+        self.ctx.metrics.prefill_only_mode.set(1 if mode == PREFILL_ONLY else 0)
 
     def set_health(self, b: Backend, ok: bool, why: str) -> None:
         if b.healthy == ok or not b.in_pool:
             return
         b.healthy = ok
         self.export(b)
+        self.export_mode()
         if ok:
             log.info("backend healthy role=%s url=%s", b.role, b.url)
             return

@@ -21,6 +21,7 @@ from bidirkv.router.datapath.health import Health
 from bidirkv.router.datapath.reusereport import prefill_work, reuse_report
 from bidirkv.router.datapath.sessions import Clients
 from bidirkv.router.datapath.sse import DONE, PARAMS, MessageCollector, SSEFilter, error_event
+from bidirkv.router.datapath.tracing import Leg
 from bidirkv.router.datapath.upstream import (
     LOCAL_PARAMS,
     PARAMS_MARKER,
@@ -75,19 +76,24 @@ class Legs:
             entry = turn.entry
             handle = loads(entry.params) if entry is not None else None
             payload = functools.partial(prefill_payload, ctx.handle_key, turn.body, handle)
+            span = turn.trace.leg(PREFILL, p.url, PATHS[turn.kind])
+            if entry is not None:
+                span.set("bidirkv.kv.offered_tokens", entry.num_tokens)
             t = time.perf_counter()
             p.outstanding += 1
             turn.asked_prefill = True
             try:
                 data = await self.clients.post_prefill(p, PATHS[turn.kind], payload, rid,
-                                                       turn.auth, ctx.timeouts.prefill)
+                                                       turn.auth, ctx.timeouts.prefill, span)
             except asyncio.CancelledError:
+                span.end("cancelled")
                 if entry is not None:
                     # P was asked and may have read D's blocks: not safe to hand out again.
                     ctx.store.forget(entry, "cancelled")
                     turn.entry = None
                 raise
             except UpstreamFailure as f:
+                span.end(f.result, f.status)
                 ctx.metrics.observe_leg("prefill", "error", time.perf_counter() - t)
                 last = f
                 if entry is not None:
@@ -112,11 +118,19 @@ class Legs:
                 if attempt == 0:
                     ctx.metrics.retries.labels("prefill_failed").inc()
                 continue
+            except Exception as exc:  # a bug's exception still closes the leg's span
+                span.end(type(exc).__name__)
+                raise
             finally:
                 p.outstanding -= 1
             took = time.perf_counter() - t
             ctx.metrics.observe_leg("prefill", "ok", took)
-            self._learn_prefill(turn, data, took)
+            try:
+                self._learn_prefill(turn, data, took)
+                if span.recording:
+                    self._trace_reuse(span, turn, data)
+            finally:
+                span.end("ok", 200)
             await self._account_reuse(turn, data)
             return p, data
         assert last is not None
@@ -125,9 +139,17 @@ class Legs:
     def _learn_prefill(self, turn: Turn, data: dict[str, Any], seconds: float) -> None:
         work = prefill_work(data)
         if work is not None:
+            turn.prompt_tokens = work.prompt_tokens
             costs = self.ctx.costs
             costs.observe_prompt(turn.prompt_chars, work.prompt_tokens)
             costs.observe_prefill(seconds * 1000, work.computed, work.read)
+
+    def _trace_reuse(self, span: Leg, turn: Turn, data: dict[str, Any]) -> None:
+        report = reuse_report(data)
+        if report is not None:
+            span.set("bidirkv.kv.reused_tokens", report.reused_tokens)
+            span.set("bidirkv.kv.reuse_source", report.source)
+        span.set("gen_ai.usage.input_tokens", turn.prompt_tokens)
 
     async def _account_reuse(self, turn: Turn, data: dict[str, Any]) -> None:
         ctx = self.ctx
@@ -152,11 +174,15 @@ class Legs:
             owner = ctx.residency.owner
             proof = make_proof(ctx.handle_key) if ctx.handle_key else None
             tenant = turn.tenant
-        payload = dumps(decode_body(turn.body, p_body.get(PARAMS), owner, proof, tenant))
-        return await self.generate(request, turn, d, payload, rid, DECODE)
+        p_params = p_body.get(PARAMS)
+        payload = dumps(decode_body(turn.body, p_params, owner, proof, tenant))
+        # The KV D reads from P: P's prompt, as its params say.
+        offered = p_params.get("remote_num_tokens") if isinstance(p_params, dict) else None
+        return await self.generate(request, turn, d, payload, rid, DECODE,
+                                   offered if isinstance(offered, int) else None)
 
-    async def extend_leg(self, request: web.Request, turn: Turn, d: Backend, rid: str
-                         ) -> tuple[web.StreamResponse, str]:
+    async def extend_leg(self, request: web.Request, turn: Turn, d: Backend, rid: str,
+                         held_tokens: int | None = None) -> tuple[web.StreamResponse, str]:
         """The whole turn on the decode replica holding the conversation: it prefills the
         new tokens on top of the KV it kept (its prefix cache), keeps the blocks and hands
         out the next handle. UpstreamFailure before the client got a byte."""
@@ -164,14 +190,19 @@ class Legs:
         proof = make_proof(ctx.handle_key) if ctx.handle_key else None
         payload = dumps(decode_body(turn.body, dict(LOCAL_PARAMS), ctx.residency.owner,
                                     proof, turn.tenant))
-        return await self.generate(request, turn, d, payload, rid, EXTEND)
+        return await self.generate(request, turn, d, payload, rid, EXTEND, held_tokens)
 
     async def generate(self, request: web.Request, turn: Turn, d: Backend, payload: bytes,
-                       rid: str, leg: str) -> tuple[web.StreamResponse, str]:
+                       rid: str, leg: str, offered_tokens: int | None = None
+                       ) -> tuple[web.StreamResponse, str]:
         """The response and its outcome; UpstreamFailure when `d` failed before the client
-        got a byte (the caller may retry elsewhere). `leg`: decode, or prefill_only (P
-        serves the whole request: nothing to store)."""
+        got a byte (the caller may retry elsewhere). `leg`: decode, extend, or
+        prefill_only (P serves the whole request: nothing to store). `offered_tokens`:
+        the KV the engine is given to start from (its span says so)."""
         t = time.perf_counter()
+        span = turn.trace.leg(leg, d.url, PATHS[turn.kind])
+        span.set("bidirkv.kv.offered_tokens", offered_tokens)
+        result, status = "cancelled", None
         d.outstanding += 1
         resp: aiohttp.ClientResponse | None = None
         try:
@@ -185,14 +216,18 @@ class Legs:
                 async with asyncio.timeout(first_byte):
                     resp = await self.clients.post(d, PATHS[turn.kind], payload, rid, turn.auth,
                                                    self.ctx.timeouts.decode,
-                                                   retry_stale=leg not in (DECODE, EXTEND))
+                                                   retry_stale=leg not in (DECODE, EXTEND),
+                                                   span=span)
+                    status = resp.status
                     if resp.status != 200:
                         body = await resp.read()
                         raise UpstreamFailure(d.role, d, "status", resp.status, body,
                                               f"HTTP {resp.status}")
                     if not turn.stream:
                         body = await resp.read()
-                        return await self._finish_json(turn, d, body, t, leg), "ok"
+                        out = await self._finish_json(turn, d, body, t, leg)
+                        result = "ok"
+                        return out, result
                     first = await resp.content.readany()
                     self._learn_first_byte(turn, leg, time.perf_counter() - t)
                 if not first:
@@ -201,11 +236,19 @@ class Legs:
             except UPSTREAM_FAILURES as exc:
                 kind, detail = classify(exc)
                 f = UpstreamFailure(d.role, d, kind, detail=detail)
+                result = f.result
                 return self._leg_failed(f, t, leg)
             except UpstreamFailure as f:
+                result = f.result
                 return self._leg_failed(f, t, leg)
-            return await self._relay(request, turn, d, resp, first, t, leg)
+            out, result = await self._relay(request, turn, d, resp, first, t, leg)
+            return out, result
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError | UpstreamFailure):
+                result = type(exc).__name__
+            raise
         finally:
+            span.end(result, status)
             d.outstanding -= 1
             if resp is not None:
                 resp.close()

@@ -9,8 +9,10 @@ decode leg. Nothing is stored: there is no decode replica to hold the conversati
 The next turn after a decode replica is healthy again (the health loop keeps probing)
 goes through the normal two legs, without reuse the first time.
 
-The mode is decided per request from the health the router already tracks; `/ready`
-says which mode the router is in and why.
+The mode is decided per request from the health the router already tracks
+(`serving_mode`, in health.py: every health change updates the
+`bidirkv_router_prefill_only_mode` gauge); `/ready` says which mode the router is in and
+why.
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ from aiohttp import web
 
 from bidirkv.router.codec import dumps
 from bidirkv.router.datapath.context import Context
+from bidirkv.router.datapath.health import (
+    DISAGGREGATED,
+    PREFILL_ONLY,
+    UNAVAILABLE,
+    serving_mode,
+)
 from bidirkv.router.datapath.legs import Legs
 from bidirkv.router.datapath.upstream import (
     Turn,
@@ -34,28 +42,17 @@ from bidirkv.router.pool.selection import least_outstanding
 
 log = logging.getLogger("bidirkv.router")
 
-DISAGGREGATED = "disaggregated"
-PREFILL_ONLY = "prefill-only"
-UNAVAILABLE = "unavailable"
-LEG = "prefill_only"  # the leg_duration_seconds label of a whole request served by P
+__all__ = ["DISAGGREGATED", "LEG", "PREFILL_ONLY", "UNAVAILABLE", "serve_on_prefill",
+           "serving_mode"]
 
-
-def serving_mode(ctx: Context) -> tuple[str, str | None]:
-    """(mode, why it is not disaggregated)."""
-    if not ctx.prefill.healthy():
-        return UNAVAILABLE, "no healthy prefill engine"
-    if ctx.decode.healthy():
-        return DISAGGREGATED, None
-    if ctx.cfg.prefill_only_fallback:
-        return PREFILL_ONLY, ("no healthy decode engine: prefill serves whole requests, "
-                              "without KV reuse")
-    return UNAVAILABLE, "no healthy decode engine (prefillOnlyFallback is off)"
+LEG = "prefill_only"  # the leg_duration_seconds label (and span) of a request P serves
 
 
 async def serve_on_prefill(ctx: Context, legs: Legs, request: web.Request, turn: Turn
                            ) -> tuple[web.StreamResponse, str]:
     """The client's body as it came on P (a second P if the first fails before a byte)."""
     ctx.metrics.prefill_only.labels(turn.kind).inc()
+    turn.trace.set("bidirkv.serving_mode", PREFILL_ONLY)
     payload = dumps(turn.body)
     tried: list[Backend] = []
     last: UpstreamFailure | None = None

@@ -42,9 +42,11 @@ from bidirkv.router.datapath.prefillonly import (
     serving_mode,
 )
 from bidirkv.router.datapath.sessions import Clients
+from bidirkv.router.datapath.tracing import Trace, replace
 from bidirkv.router.datapath.upkeep import Upkeep
 from bidirkv.router.datapath.upstream import (
     HANDLE_KEY_ENV,
+    PATHS,
     UPSTREAM_FAILURES,
     Turn,
     Unavailable,
@@ -78,6 +80,7 @@ from bidirkv.router.store.base import Store, StoreUnavailable
 
 # Bodies above this take their parse and hashing steps one at a time (_admitted).
 BIG_BODY_BYTES = 256 * 1024
+MODELS = "/v1/models"
 log = logging.getLogger("bidirkv.router")
 # A body refused before it was read is still on its way, and the client may read the
 # answer only once it has sent it all (httpx does): it is read and dropped, but every
@@ -224,6 +227,7 @@ class Router:
         await self.upkeep.stop()
         await self.ctx.store.close()
         await self.clients.close()
+        await self.ctx.traces.close()
 
     def apply_config(self, cfg: RouterConfig) -> None:
         """Swap in a validated config. Requests in flight keep the Backend objects and
@@ -232,6 +236,7 @@ class Router:
         if cfg.model != ctx.cfg.model:
             ctx.max_model_len = None  # learned again for the new model
         ctx.cfg = cfg
+        ctx.traces = replace(ctx.traces, cfg.tracing)
         ctx.store.configure(cfg.handle_ttl_seconds, cfg.max_conversations,
                             cfg.max_conversations_per_tenant)
         ctx.timeouts = timeouts_of(cfg)
@@ -252,11 +257,29 @@ class Router:
                 self.health.export(b)
                 log.info("backend added role=%s url=%s", b.role, b.url)
             changed = changed or bool(added)
+        self.health.export_mode()  # replicas gone, or prefillOnlyFallback changed
         if changed:
             self.upkeep.wake.set()
 
     # -- client requests -------------------------------------------------------------
     async def handle_generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        """One client request, traced: its span ends once the response, streamed or not,
+        is written (a refused body once it is drained)."""
+        t0 = time.perf_counter()
+        trace = self.ctx.traces.request(request.method, PATHS[kind], request.headers)
+        try:
+            resp, outcome = await self._admission(request, kind, trace, t0)
+        except (asyncio.CancelledError, ConnectionError):  # the client went away
+            trace.end(None, "cancelled")
+            raise
+        except BaseException:
+            trace.end(500, "internal_error")  # the middleware answers 500
+            raise
+        trace.end(resp.status, outcome)
+        return resp
+
+    async def _admission(self, request: web.Request, kind: str, trace: Trace, t0: float
+                         ) -> tuple[web.StreamResponse, str]:
         """Admission first: at most maxInflightRequests requests and maxInflightBodyBytes
         of bodies (a body of unknown length counts as maxBodyBytes) at once; past either
         a 429 with Retry-After, before anything is read. A body is parsed into objects
@@ -268,7 +291,7 @@ class Router:
             metrics.request(kind, "client_error")
             return await drained(request, json_error(
                 413, f"request body of {n} bytes is over the limit of {cfg.max_body_bytes} "
-                "bytes (maxBodyBytes)", "request_too_large"))
+                "bytes (maxBodyBytes)", "request_too_large")), "client_error"
         charge = n if n is not None else cfg.max_body_bytes
         if (self.inflight >= cfg.max_inflight_requests
                 or self.inflight_bytes + charge > cfg.max_inflight_body_bytes):
@@ -276,17 +299,18 @@ class Router:
             return await drained(request, json_error(
                 429, f"the router is at its limit of {cfg.max_inflight_requests} requests or "
                 f"{cfg.max_inflight_body_bytes} body bytes in flight (maxInflightRequests, "
-                "maxInflightBodyBytes); retry", "overloaded", headers={"Retry-After": "1"}))
+                "maxInflightBodyBytes); retry", "overloaded", headers={"Retry-After": "1"})
+            ), "overloaded"
         self.inflight += 1
         self.inflight_bytes += charge
         try:
-            return await self._admitted(request, kind)
+            return await self._admitted(request, kind, trace, t0)
         finally:
             self.inflight -= 1
             self.inflight_bytes -= charge
 
-    async def _admitted(self, request: web.Request, kind: str) -> web.StreamResponse:
-        t0 = time.perf_counter()
+    async def _admitted(self, request: web.Request, kind: str, trace: Trace, t0: float
+                        ) -> tuple[web.StreamResponse, str]:
         ctx = self.ctx
         cfg, metrics = ctx.cfg, ctx.metrics
         try:
@@ -296,10 +320,11 @@ class Router:
             metrics.request(kind, "client_error")
             return json_error(408, "request body not received within "
                               f"{cfg.timeouts.body_read_seconds:g} s "
-                              "(timeouts.bodyReadSeconds)", "request_timeout")
+                              "(timeouts.bodyReadSeconds)", "request_timeout"), "client_error"
         except ClientError as e:
             metrics.request(kind, "client_error")
-            return await drained(request, json_error(e.status, e.message, e.type, e.param))
+            return await drained(request, json_error(e.status, e.message, e.type, e.param)
+                                 ), "client_error"
         # Parsing, validating and hashing a body is work on the loop in one piece per
         # step: big bodies take those steps one body at a time, yielding in between, so a
         # burst of them delays everyone else by one step, not by all of them.
@@ -312,13 +337,13 @@ class Router:
                                     ctx.max_model_len, cfg.max_json_containers)
             except ClientError as e:
                 metrics.request(kind, "client_error")
-                return json_error(e.status, e.message, e.type, e.param)
+                return json_error(e.status, e.message, e.type, e.param), "client_error"
             del raw
             if cfg.model is not None and "model" not in req.body:
                 req.body["model"] = cfg.model
             rid = request_id(request.headers.get("X-Request-Id"))
             turn = Turn(kind, req.stream, req.body, rid, request.headers.get("Authorization"),
-                        ctx.keys.tenant_of(request.headers.get(cfg.tenant_header)), t0)
+                        ctx.keys.tenant_of(request.headers.get(cfg.tenant_header)), t0, trace)
             if big:
                 await asyncio.sleep(0)
             if cfg.bidirectional:
@@ -342,11 +367,12 @@ class Router:
                     ctx.evicted("store_unavailable", [entry])
             if turn.asked_prefill or turn.reuse == "extended":
                 metrics.reuse_outcome(turn.reuse)
+            trace.note_turn(turn)
         metrics.request(kind, outcome)
         log.debug("request rid=%s conv=%s kind=%s stream=%s reuse=%s outcome=%s ms=%.2f",
                   rid, turn.conv, kind, turn.stream, turn.reuse, outcome,
                   (time.perf_counter() - t0) * 1000)
-        return resp
+        return resp, outcome
 
     async def _run(self, request: web.Request, turn: Turn) -> tuple[web.StreamResponse, str]:
         ctx = self.ctx
@@ -436,7 +462,8 @@ class Router:
         entry = turn.entry
         turn.entry = None  # not P's to read: whatever happens, it is not handed out again
         try:
-            resp = await self.legs.extend_leg(request, turn, holder, turn.rid)
+            resp = await self.legs.extend_leg(request, turn, holder, turn.rid,
+                                              entry.num_tokens if entry is not None else None)
         except BaseException:
             if entry is not None:
                 await quietly(self.ctx.store.discard(entry, "extend_failed"))
@@ -454,27 +481,51 @@ class Router:
 
     # -- other routes ------------------------------------------------------------------
     async def handle_models(self, request: web.Request) -> web.StreamResponse:
+        trace = self.ctx.traces.request(request.method, MODELS, request.headers)
+        try:
+            resp, outcome = await self._models(request, trace)
+        except (asyncio.CancelledError, ConnectionError):  # the client went away
+            trace.end(None, "cancelled")
+            raise
+        except BaseException:
+            trace.end(500, "internal_error")
+            raise
+        self.ctx.metrics.request("models", outcome)
+        trace.end(resp.status, outcome)
+        return resp
+
+    async def _models(self, request: web.Request, trace: Trace
+                      ) -> tuple[web.StreamResponse, str]:
         ctx = self.ctx
         tried: list[Backend] = []
         pool = ctx.prefill if self.serving_mode()[0] == PREFILL_ONLY else ctx.decode
         while True:
             d = least_outstanding(pool.backends, pool.next_start(), tried)
             if d is None:
-                ctx.metrics.request("models", "unavailable")
-                return unavailable(pool.role, ctx.cfg.health_check_interval_seconds)
+                return unavailable(pool.role, ctx.cfg.health_check_interval_seconds), \
+                    "unavailable"
+            span = trace.leg("models", d.url, MODELS, "GET")
             try:
                 async with self.clients.pooled.get(
-                        d.url + "/v1/models", timeout=ctx.timeouts.prefill,
+                        d.url + MODELS, timeout=ctx.timeouts.prefill,
                         headers=upstream_headers(uuid.uuid4().hex,
-                                                 request.headers.get("Authorization"))) as r:
+                                                 request.headers.get("Authorization"),
+                                                 span.headers)) as r:
                     body, status = await r.read(), r.status
             except UPSTREAM_FAILURES as exc:
-                self.health.set_health(d, False, classify(exc)[1])
+                kind, detail = classify(exc)
+                span.end(kind)
+                self.health.set_health(d, False, detail)
                 tried.append(d)
                 continue
+            except asyncio.CancelledError:
+                span.end("cancelled")
+                raise
             if status >= 500:
+                span.end("status", status)
                 self.health.set_health(d, False, f"HTTP {status}")
                 tried.append(d)
                 continue
-            ctx.metrics.request("models", "ok" if status == 200 else "upstream_client_error")
-            return json_response(status, body)
+            span.end("ok" if status == 200 else "upstream_client_error", status)
+            return json_response(status, body), \
+                "ok" if status == 200 else "upstream_client_error"

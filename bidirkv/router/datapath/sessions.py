@@ -33,6 +33,7 @@ from typing import Any
 import aiohttp
 
 from bidirkv.router.codec import loads
+from bidirkv.router.datapath.tracing import UNTRACED, Leg
 from bidirkv.router.datapath.upstream import (
     UPSTREAM_FAILURES,
     UpstreamFailure,
@@ -116,12 +117,13 @@ class Clients:
 
     async def post(self, b: Backend, path: str, payload: bytes | Callable[[], bytes],
                    rid: str, auth: str | None, timeout: aiohttp.ClientTimeout,
-                   retry_stale: bool = True) -> aiohttp.ClientResponse:
+                   retry_stale: bool = True, span: Leg = UNTRACED) -> aiohttp.ClientResponse:
         """The response, its head read; the caller closes it. A callable payload is built
         again for the stale-connection retry: the body carries a single-use proof, which
-        the engine may have seen on the first attempt."""
+        the engine may have seen on the first attempt. `span`: the upstream request's
+        span, whose context the request carries (the retry gets a span of its own)."""
         assert self.session is not None and self.fresh is not None
-        headers = upstream_headers(rid, auth)
+        headers = upstream_headers(rid, auth, span.headers)
         _REUSED.set(False)
         try:
             return await self.session.post(
@@ -133,15 +135,18 @@ class Clients:
             self.metrics.retries.labels(STALE_RETRY).inc()
             log.info("kept-alive connection to %s failed before a response (%s); retrying "
                      "on a new connection rid=%s", b.url, classify(exc)[1], rid)
+            span.resend("stale_connection")
+            headers = upstream_headers(rid, auth, span.headers)
         return await self.fresh.post(
             b.url + path, data=payload() if callable(payload) else payload,
             headers=headers, timeout=timeout)
 
     async def post_prefill(self, p: Backend, path: str,
                            payload: bytes | Callable[[], bytes], rid: str,
-                           auth: str | None, timeout: aiohttp.ClientTimeout) -> dict[str, Any]:
+                           auth: str | None, timeout: aiohttp.ClientTimeout,
+                           span: Leg = UNTRACED) -> dict[str, Any]:
         try:
-            resp = await self.post(p, path, payload, rid, auth, timeout)
+            resp = await self.post(p, path, payload, rid, auth, timeout, span=span)
             async with resp:
                 body = await resp.read()
                 status = resp.status

@@ -12,6 +12,7 @@ import aiohttp
 from aiohttp import web
 
 from bidirkv.router.datapath.sse import PARAMS
+from bidirkv.router.datapath.tracing import UNTRACED, Trace
 from bidirkv.router.pool.backends import Backend
 from bidirkv.router.pool.placement import Decision
 from bidirkv.router.request.identity import ChatHistory
@@ -135,6 +136,11 @@ class UpstreamFailure(Exception):
         return self.kind == "status" and self.status is not None and 400 <= self.status < 500
 
     @property
+    def result(self) -> str:
+        """The leg's result as its span records it."""
+        return "upstream_client_error" if self.client_error else self.kind
+
+    @property
     def backend_down(self) -> bool:
         return self.kind == "connect" or (
             self.kind == "status" and self.status is not None and self.status >= 500
@@ -176,10 +182,14 @@ def json_error(status: int, message: str, type_: str = "invalid_request_error",
     return json_response(status, error_body(message, type_, param, status), headers)
 
 
-def upstream_headers(rid: str, auth: str | None) -> dict[str, str]:
+def upstream_headers(rid: str, auth: str | None,
+                     trace: dict[str, str] | None = None) -> dict[str, str]:
+    """An upstream request's headers; `trace`: its traceparent (and tracestate)."""
     h = {"Content-Type": JSON_TYPE, "X-Request-Id": rid}
     if auth:
         h["Authorization"] = auth
+    if trace:
+        h.update(trace)
     return h
 
 
@@ -213,11 +223,11 @@ class Turn:
     __slots__ = (
         "kind", "stream", "body", "rid", "auth", "tenant", "conv", "entry", "reuse",
         "holder_url", "store_key", "history", "prompt", "t0", "asked_prefill", "placed",
-        "new_tokens", "prompt_chars",
+        "new_tokens", "prompt_chars", "prompt_tokens", "trace",
     )
 
     def __init__(self, kind: str, stream: bool, body: dict[str, Any], rid: str,
-                 auth: str | None, tenant: bytes, t0: float) -> None:
+                 auth: str | None, tenant: bytes, t0: float, trace: Trace = UNTRACED) -> None:
         self.kind = kind
         self.stream = stream
         self.body = body
@@ -239,6 +249,10 @@ class Turn:
         self.placed: Decision | None = None
         self.new_tokens = 0
         self.prompt_chars = 0
+        # The prompt's tokens, once prefill reported them (usage.prompt_tokens).
+        self.prompt_tokens: int | None = None
+        # Its spans (tracing.py): the request's, under which each leg starts its own.
+        self.trace = trace
 
     @property
     def collects(self) -> bool:

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from bidirkv.router.config import ConfigError, RouterConfig, load_config
 from bidirkv.router.datapath.proxy import HANDLE_KEY_ENV, Router
+from bidirkv.router.datapath.tracing import describe
 from bidirkv.router.server.reload import ConfigWatcher
 from bidirkv.router.server.routes import ROUTER, add_metrics_routes, add_routes, json_errors
 
@@ -216,8 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bidir-kv router: --metrics-port {args.metrics_port} is --port too; it must "
               "be another port (or left out: /metrics on --port)", file=sys.stderr)
         return 2
-    app = build_app(cfg, config_path=args.config, overrides=overrides, handle_key=key or None,
-                    metrics_apart=args.metrics_port is not None)
+    try:
+        app = build_app(cfg, config_path=args.config, overrides=overrides,
+                        handle_key=key or None, metrics_apart=args.metrics_port is not None)
+    except ConfigError as exc:  # what only opening it tells (tracing.file)
+        print(f"bidir-kv router: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
+    log.info("tracing: %s", describe(cfg.tracing))
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_serve(app, args.host, args.port, args.metrics_port))

@@ -19,6 +19,7 @@ from bidirkv.router.store.base import StoreUnavailable
 log = logging.getLogger("bidirkv.router")
 
 ROUTER = web.AppKey("router", Router)
+CONVERSATION = "/v1/conversations/{conversation_id}"
 
 
 @web.middleware
@@ -62,6 +63,21 @@ async def _models(request: web.Request) -> web.StreamResponse:
 async def _end_conversation(request: web.Request) -> web.Response:
     """DELETE /v1/conversations/{id}: 204 when this tenant had a handle for it, else 404."""
     router = request.app[ROUTER]
+    # The route's template, never the conversation id, names the span.
+    trace = router.ctx.traces.request(request.method, CONVERSATION, request.headers)
+    try:
+        resp = await _end(router, request)
+    except (asyncio.CancelledError, ConnectionError):  # the client went away
+        trace.end(None, "cancelled")
+        raise
+    except BaseException:
+        trace.end(500, "internal_error")
+        raise
+    trace.end(resp.status, "ok" if resp.status < 400 else "client_error")
+    return resp
+
+
+async def _end(router: Router, request: web.Request) -> web.Response:
     cid = request.match_info["conversation_id"]
     if len(cid) > MAX_CONVERSATION_ID:
         return json_error(400, f"conversation id: {len(cid)} characters is too long; at most "
@@ -142,7 +158,7 @@ def add_routes(app: web.Application, debug: bool, metrics: bool = True) -> None:
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)
-    app.router.add_delete("/v1/conversations/{conversation_id}", _end_conversation)
+    app.router.add_delete(CONVERSATION, _end_conversation)
     app.router.add_get("/ready", _ready)
     if metrics:
         add_metrics_routes(app)

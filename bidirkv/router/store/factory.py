@@ -11,11 +11,16 @@ from bidirkv.router.store.memory import InProcessStore
 from bidirkv.router.store.shared import RedisStore
 
 
+def store_mode(cfg: Any) -> str:
+    """`redis` or `memory`: the store `make_store` makes for `cfg`."""
+    return "redis" if cfg.handle_store else "memory"
+
+
 def make_store(cfg: Any, password: str | None, on_evict: EvictHook,
                on_error: Callable[[str], None]) -> Store:
     """The store the config names: a shared one at `handleStore`, else in-process."""
     store: Store
-    if cfg.handle_store:
+    if store_mode(cfg) == "redis":
         store = RedisStore.from_url(cfg.handle_store, password, cfg.handle_ttl_seconds,
                                     cfg.max_conversations, on_evict, on_error=on_error)
     else:
