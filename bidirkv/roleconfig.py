@@ -41,6 +41,9 @@ MANAGED_ARGS = (
     "--no-enable-prefix-caching",
     "--kv-transfer-config",
 )
+# Managed only while spec.monitoring.tracing sets them: before that field existed they
+# were the only way, and a spec that still passes them keeps working.
+TRACING_ARGS = ("--otlp-traces-endpoint",)
 # What prefill and decode must share for their KV and handles to match: engine-wide only
 # (engine.extraArgs is part of the fingerprint; a role's own arguments are not).
 SHARED_ARGS = ("--block-size", "--kv-cache-dtype", "--quantization", "-q", "--tokenizer",
@@ -112,7 +115,8 @@ def extra_args_errors(spec: DisaggregatedInferenceSpec) -> list[str]:
     for where, args in arg_lists:
         for i, arg in enumerate(args):
             flag = arg.split("=", 1)[0]
-            if flag in MANAGED_ARGS:
+            if flag in MANAGED_ARGS or (
+                    flag in TRACING_ARGS and spec.monitoring.tracing.otlp_endpoint is not None):
                 errors.append(
                     f"spec.{where}.extraArgs[{i}]: {arg!r} is managed by the operator; set "
                     "the matching spec field instead"
@@ -165,6 +169,9 @@ def build_role_config(spec: DisaggregatedInferenceSpec, role: str,
         else "--no-enable-prefix-caching"
     )
     args += ["--kv-transfer-config", json.dumps(kvt, sort_keys=True, separators=(",", ":"))]
+    tracing = spec.monitoring.tracing.otlp_endpoint
+    if tracing is not None:
+        args += ["--otlp-traces-endpoint", tracing]
     # Role arguments come last: vLLM takes the last value of a repeated flag.
     args += [*spec.engine.extra_args, *role_spec.extra_args]
 
@@ -183,6 +190,13 @@ def build_role_config(spec: DisaggregatedInferenceSpec, role: str,
         env += [
             _env("BIDIRKV_RETENTION_WATERMARK", str(spec.kv_transfer.retention_watermark)),
             _env("BIDIRKV_OWNER_LEASE_SECONDS", str(spec.kv_transfer.owner_lease_seconds)),
+        ]
+    if tracing is not None:
+        # vLLM's exporter speaks gRPC unless told otherwise; the endpoint is the router's,
+        # an OTLP/HTTP URL. The service name tells the roles apart in a trace.
+        env += [
+            _env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),
+            _env("OTEL_SERVICE_NAME", f"bidir-kv-{role}"),
         ]
     if spec.efa.enabled:
         env += [

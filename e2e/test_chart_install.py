@@ -47,6 +47,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "bidir-kv"
 SERVICEMONITOR_CRD = (ROOT / "e2e" / "cluster" / "crds"
                       / "monitoring.coreos.com_servicemonitors.yaml")
+PODMONITOR_CRD = ROOT / "e2e" / "cluster" / "crds" / "monitoring.coreos.com_podmonitors.yaml"
 RELEASE, RELEASE_NS = "bidir-kv", "bidir-kv-system"
 TOKEN = "kubeapi-test-token"  # the user of the emulator's kubeconfig
 CRD_NAME = build_crd()["metadata"]["name"]
@@ -368,6 +369,22 @@ def exercise_operator(server: KubeAPIServer, example: dict, ns: str) -> None:
     for api_version, plural, component, _, restored in DRIFT:
         eventually(lambda a=api_version, p=plural, c=component, r=restored: r(child(a, p, c)),
                    f"{plural} {component} restored")
+    # The engines' PodMonitor: created, changed with the spec, deleted when turned off.
+    if not server.get("apiextensions.k8s.io/v1", "customresourcedefinitions", None,
+                      "podmonitors.monitoring.coreos.com"):
+        store_create(server, yaml.safe_load(PODMONITOR_CRD.read_text()),
+                     "customresourcedefinitions")
+    di_api = f"{api.GROUP}/{api.VERSION}"
+    for interval in ("30s", "15s"):
+        store_patch(server, di_api, api.PLURAL, ns, name, {"spec": {"monitoring": {
+            "podMonitor": {"enabled": True, "interval": interval}}}})
+        eventually(lambda i=interval: (child("monitoring.coreos.com/v1", "podmonitors",
+                                             "engines") or {"spec": {}})["spec"].get(
+            "podMetricsEndpoints", [{}])[0].get("interval") == i, f"PodMonitor at {interval}")
+    store_patch(server, di_api, api.PLURAL, ns, name,
+                {"spec": {"monitoring": {"podMonitor": {"enabled": False}}}})
+    eventually(lambda: child("monitoring.coreos.com/v1", "podmonitors", "engines") is None,
+               "PodMonitor deleted")
 
 
 def seed(server: KubeAPIServer, example: dict, minimal: dict, ns: str) -> None:

@@ -51,6 +51,7 @@ KINDS = {
         Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
         Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
         Kind("v1", "Secret", "secrets"),
+        Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors"),
         Kind(f"{api.GROUP}/{api.VERSION}", api.KIND, api.PLURAL),
     ]
 }
@@ -121,6 +122,16 @@ class KubeClient:
     async def replace(self, obj: dict[str, Any]) -> dict[str, Any]:
         kind, meta = KINDS[obj["kind"]], obj["metadata"]
         return await self.call("PUT", kind.path(meta["namespace"], meta["name"]), obj)
+
+    async def delete(self, kind: str, namespace: str, name: str, uid: str) -> None:
+        """Delete the object only while it is the one with `uid` (a precondition): one
+        recreated under the same name by someone else is left alone."""
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}}
+        try:
+            await self.call("DELETE", KINDS[kind].path(namespace, name), body)
+        except ApiError as exc:
+            if exc.status not in (404, 409):
+                raise
 
     async def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]):
         return await self.call(

@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 
 from bidirkv.operator.api.base import _Model
 from bidirkv.operator.api.engine import EngineSpec, ModelSpec, RoleSpec
+from bidirkv.operator.api.monitoring import MonitoringSpec
 from bidirkv.operator.api.network import NetworkPolicySpec, PolicyPeer
 from bidirkv.operator.api.router import TTL_SAFETY_MARGIN_SECONDS, RouterSpec
 from bidirkv.operator.api.status import DisaggregatedInferenceStatus
@@ -114,6 +115,10 @@ class DisaggregatedInferenceSpec(_Model):
     router: RouterSpec = Field(default_factory=RouterSpec, description="The router.")
     network_policy: NetworkPolicySpec = Field(
         default_factory=NetworkPolicySpec, description="Network isolation of the pods."
+    )
+    monitoring: MonitoringSpec = Field(
+        default_factory=MonitoringSpec,
+        description="Scraping of the engines and traces (all off by default).",
     )
 
     @model_validator(mode="after")

@@ -19,12 +19,16 @@ from bidirkv.operator.api import spec as api
 from bidirkv.operator.kube import ApiError, KubeClient
 from bidirkv.operator.reconcile.diff import differs, owned_by, replacement
 from bidirkv.operator.reconcile.status import compute_status, same_status
-from bidirkv.operator.render.children import Owner, child_metadata, render
+from bidirkv.operator.render.children import Owner, child_metadata, optional_children, render
 from bidirkv.operator.render.handlekey import new_secret, secret_name
+from bidirkv.operator.render.monitoring import POD_MONITOR_API_VERSION
 
 log = logging.getLogger("bidirkv.operator")
 
 Key = tuple[str, str, str]  # kind, namespace, name
+# Children the operator does not watch (their CRD may be missing, and a watch would need
+# list and watch on them): never trusted from the cache.
+UNWATCHED_KINDS = frozenset({"PodMonitor"})
 
 
 def _now() -> str:
@@ -56,6 +60,8 @@ class Controller:
         self._failures: dict[str, int] = {}
         # Resources whose handle-key Secret was seen: one GET per resource and process.
         self._keys_ok: set[str] = set()
+        # Optional children confirmed absent: not looked up again until rendered.
+        self._absent: set[Key] = set()
         self.reconciles = 0
 
     # -- watch events ---------------------------------------------------------------
@@ -151,10 +157,19 @@ class Controller:
             except ChildConflict as exc:
                 problem = ("ChildConflict", str(exc))
                 seen[(obj["kind"], obj["metadata"]["name"])] = None
+            except KindMissing as exc:
+                problem = problem or ("KindMissing", str(exc))
+                seen[(obj["kind"], obj["metadata"]["name"])] = None
+        for kind, name in optional_children(owner):
+            if (kind, name) not in seen:
+                await self._remove((kind, owner.namespace, name), owner)
         status = compute_status(owner, spec, generation, seen, previous, self.now(), problem)
         await self._write_status(body, status)
         if problem and _condition_message(previous) != problem[1]:
             await self._event(body, "Warning", problem[0], problem[1])
+        if problem and problem[0] == "KindMissing":
+            # No event announces a CRD: retry (with backoff) until it is installed.
+            raise KindMissing(problem[1])
 
     async def _ensure_key(self, owner: Owner) -> None:
         """Create the resource's handle-key Secret when it is missing; never rewrite it.
@@ -175,10 +190,24 @@ class Controller:
                 raise
         self._keys_ok.add(owner.uid)
 
+    async def _remove(self, key: Key, owner: Owner) -> None:
+        """Delete an optional child this resource owns and no longer renders."""
+        if key in self._absent:
+            return
+        actual = self.children.pop(key, None) or await self.client.get(*key)
+        if actual is not None and owned_by(actual, owner.uid):
+            await self.client.delete(*key, actual["metadata"]["uid"])
+            log.info("deleted %s/%s (turned off)", key[0], key[2])
+        self._absent.add(key)
+
     async def _apply(self, obj: dict[str, Any], owner: Owner) -> dict[str, Any]:
         key = _key(obj)
+        self._absent.discard(key)
         cached = self.children.get(key)
-        if cached is not None and owned_by(cached, owner.uid) and not differs(obj, cached):
+        # Only watched kinds keep their cache current; the others are read every pass, so
+        # a hand edit or deletion is put right at the next reconcile.
+        if (cached is not None and key[0] not in UNWATCHED_KINDS
+                and owned_by(cached, owner.uid) and not differs(obj, cached)):
             return cached
         # Cache miss or a difference: confirm against the server before writing.
         actual = await self.client.get(*key)
@@ -186,6 +215,11 @@ class Controller:
             try:
                 created = await self.client.create(obj)
             except ApiError as exc:
+                if exc.status == 404 and obj["apiVersion"] == POD_MONITOR_API_VERSION:
+                    raise KindMissing(
+                        f"spec.monitoring.podMonitor.enabled is true but the cluster serves "
+                        f"no {obj['apiVersion']} {obj['kind']} (install prometheus-operator's "
+                        "CRDs, or turn it off)") from None
                 if exc.status != 409:
                     raise
                 actual = await self.client.get(*key)
@@ -258,6 +292,10 @@ class Controller:
 
 class ChildConflict(Exception):
     """A child name is taken by an object this resource does not own."""
+
+
+class KindMissing(Exception):
+    """The cluster does not serve the kind of an optional child (its CRD is missing)."""
 
 
 def _condition_message(status: dict[str, Any]) -> str | None:

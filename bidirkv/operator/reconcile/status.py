@@ -146,9 +146,11 @@ def compute_status(
         conds.append(_condition(RECONCILED, True, "Applied",
                                 "all children match the spec", generation))
     conds.insert(0, _condition("Ready", all_ready and not problem,
-                               "AllReady" if all_ready
+                               problem[0] if problem and all_ready
+                               else "AllReady" if all_ready
                                else "RollingOut" if rolling else "NotReady",
-                               "prefill, decode and router are ready" if all_ready
+                               "the pods are ready, but " + problem[1] if problem and all_ready
+                               else "prefill, decode and router are ready" if all_ready
                                else "waiting for " + ", ".join(
                                    c["type"][: -len("Ready")].lower() for c in conds
                                    if c["type"].endswith("Ready") and c["status"] == "False"

@@ -19,11 +19,13 @@ from bidirkv.operator.render.engine import (  # noqa: F401 - re-exported
     engine_statefulset,
     pod_disruption_budget,
 )
+from bidirkv.operator.render.monitoring import POD_MONITOR_COMPONENT, pod_monitor
 from bidirkv.operator.render.naming import (  # noqa: F401 - re-exported: what users of render import
     MANAGED_BY,
     Owner,
     child_metadata,
     child_name,
+    instance_labels,
     router_url,
     selector_labels,
     selector_string,
@@ -67,12 +69,19 @@ def render(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> list[dict[str,
         router_deployment(owner, spec),
         router_service(owner, spec),
     ]
-    instance = {k: v for k, v in selector_labels(owner, "router").items()
-                if k != "app.kubernetes.io/component"}
-    children += network_policies(lambda c: child_metadata(owner, c), instance,
+    children += network_policies(lambda c: child_metadata(owner, c), instance_labels(owner),
                                  selector_labels(owner, "router"), ROUTER_CONTAINER_PORT,
                                  ROUTER_METRICS_PORT, spec)
+    monitor = pod_monitor(owner, spec)
+    if monitor is not None:
+        children.append(monitor)
     return children
+
+
+def optional_children(owner: Owner) -> list[tuple[str, str]]:
+    """(kind, name) of children a spec may turn off: the operator deletes the ones it owns
+    once they are no longer rendered."""
+    return [("PodMonitor", child_name(owner, POD_MONITOR_COMPONENT))]
 
 
 def render_resource(obj: dict[str, Any]) -> list[dict[str, Any]]:

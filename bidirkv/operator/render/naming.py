@@ -34,6 +34,12 @@ def selector_labels(owner: Owner, component: str) -> dict[str, str]:
     }
 
 
+def instance_labels(owner: Owner) -> dict[str, str]:
+    """What every pod of the resource carries, whatever its component."""
+    return {k: v for k, v in selector_labels(owner, "").items()
+            if k != "app.kubernetes.io/component"}
+
+
 def labels(owner: Owner, component: str) -> dict[str, str]:
     return {**selector_labels(owner, component), "app.kubernetes.io/managed-by": MANAGED_BY}
 

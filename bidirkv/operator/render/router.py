@@ -49,7 +49,17 @@ def router_config(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dict[st
         "prefillOnlyFallback": spec.router.prefill_only_fallback,
         "placement": spec.router.placement.model_dump(mode="json", by_alias=True),
         **({"handleStore": spec.router.handle_store.url} if spec.router.handle_store else {}),
+        **_tracing(spec),
     }
+
+
+def _tracing(spec: api.DisaggregatedInferenceSpec) -> dict[str, Any]:
+    tracing = spec.monitoring.tracing
+    if tracing.otlp_endpoint is None:
+        # No exporter: the router still passes a client's traceparent to the engines.
+        return {}
+    return {"tracing": {"otlpEndpoint": tracing.otlp_endpoint,
+                        "sampleRatio": tracing.sample_ratio}}
 
 
 def router_configmap(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dict[str, Any]:

@@ -88,7 +88,7 @@ the requests of a real operator run.
   resources: ["disaggregatedinferences/status"]
   verbs: ["patch"]
 # Children: watched (cache), read before a write, created, replaced when they drift.
-# Never deleted by the operator: owner references leave that to the garbage collector.
+# Not deleted by the operator: owner references leave that to the garbage collector.
 - apiGroups: ["apps"]
   resources: ["statefulsets", "deployments"]
   verbs: ["get", "list", "watch", "create", "update"]
@@ -101,6 +101,11 @@ the requests of a real operator run.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "update"]
+# The engines' PodMonitor (spec.monitoring.podMonitor): not watched; read before a write,
+# and deleted by the operator when the spec turns it off (the only child it deletes).
+- apiGroups: ["monitoring.coreos.com"]
+  resources: ["podmonitors"]
+  verbs: ["get", "create", "update", "delete"]
 # The handle-key Secret of each resource: created once (409: it exists). Never read,
 # listed or watched: the operator sees no Secret's content, its own included.
 - apiGroups: [""]

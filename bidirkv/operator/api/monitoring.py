@@ -1,0 +1,79 @@
+"""What a DisaggregatedInference offers to a cluster's monitoring: a PodMonitor for its
+engines and where the router and the engines send their traces."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from bidirkv.operator.api.base import _Model, check_labels
+from bidirkv.otlp import endpoint_problem
+
+# prometheus-operator's Duration grammar (its CRDs validate intervals with it).
+DURATION_PATTERN = (r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?"
+                    r"(([0-9]+)s)?(([0-9]+)ms)?)$")
+
+
+class PodMonitorSpec(_Model):
+    enabled: bool = Field(
+        default=False,
+        description="Create a prometheus-operator PodMonitor (monitoring.coreos.com/v1) "
+        "that scrapes this resource's prefill and decode pods: vLLM's `/metrics` on the "
+        "`http` port, with bidir-kv's `vllm:bidirkv_*` counters. The cluster needs "
+        "prometheus-operator's CRDs; without them the resource is not Ready and its "
+        "Reconciled condition says why (reason `KindMissing`; retried until they are "
+        "installed). Turned off again, the operator deletes the PodMonitor it created.",
+    )
+    interval: str = Field(
+        default="30s", pattern=DURATION_PATTERN, max_length=32,
+        description="Scrape interval (a Prometheus duration, e.g. 15s, 1m).",
+    )
+    scrape_timeout: str | None = Field(
+        default=None, pattern=DURATION_PATTERN, max_length=32,
+        description="Scrape timeout; unset: Prometheus' own (at most the interval).",
+    )
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra labels on the PodMonitor, e.g. the one your Prometheus selects "
+        "PodMonitors by (`release: prometheus`).",
+    )
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        return check_labels(value)
+
+
+class TracingSpec(_Model):
+    otlp_endpoint: str | None = Field(
+        default=None, min_length=1, max_length=512,
+        description="OTLP/HTTP (protobuf) traces endpoint, e.g. "
+        "`http://otel-collector.monitoring:4318/v1/traces`. The router exports a span per "
+        "request with a child per leg there, and both engines get vLLM's "
+        "`--otlp-traces-endpoint` with it. Unset: nothing is exported, and a client's own "
+        "`traceparent` still reaches both engines through the router.",
+    )
+    sample_ratio: float = Field(
+        default=1.0, ge=0, le=1,
+        description="Share of the router's traces sampled when the client sent no "
+        "`traceparent`; a client's sampled flag always wins (parent-based sampling).",
+    )
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        problem = endpoint_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+
+class MonitoringSpec(_Model):
+    pod_monitor: PodMonitorSpec = Field(
+        default_factory=PodMonitorSpec, description="Scraping the engine pods."
+    )
+    tracing: TracingSpec = Field(
+        default_factory=TracingSpec, description="OpenTelemetry traces of the router and "
+        "the engines.",
+    )
