@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 DEV_STAMP := $(VENV)/.bidirkv-dev
 ENGINE_STAMP := $(VENV)/.bidirkv-engine
 
-.PHONY: install engine test demo crds lint bench-operator clean
+.PHONY: install engine test demo crds monitoring lint bench-operator clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,8 +37,20 @@ $(VLLM_NEXT_STAMP): | $(PY)
 	$(PY) -m pip download -q --no-deps --only-binary :all: --dest .cache/vllm-next vllm==$(VLLM_NEXT)
 	touch $@
 
+# The Prometheus project's own PromQL grammar, which tests/test_chart_monitoring.py parses
+# the dashboard's and the alerts' expressions with (tools/promql.mjs). Pinned with its peer
+# dependencies, so nothing of it floats.
+LEZER_PROMQL := 0.315.0
+PROMQL_PACKAGES := @prometheus-io/lezer-promql@$(LEZER_PROMQL) @lezer/lr@1.4.12 \
+	@lezer/highlight@1.2.5 @lezer/common@1.5.5
+PROMQL_STAMP := .cache/promql/.installed-$(LEZER_PROMQL)
+$(PROMQL_STAMP):
+	npm install -q --prefix .cache/promql --no-save --no-package-lock --no-audit --no-fund \
+		$(PROMQL_PACKAGES)
+	touch $@
+
 # The data-plane suites run real vLLM CPU servers, so the tests need the engine stack.
-test: $(ENGINE_STAMP) $(VLLM_NEXT_STAMP)
+test: $(ENGINE_STAMP) $(VLLM_NEXT_STAMP) $(PROMQL_STAMP)
 	$(BIN)/ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider
 
@@ -52,6 +64,11 @@ crds: $(DEV_STAMP)
 	$(BIN)/bidir-kv crd > crds/bidirkv.io_disaggregatedinferences.yaml
 	cp crds/bidirkv.io_disaggregatedinferences.yaml charts/bidir-kv/crds/
 	$(PY) tools/crdref.py README.md
+
+# The chart's Grafana dashboard is generated from tools/dashboard.py (a development tool,
+# not in the package); tests/test_chart_monitoring.py fails when the two differ.
+monitoring: $(DEV_STAMP)
+	$(PY) tools/dashboard.py charts/bidir-kv/dashboards/bidir-kv.json
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .

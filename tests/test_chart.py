@@ -428,15 +428,21 @@ def test_service_monitor_selects_the_routers(example):
     (monitor,) = by_kind(docs, "ServiceMonitor")
     spec = monitor["spec"]
     assert spec["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
-    assert spec["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s",
-                                  "scrapeTimeout": "10s"}]
+    assert spec["endpoints"] == [{"targetPort": "metrics", "path": "/metrics",
+                                  "interval": "15s", "scrapeTimeout": "10s"}]
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
-    # The Services the operator renders: only the router's match, by its port name.
-    services = [o for o in render_resource(example) if o["kind"] == "Service"]
+    # The Services the operator renders: only the router's match; its pods serve /metrics
+    # on the container port named `metrics`, which the Service does not publish.
+    children = render_resource(example)
+    services = [o for o in children if o["kind"] == "Service"]
     selected = [s for s in services if spec["selector"]["matchLabels"].items()
                 <= s["metadata"]["labels"].items()]
     assert [s["metadata"]["name"] for s in selected] == ["qwen3-32b-router"]
-    assert "http" in [p["name"] for p in selected[0]["spec"]["ports"]]
+    assert "metrics" not in [p["name"] for p in selected[0]["spec"]["ports"]]
+    (router,) = [o for o in children if o["kind"] == "Deployment"]
+    (container,) = router["spec"]["template"]["spec"]["containers"]
+    assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in container["ports"]
+    assert container["args"][container["args"].index("--metrics-port") + 1] == "9090"
     (cluster_wide,) = by_kind(render({"serviceMonitor": {"enabled": True}})[0],
                               "ServiceMonitor")
     assert cluster_wide["spec"]["namespaceSelector"] == {"any": True}

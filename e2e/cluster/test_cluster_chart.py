@@ -247,8 +247,12 @@ def test_the_hook_made_the_crd_current(client, release):
 
 
 def _metrics(client) -> dict[str, float]:
-    text = raw(client, "GET", f"/api/v1/namespaces/{NAMESPACE}/services/{DI_NAME}-router:http"
-                              "/proxy/metrics").decode()
+    # The router serves /metrics on its pod's metrics port only (the Service has none).
+    pods = api_request(client, "GET", f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector="
+                       f"app.kubernetes.io/instance%3D{DI_NAME},"
+                       "app.kubernetes.io/component%3Drouter")["items"]
+    text = raw(client, "GET", f"/api/v1/namespaces/{NAMESPACE}/pods/"
+                              f"{pods[0]['metadata']['name']}:9090/proxy/metrics").decode()
     out = {}
     for line in text.splitlines():
         m = re.match(r"^(bidirkv_router_[a-z_]+(?:\{[^}]*\})?) ([0-9.eE+-]+)$", line)
