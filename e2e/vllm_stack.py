@@ -120,10 +120,15 @@ def running_stack(root: pathlib.Path, spec_doc: dict | None = None,
 
 @contextmanager
 def running_router(s: Stack, name: str = "router", **overrides) -> Iterator[tuple[str, Proc]]:
-    """The real router process over the stack (its rendered config, plus `overrides`)."""
+    """The real router process over the stack (its rendered config, plus `overrides`; an
+    override of None removes that key)."""
     port, = free_ports(1)
     cfg = local_router_config(s.spec, [s.ports["prefill"]], [s.ports["decode"]])
-    cfg.update(overrides)
+    for key, value in overrides.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
     cfg_path = s.root / f"{name}.json"
     cfg_path.write_text(json.dumps(cfg))
     argv = [str(pathlib.Path(sys.executable).parent / "bidir-kv"), "router", "--config",

@@ -1,0 +1,131 @@
+"""What a platform team reads, against the real stack: every metric the chart's dashboard
+and alerts name is exported by the router or the vLLM servers, and a request's trace id
+reaches both engines (vLLM's own exporter) through the router."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import secrets
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None:
+    pytest.skip("the vLLM CPU engine stack is not installed (make engine)",
+                allow_module_level=True)
+
+from bidirkv.local.model import build_model, random_text  # noqa: E402
+
+from .otlp_receiver import receiving  # noqa: E402
+from .vllm_stack import (  # noqa: E402
+    REQUEST_TIMEOUT,
+    chat,
+    running_router,
+    running_stack,
+    spec_for,
+    stream_text,
+)
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
+ROUTER, PREFILL, DECODE = "bidir-kv-router", "bidir-kv-prefill", "bidir-kv-decode"
+# Every panel's metric exists once a conversation has been extended on decode and read back.
+PLACEMENT = {"policy": "thresholds", "localPrefillTokens": 64, "maxLocalPrefillTokens": 2048}
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    root = tmp_path_factory.mktemp("observability-e2e")
+    with receiving() as receiver:
+        doc = spec_for(build_model(root / "model", dtype="float32"))
+        doc["monitoring"] = {"tracing": {"otlpEndpoint": receiver.url}}
+        # Spans leave each process within a fifth of a second, not five.
+        doc["engine"]["extraEnv"].append({"name": "OTEL_BSP_SCHEDULE_DELAY", "value": "200"})
+        with running_stack(root, doc) as stack:
+            yield stack, receiver
+
+
+def send(url: str, body: dict, traceparent: str | None = None) -> str:
+    headers = {"Content-Type": "application/json"}
+    if traceparent:
+        headers["traceparent"] = traceparent
+    req = urllib.request.Request(url + "/v1/chat/completions",
+                                 json.dumps({**body, "stream": True}).encode(), headers)
+    events = []
+    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as r:
+        for line in r:
+            line = line.strip()
+            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                events.append(json.loads(line[5:]))
+    return stream_text(events)
+
+
+def exported(url: str) -> set[str]:
+    """Metric names a scrape declares, in every form a query may name them by."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    names = set()
+    for family in text_string_to_metric_families(text):
+        names.add(family.name)
+        names |= {s.name for s in family.samples}
+        if family.type == "counter":
+            names.add(family.name + "_total")
+        if family.type == "histogram":
+            names |= {family.name + suffix for suffix in ("_bucket", "_sum", "_count")}
+    return names
+
+
+def conversation(url: str, seed: int) -> None:
+    """A first turn, a short append (extended on decode) and a long one (read back)."""
+    conv = {"conversation_id": f"conv-{seed}"}
+    msgs = [{"role": "user", "content": random_text(300, seed=seed)}]
+    for words in (8, 200):
+        reply = send(url, {**chat(msgs), **conv})
+        msgs += [{"role": "assistant", "content": reply},
+                 {"role": "user", "content": random_text(words, seed=seed + words)}]
+    send(url, {**chat(msgs), **conv})
+
+
+def test_every_metric_the_dashboard_and_alerts_name_is_exported(traced):
+    from monitoring import metric_names_of_all
+
+    stack, _ = traced
+    with running_router(stack, "router-metrics", placement=PLACEMENT) as (url, _):
+        conversation(url, seed=81)
+        names = exported(url) | exported(stack.p_url) | exported(stack.d_url)
+    wanted = metric_names_of_all()
+    assert len(wanted) >= 25, sorted(wanted)
+    assert sorted(wanted - names) == []
+
+
+def test_a_clients_trace_reaches_both_engines_through_the_router(traced):
+    stack, receiver = traced
+    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+    with running_router(stack, "router-traces", placement=None) as (url, _):
+        body = {**chat([{"role": "user", "content": random_text(200, seed=91)}]),
+                "conversation_id": "conv-91"}
+        send(url, body, f"00-{trace_id}-{parent}-01")
+        engines = receiver.wait_for(trace_id, {PREFILL, DECODE})
+    spans = receiver.wait_for(trace_id, {ROUTER, PREFILL, DECODE})  # flushed at the stop
+    by_service = {svc: [s for s in spans if s.service == svc] for svc in (ROUTER, PREFILL,
+                                                                           DECODE)}
+    assert all(by_service.values()), [(s.service, s.name) for s in spans]
+    router_ids = {s.span_id for s in by_service[ROUTER]}
+    (root,) = [s for s in by_service[ROUTER] if s.parent_span_id == parent]
+    assert root.span_id in router_ids
+    # Each engine's span hangs under one of the router's leg spans.
+    for svc in (PREFILL, DECODE):
+        assert {s.parent_span_id for s in by_service[svc]} <= router_ids - {root.span_id}, svc
+    assert {s.service for s in engines} >= {PREFILL, DECODE}
+
+
+def test_without_the_routers_exporter_a_clients_trace_id_still_reaches_the_engines(traced):
+    stack, receiver = traced
+    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+    with running_router(stack, "router-untraced", tracing=None) as (url, _):
+        body = {**chat([{"role": "user", "content": random_text(200, seed=95)}]),
+                "conversation_id": "conv-95"}
+        send(url, body, f"00-{trace_id}-{parent}-01")
+        spans = receiver.wait_for(trace_id, {PREFILL, DECODE})
+    assert {s.service for s in spans} == {PREFILL, DECODE}
