@@ -42,7 +42,7 @@ from bidirkv.router.datapath.prefillonly import (
     serving_mode,
 )
 from bidirkv.router.datapath.sessions import Clients
-from bidirkv.router.datapath.tracing import Trace, replace
+from bidirkv.router.datapath.tracing import Trace, replace, traced
 from bidirkv.router.datapath.upkeep import Upkeep
 from bidirkv.router.datapath.upstream import (
     HANDLE_KEY_ENV,
@@ -267,15 +267,7 @@ class Router:
         is written (a refused body once it is drained)."""
         t0 = time.perf_counter()
         trace = self.ctx.traces.request(request.method, PATHS[kind], request.headers)
-        try:
-            resp, outcome = await self._admission(request, kind, trace, t0)
-        except (asyncio.CancelledError, ConnectionError):  # the client went away
-            trace.end(None, "cancelled")
-            raise
-        except BaseException:
-            trace.end(500, "internal_error")  # the middleware answers 500
-            raise
-        trace.end(resp.status, outcome)
+        resp, _ = await traced(trace, lambda: self._admission(request, kind, trace, t0))
         return resp
 
     async def _admission(self, request: web.Request, kind: str, trace: Trace, t0: float
@@ -482,16 +474,8 @@ class Router:
     # -- other routes ------------------------------------------------------------------
     async def handle_models(self, request: web.Request) -> web.StreamResponse:
         trace = self.ctx.traces.request(request.method, MODELS, request.headers)
-        try:
-            resp, outcome = await self._models(request, trace)
-        except (asyncio.CancelledError, ConnectionError):  # the client went away
-            trace.end(None, "cancelled")
-            raise
-        except BaseException:
-            trace.end(500, "internal_error")
-            raise
+        resp, outcome = await traced(trace, lambda: self._models(request, trace))
         self.ctx.metrics.request("models", outcome)
-        trace.end(resp.status, outcome)
         return resp
 
     async def _models(self, request: web.Request, trace: Trace

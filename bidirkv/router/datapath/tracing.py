@@ -35,7 +35,7 @@ import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -352,6 +352,23 @@ class Traces:
         except TimeoutError:
             log.warning("spans still being exported after %.0f s at shutdown; given up",
                         wait_s)
+
+
+async def traced(trace: Trace, handler: Callable[[], Awaitable[tuple[Any, str]]]
+                 ) -> tuple[Any, str]:
+    """Run a route's handler, which returns (response, outcome), and end the request's
+    span exactly once however it leaves: a client gone is `cancelled`, anything else
+    raised is the 500 the middleware answers."""
+    try:
+        resp, outcome = await handler()
+    except (asyncio.CancelledError, ConnectionError):  # the client went away
+        trace.end(None, "cancelled")
+        raise
+    except BaseException:
+        trace.end(500, "internal_error")
+        raise
+    trace.end(resp.status, outcome)
+    return resp, outcome
 
 
 def replace(current: Traces, cfg: Tracing) -> Traces:

@@ -13,6 +13,7 @@ from aiohttp import web
 from bidirkv.router.codec import dumps, dumps_kept, loads
 from bidirkv.router.datapath.prefillonly import UNAVAILABLE
 from bidirkv.router.datapath.proxy import Router, json_error, json_response
+from bidirkv.router.datapath.tracing import traced
 from bidirkv.router.request.validation import CHAT, COMPLETIONS, MAX_CONVERSATION_ID
 from bidirkv.router.store.base import StoreUnavailable
 
@@ -65,15 +66,12 @@ async def _end_conversation(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
     # The route's template, never the conversation id, names the span.
     trace = router.ctx.traces.request(request.method, CONVERSATION, request.headers)
-    try:
+
+    async def handler() -> tuple[web.Response, str]:
         resp = await _end(router, request)
-    except (asyncio.CancelledError, ConnectionError):  # the client went away
-        trace.end(None, "cancelled")
-        raise
-    except BaseException:
-        trace.end(500, "internal_error")
-        raise
-    trace.end(resp.status, "ok" if resp.status < 400 else "client_error")
+        return resp, "ok" if resp.status < 400 else "client_error"
+
+    resp, _ = await traced(trace, handler)
     return resp
 
 
