@@ -145,6 +145,15 @@ def _env(name: str, value: str | dict[str, Any]) -> dict[str, Any]:
     return {"name": name, **(value if isinstance(value, dict) else {"value": value})}
 
 
+def otlp_headers_env(spec: DisaggregatedInferenceSpec) -> list[dict[str, Any]]:
+    """The collector's headers from their Secret, for every process that exports spans."""
+    ref = spec.monitoring.tracing.headers_secret_ref
+    if ref is None or spec.monitoring.tracing.otlp_endpoint is None:
+        return []
+    return [_env("OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+                 {"valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})]
+
+
 def build_role_config(spec: DisaggregatedInferenceSpec, role: str,
                       placement: Placement = POD) -> RoleConfig:
     if role not in ROLES:
@@ -197,6 +206,7 @@ def build_role_config(spec: DisaggregatedInferenceSpec, role: str,
         env += [
             _env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),
             _env("OTEL_SERVICE_NAME", f"bidir-kv-{role}"),
+            *otlp_headers_env(spec),
         ]
     if spec.efa.enabled:
         env += [

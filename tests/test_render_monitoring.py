@@ -81,6 +81,19 @@ def test_tracing_reaches_router_and_both_engines(minimal):
         assert env["OTEL_SERVICE_NAME"] == f"bidir-kv-{role}"
 
 
+def test_the_collectors_headers_come_from_a_secret(minimal):
+    minimal["spec"]["monitoring"] = {"tracing": {
+        "otlpEndpoint": URL, "headersSecretRef": {"name": "otel", "key": "headers"}}}
+    objs = render_resource(minimal)
+    want = {"name": "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+            "valueFrom": {"secretKeyRef": {"name": "otel", "key": "headers"}}}
+    (router,) = by_kind(objs, "Deployment")
+    assert want in router["spec"]["template"]["spec"]["containers"][0]["env"]
+    for role in ("prefill", "decode"):
+        assert want in engine(objs, role)["env"]
+    assert "headers" not in json.dumps(router_json(objs))  # nothing of it in the ConfigMap
+
+
 @pytest.mark.parametrize(
     "monitoring, expected",
     [

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 
 from bidirkv.operator.api.base import _Model, check_labels
+from bidirkv.operator.api.router import SecretKeyRef
 from bidirkv.otlp import endpoint_problem
 
 # prometheus-operator's Duration grammar (its CRDs validate intervals with it).
@@ -56,6 +57,14 @@ class TracingSpec(_Model):
         default=1.0, ge=0, le=1,
         description="Share of the router's traces sampled when the client sent no "
         "`traceparent`; a client's sampled flag always wins (parent-based sampling).",
+    )
+
+    headers_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description="A Secret key holding the headers the collector wants (`key=value` "
+        "pairs separated by commas, e.g. `authorization=Bearer TOKEN`), given to the "
+        "router and both engines as OTEL_EXPORTER_OTLP_TRACES_HEADERS: a token never "
+        "sits in the URL, the ConfigMap or pod arguments.",
     )
 
     @field_validator("otlp_endpoint")
