@@ -151,10 +151,44 @@ def pressure(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]],
     }
     step("pressure results (per request, 4 in flight)")
     print(loadreport.comparison_text(docs))
+    print(retention_text(docs["on"], spec))
+    loadreport.write_json(args.out / "pressure-on.json", docs["on"])
     path = loadreport.ttft_over_time_plot(
         docs, args.out / "pressure_ttft_over_time.png",
         f"TTFT under decode KV pressure ({p['blocks']} blocks, {p['concurrency']} in flight)")
     print(f"plot: {path}")
+
+
+def block_tokens(spec: dict[str, Any]) -> int:
+    """The spec's --block-size (engine-wide: both roles share it), vLLM's 16 without one."""
+    args = spec.get("engine", {}).get("extraArgs", [])
+    for i, arg in enumerate(args):
+        if arg.startswith("--block-size="):
+            return int(arg.split("=", 1)[1])
+        if arg == "--block-size" and i + 1 < len(args):
+            return int(args[i + 1])
+    return 16
+
+
+def retention_text(doc: dict[str, Any], spec: dict[str, Any]) -> str:
+    """The ON run's reuse hits against an LRU decode and an all-knowing one of the same
+    capacity on the same trace (bidirkv/bench/retention.py); kept in the document."""
+    from bidirkv.bench.retention import yardsticks
+
+    sticks = yardsticks(doc["records"], PRESSURE["blocks"], block_tokens(spec),
+                        PRESSURE["output_tokens"])
+    measured = (doc["router"].get("reuse_hit") or 0) + (
+        doc["router"].get("reuse_verified-partial") or 0)
+    lru, oracle = sticks["lru"], sticks["oracle"]
+    doc["retention"] = {"measured_hits": measured, "returning": oracle.returning,
+                        **{f"{p}_hits": o.hits for p, o in sticks.items()}}
+    ratio = measured / oracle.hits if oracle.hits else None
+    return (f"    reuse hits, ON, of {oracle.returning} returning turns: measured {measured:.0f}; "
+            f"on the same trace and {PRESSURE['blocks']} blocks an LRU decode {lru.hits}, an "
+            f"all-knowing one {oracle.hits}\n"
+            f"    aim: >= 0.9x the all-knowing one ("
+            f"{'-' if ratio is None else f'{ratio:.2f}x'}) and >= LRU "
+            f"({'met' if measured >= lru.hits else 'not met'})")
 
 
 # -- 2-5. data plane -----------------------------------------------------------------------
