@@ -36,7 +36,6 @@ from .vllm_stack import (  # noqa: E402
     post,
     prefill_leg,
     running_router,
-    running_stack,
     stream,
     stream_text,
     turn,
@@ -46,9 +45,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    with running_stack(tmp_path_factory.mktemp("connector-e2e")) as s:
-        yield s
+def stack(traced):
+    return traced[0]  # shared with e2e/test_observability.py (e2e/conftest.py)
 
 
 def report(p_out: dict) -> dict:

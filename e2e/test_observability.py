@@ -1,6 +1,7 @@
 """What a platform team reads, against the real stack: every metric the chart's dashboard
 and alerts name is exported by the router or the vLLM servers, and a request's trace id
-reaches both engines (vLLM's own exporter) through the router."""
+reaches both engines (vLLM's own exporter) through the router. The stack is the one
+e2e/test_connector.py drives (`traced`, e2e/conftest.py): one start for both."""
 
 from __future__ import annotations
 
@@ -16,15 +17,12 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
     pytest.skip("the vLLM CPU engine stack is not installed (make engine)",
                 allow_module_level=True)
 
-from bidirkv.local.model import build_model, random_text  # noqa: E402
+from bidirkv.local.model import random_text  # noqa: E402
 
-from .otlp_receiver import receiving  # noqa: E402
 from .vllm_stack import (  # noqa: E402
     REQUEST_TIMEOUT,
     chat,
     running_router,
-    running_stack,
-    spec_for,
     stream_text,
 )
 
@@ -32,18 +30,6 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
 ROUTER, PREFILL, DECODE = "bidir-kv-router", "bidir-kv-prefill", "bidir-kv-decode"
 # Every panel's metric exists once a conversation has been extended on decode and read back.
 PLACEMENT = {"policy": "thresholds", "localPrefillTokens": 64, "maxLocalPrefillTokens": 2048}
-
-
-@pytest.fixture(scope="module")
-def traced(tmp_path_factory):
-    root = tmp_path_factory.mktemp("observability-e2e")
-    with receiving() as receiver:
-        doc = spec_for(build_model(root / "model", dtype="float32"))
-        doc["monitoring"] = {"tracing": {"otlpEndpoint": receiver.url}}
-        # Spans leave each process within a fifth of a second, not five.
-        doc["engine"]["extraEnv"].append({"name": "OTEL_BSP_SCHEDULE_DELAY", "value": "200"})
-        with running_stack(root, doc) as stack:
-            yield stack, receiver
 
 
 def send(url: str, body: dict, traceparent: str | None = None) -> str:

@@ -29,6 +29,8 @@ from bidirkv.operator.api.spec import parse_spec
 from bidirkv.proof import make_proof
 from bidirkv.wire import VERSION, VERSION_KEY
 
+from .otlp_receiver import Receiver, receiving
+
 KEY = "e2e-handle-key"
 
 
@@ -116,6 +118,20 @@ def running_stack(root: pathlib.Path, spec_doc: dict | None = None,
                     f"http://127.0.0.1:{http_d}", spec, ports, root)
     finally:
         stop_all(procs)
+
+
+@contextmanager
+def traced_stack(root: pathlib.Path) -> Iterator[tuple[Stack, Receiver]]:
+    """`running_stack` with both engines exporting their spans (vLLM's own exporter, as
+    spec.monitoring.tracing renders it) to an OTLP receiver in this process, which the
+    routers of `running_router` export to as well."""
+    with receiving() as receiver:
+        doc = spec_for(build_model(root / "model", dtype="float32"))
+        doc["monitoring"] = {"tracing": {"otlpEndpoint": receiver.url}}
+        # Spans leave each process within a fifth of a second, not five.
+        doc["engine"]["extraEnv"].append({"name": "OTEL_BSP_SCHEDULE_DELAY", "value": "200"})
+        with running_stack(root, doc) as stack:
+            yield stack, receiver
 
 
 @contextmanager
