@@ -126,7 +126,6 @@ def run_pressure(label: str, patch: dict[str, Any], args: argparse.Namespace
         knobs = {k: v for k, v in PRESSURE.items() if k != "blocks"}
         cfg = concurrent.ConcurrentConfig(url=stack.router_url, label=label, **knobs)
         doc = loadreport.document(concurrent.run(cfg, progress=progress))
-        loadreport.write_json(args.out / f"pressure-{label}.json", doc)
     print(f"    stopped P, D and router of the pressure {label.upper()} stack", flush=True)
     return doc
 
@@ -151,8 +150,10 @@ def pressure(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]],
     }
     step("pressure results (per request, 4 in flight)")
     print(loadreport.comparison_text(docs))
-    print(retention_text(docs["on"], spec))
-    loadreport.write_json(args.out / "pressure-on.json", docs["on"])
+    docs["on"]["retention"], text = retention(docs["on"], spec)
+    print(text)
+    for label, doc in docs.items():
+        loadreport.write_json(args.out / f"pressure-{label}.json", doc)
     path = loadreport.ttft_over_time_plot(
         docs, args.out / "pressure_ttft_over_time.png",
         f"TTFT under decode KV pressure ({p['blocks']} blocks, {p['concurrency']} in flight)")
@@ -170,9 +171,9 @@ def block_tokens(spec: dict[str, Any]) -> int:
     return 16
 
 
-def retention_text(doc: dict[str, Any], spec: dict[str, Any]) -> str:
+def retention(doc: dict[str, Any], spec: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """The ON run's reuse hits against an LRU decode and an all-knowing one of the same
-    capacity on the same trace (bidirkv/bench/retention.py); kept in the document."""
+    capacity on the same trace (bidirkv/bench/retention.py): the figures and their text."""
     from bidirkv.bench.retention import yardsticks
 
     sticks = yardsticks(doc["records"], PRESSURE["blocks"], block_tokens(spec),
@@ -180,15 +181,16 @@ def retention_text(doc: dict[str, Any], spec: dict[str, Any]) -> str:
     measured = (doc["router"].get("reuse_hit") or 0) + (
         doc["router"].get("reuse_verified-partial") or 0)
     lru, oracle = sticks["lru"], sticks["oracle"]
-    doc["retention"] = {"measured_hits": measured, "returning": oracle.returning,
-                        **{f"{p}_hits": o.hits for p, o in sticks.items()}}
+    figures = {"measured_hits": measured, "returning": oracle.returning,
+               **{f"{p}_hits": o.hits for p, o in sticks.items()}}
     ratio = measured / oracle.hits if oracle.hits else None
-    return (f"    reuse hits, ON, of {oracle.returning} returning turns: measured {measured:.0f}; "
-            f"on the same trace and {PRESSURE['blocks']} blocks an LRU decode {lru.hits}, an "
-            f"all-knowing one {oracle.hits}\n"
+    text = (f"    reuse hits, ON, of {oracle.returning} returning turns: measured "
+            f"{measured:.0f}; on the same trace and {PRESSURE['blocks']} blocks an LRU decode "
+            f"{lru.hits}, an all-knowing one {oracle.hits}\n"
             f"    aim: >= 0.9x the all-knowing one ("
             f"{'-' if ratio is None else f'{ratio:.2f}x'}) and >= LRU "
             f"({'met' if measured >= lru.hits else 'not met'})")
+    return figures, text
 
 
 # -- 2-5. data plane -----------------------------------------------------------------------

@@ -73,6 +73,15 @@ def conversation(url: str, seed: int) -> None:
     send(url, {**chat(msgs), **conv})
 
 
+def traced_turn(url: str, seed: int) -> tuple[str, str]:
+    """A first turn sent with a client's sampled traceparent: (trace id, its parent id)."""
+    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+    body = {**chat([{"role": "user", "content": random_text(200, seed=seed)}]),
+            "conversation_id": f"conv-{seed}"}
+    send(url, body, f"00-{trace_id}-{parent}-01")
+    return trace_id, parent
+
+
 def test_every_metric_the_dashboard_and_alerts_name_is_exported(traced):
     from monitoring import metric_names_of_all
 
@@ -87,11 +96,8 @@ def test_every_metric_the_dashboard_and_alerts_name_is_exported(traced):
 
 def test_a_clients_trace_reaches_both_engines_through_the_router(traced):
     stack, receiver = traced
-    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
     with running_router(stack, "router-traces", placement=None) as (url, _):
-        body = {**chat([{"role": "user", "content": random_text(200, seed=91)}]),
-                "conversation_id": "conv-91"}
-        send(url, body, f"00-{trace_id}-{parent}-01")
+        trace_id, parent = traced_turn(url, seed=91)
         engines = receiver.wait_for(trace_id, {PREFILL, DECODE})
     spans = receiver.wait_for(trace_id, {ROUTER, PREFILL, DECODE})  # flushed at the stop
     by_service = {svc: [s for s in spans if s.service == svc] for svc in (ROUTER, PREFILL,
@@ -108,10 +114,7 @@ def test_a_clients_trace_reaches_both_engines_through_the_router(traced):
 
 def test_without_the_routers_exporter_a_clients_trace_id_still_reaches_the_engines(traced):
     stack, receiver = traced
-    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
     with running_router(stack, "router-untraced", tracing=None) as (url, _):
-        body = {**chat([{"role": "user", "content": random_text(200, seed=95)}]),
-                "conversation_id": "conv-95"}
-        send(url, body, f"00-{trace_id}-{parent}-01")
+        trace_id, _ = traced_turn(url, seed=95)
         spans = receiver.wait_for(trace_id, {PREFILL, DECODE})
     assert {s.service for s in spans} == {PREFILL, DECODE}

@@ -22,14 +22,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from otlp_receiver import Receiver, receiving
+
 from bidirkv.local.engines import LocalPorts, engine_process, local_router_config, local_secrets
 from bidirkv.local.model import build_model
 from bidirkv.local.procs import Proc, merged_env, stop_all
 from bidirkv.operator.api.spec import parse_spec
 from bidirkv.proof import make_proof
 from bidirkv.wire import VERSION, VERSION_KEY
-
-from .otlp_receiver import Receiver, receiving
 
 KEY = "e2e-handle-key"
 

@@ -60,7 +60,7 @@ def test_unknown_policy_is_refused():
 
 
 def test_the_demo_reports_measured_hits_against_both_yardsticks():
-    from bidirkv.demo import PRESSURE, block_tokens, retention_text
+    from bidirkv.demo import PRESSURE, block_tokens, retention
 
     spec = {"engine": {"extraArgs": ["--enforce-eager", "--block-size=128"]}}
     assert block_tokens(spec) == 128 and block_tokens({}) == 16
@@ -69,8 +69,8 @@ def test_the_demo_reports_measured_hits_against_both_yardsticks():
                 "context_tokens": words + 300 * (t - 1)}
                for t in (1, 2) for c in range(3)]
     doc = {"records": records, "router": {"reuse_hit": 2, "reuse_verified-partial": 1}}
-    text = retention_text(doc, spec)
+    figures, text = retention(doc, spec)
     assert "of 3 returning turns: measured 3" in text
-    assert doc["retention"] == {"measured_hits": 3, "returning": 3, "lru_hits": 3,
+    assert figures == {"measured_hits": 3, "returning": 3, "lru_hits": 3,
                                 "oracle_hits": 3}
     assert "(1.00x) and >= LRU (met)" in text

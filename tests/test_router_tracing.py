@@ -12,9 +12,9 @@ import logging
 import pathlib
 
 import pytest
-from aiohttp import web
 from fake_engine import Cluster
 from opentelemetry.sdk.trace.export import SpanExportResult
+from otlp_receiver import receiving
 
 from bidirkv.bench.traces import (
     by_trace,
@@ -329,66 +329,25 @@ async def test_a_retired_provider_shuts_down_after_its_last_request(tmp_path):
 
 # -- OTLP/HTTP ----------------------------------------------------------------------------
 async def test_spans_reach_an_otlp_http_collector():
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-        ExportTraceServiceRequest,
-    )
-
-    received: list = []
-
-    async def traces(request: web.Request) -> web.Response:
-        assert request.headers["Content-Type"] == "application/x-protobuf"
-        msg = ExportTraceServiceRequest()
-        msg.ParseFromString(await request.read())
-        received.append(msg)
-        return web.Response(status=200, content_type="application/x-protobuf")
-
-    app = web.Application()
-    app.router.add_post("/v1/traces", traces)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        cfg = {"tracing": {"otlpEndpoint": f"http://127.0.0.1:{port}/v1/traces",
-                           "serviceName": "router-under-test"}}
+    with receiving() as receiver:
+        cfg = {"tracing": {"otlpEndpoint": receiver.url, "serviceName": "router-under-test"}}
         async with Cluster(config=cfg) as c:
             assert (await c.chat(U1, True, headers={"traceparent": SAMPLED}))["status"] == 200
         # Router close flushed them (no wait for the batch delay).
-        spans = [(rs.resource, s) for m in received for rs in m.resource_spans
-                 for ss in rs.scope_spans for s in ss.spans]
-        assert sorted(s.name for _, s in spans) == ["POST /v1/chat/completions", "decode",
-                                                    "prefill"]
-        assert {s.trace_id.hex() for _, s in spans} == {TRACE_ID}
-        service = {a.value.string_value for r, _ in spans for a in r.attributes
-                   if a.key == "service.name"}
-        assert service == {"router-under-test"}
-    finally:
-        await runner.cleanup()
+        spans = receiver.of_trace(TRACE_ID)
+        assert set(receiver.content_types) == {"application/x-protobuf"}
+        assert sorted(s.name for s in spans) == ["POST /v1/chat/completions", "decode",
+                                                 "prefill"]
+        assert len(receiver.spans) == len(spans)  # all of them in the client's trace
+        assert {s.service for s in spans} == {"router-under-test"}
 
 
 async def test_file_and_otlp_at_once_both_get_the_spans(tmp_path):
-    got: list[bytes] = []
-
-    async def sink(request: web.Request) -> web.Response:
-        got.append(await request.read())
-        return web.Response(status=200)
-
-    app = web.Application()
-    app.router.add_post("/v1/traces", sink)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
+    with receiving() as receiver:
         async with Cluster(config={"tracing": {
-                "file": str(tmp_path / "spans.jsonl"),
-                "otlpEndpoint": f"http://127.0.0.1:{port}/v1/traces"}}) as c:
+                "file": str(tmp_path / "spans.jsonl"), "otlpEndpoint": receiver.url}}) as c:
             assert (await c.chat(U1))["status"] == 200
-        assert got and len(spans_of(tmp_path)) == 3
-    finally:
-        await runner.cleanup()
+        assert receiver.spans and len(spans_of(tmp_path)) == 3
 
 
 # -- config -------------------------------------------------------------------------------

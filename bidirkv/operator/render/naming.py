@@ -26,18 +26,13 @@ def config_hash(obj: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def selector_labels(owner: Owner, component: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": APP,
-        "app.kubernetes.io/instance": owner.name,
-        "app.kubernetes.io/component": component,
-    }
-
-
 def instance_labels(owner: Owner) -> dict[str, str]:
     """What every pod of the resource carries, whatever its component."""
-    return {k: v for k, v in selector_labels(owner, "").items()
-            if k != "app.kubernetes.io/component"}
+    return {"app.kubernetes.io/name": APP, "app.kubernetes.io/instance": owner.name}
+
+
+def selector_labels(owner: Owner, component: str) -> dict[str, str]:
+    return {**instance_labels(owner), "app.kubernetes.io/component": component}
 
 
 def labels(owner: Owner, component: str) -> dict[str, str]:

@@ -1,7 +1,7 @@
-"""An OTLP/HTTP traces receiver on 127.0.0.1 for the end-to-end suites: what a collector
-would get from the router and from vLLM's own exporter (`--otlp-traces-endpoint` with
-OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf), decoded with OpenTelemetry's protobuf
-classes."""
+"""An OTLP/HTTP traces receiver on 127.0.0.1 for the router's tests and the end-to-end
+suites: what a collector would get from the router and from vLLM's own exporter
+(`--otlp-traces-endpoint` with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf), decoded
+with OpenTelemetry's protobuf classes."""
 
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ def decode(body: bytes) -> list[Span]:
 class Receiver:
     def __init__(self) -> None:
         self.spans: list[Span] = []
+        self.content_types: list[str] = []  # of every export request
         self._lock = threading.Lock()
         receiver = self
 
@@ -70,6 +71,7 @@ class Receiver:
                 spans = decode(body)
                 with receiver._lock:
                     receiver.spans += spans
+                    receiver.content_types.append(self.headers.get("Content-Type", ""))
                 out = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
