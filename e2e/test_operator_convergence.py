@@ -153,13 +153,15 @@ async def test_a_template_change_is_progressing_until_it_runs_everywhere(minimal
         await controller_writes(client, "StatefulSet", "tiny-decode", 2, updated=1)
         await controller_writes(client, "StatefulSet", "tiny-prefill", 1)
 
+        # The two StatefulSets' events come on separate watches, in either order: a pass
+        # may see decode's new counts before prefill's, so wait for the state with both.
         async def half_way():
             di = await phase(client, "Progressing")
             return di if di and "1/2 pods updated" in condition(di, "DecodeReady")["message"] \
-                else None
+                and condition(di, "PrefillReady")["status"] == "True" else None
 
-        di = await eventually(half_way, what="1/2 updated")
-        assert condition(di, "PrefillReady")["status"] == "True"
+        di = await eventually(half_way, what="prefill rolled out, decode 1/2 updated")
+        assert condition(di, "Ready")["status"] == "False"
         assert di["status"]["decode"]["updated"] == 1
 
         await controller_writes(client, "StatefulSet", "tiny-decode", 2)
