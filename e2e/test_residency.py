@@ -200,10 +200,12 @@ def test_a_direct_caller_gets_no_handle_and_decode_keeps_nothing(stack):
 
 
 def test_an_owner_that_stops_renewing_loses_its_blocks(stack):
-    residency(stack, owner="router-a", leaseSeconds=1)
     _, _, handle = first_turn(stack, seed=50, owner="router-a")
     assert handle is not None
-    before = residency(stack)["released"].get("owner_gone", 0)
+    # The lease starts once the blocks are held: a lease given before a slow turn could
+    # lapse (and the owner be forgotten) before decode retained anything for it.
+    before = residency(stack, owner="router-a", leaseSeconds=1)["released"].get(
+        "owner_gone", 0)
     time.sleep(1.5)
     out = settled(stack, lambda o: o["released"].get("owner_gone", 0) > before)
     assert out["released"].get("owner_gone", 0) > before, out
