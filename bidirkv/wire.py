@@ -23,6 +23,9 @@ OWNER_KEY = "bidirkv_owner"  # who decode keeps the retained blocks for (decode 
 # A label of the request's tenant, for fair reclaiming on decode (hex of the router's
 # keyed tenant hash, never a credential; decode leg).
 TENANT_KEY = "bidirkv_tenant"
+# Seconds the router expects between this turn's answer and its conversation's next turn
+# (bidirkv/returns.py; decode leg, optional): what decode releases by under pressure.
+RETURN_KEY = "bidirkv_return_s"
 # kv_transfer_params, engine -> router -> the peer engine (a handle)
 MAC_KEY = "bidirkv_mac"  # the handle's signature (connector/core/handles.py)
 BLOCKS_KEY = "bidirkv_blocks"  # digests of what the issuer's blocks hold

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bidirkv.bench.retention import Request, requests_of, simulate, yardsticks
+from bidirkv.bench.retention import POLICIES, Request, requests_of, simulate, yardsticks
 
 
 def round_robin(conversations: int, turns: int, blocks: int = 1) -> list[Request]:
@@ -19,25 +19,27 @@ def round_robin(conversations: int, turns: int, blocks: int = 1) -> list[Request
 
 def test_room_for_everyone_hits_every_returning_turn():
     reqs = round_robin(3, 3)
-    for policy in ("lru", "oracle"):
+    for policy in POLICIES:
         out = simulate(reqs, capacity_blocks=10, policy=policy)
         assert (out.hits, out.returning, out.releases) == (6, 6, 0)
 
 
-def test_round_robin_past_capacity_defeats_lru_not_the_oracle():
+def test_round_robin_past_capacity_defeats_lru_not_the_oracle_nor_the_value_rule():
     # Three conversations, room for two blocks: LRU releases exactly the conversation
-    # that comes back next, every time; the oracle keeps more than half.
+    # that comes back next, every time; the oracle keeps more than half, and so does the
+    # rule decode follows, from the past alone (returns.py).
     reqs = round_robin(3, 4)
     lru = simulate(reqs, capacity_blocks=2, policy="lru")
     oracle = simulate(reqs, capacity_blocks=2, policy="oracle")
+    value = simulate(reqs, capacity_blocks=2, policy="value")
     assert (lru.hits, lru.returning) == (0, 9)
-    assert oracle.hits == 5
+    assert oracle.hits == 5 and value.hits == 5
 
 
 def test_a_running_request_takes_room_from_what_is_kept():
     # A kept 2 blocks; B runs with 3 of a capacity of 4: A must go, whatever the policy.
     reqs = [Request(0, 1, 0.0, 1.0, 2), Request(1, 1, 2.0, 3.0, 3), Request(0, 2, 4.0, 5.0, 2)]
-    for policy in ("lru", "oracle"):
+    for policy in POLICIES:
         out = simulate(reqs, capacity_blocks=4, policy=policy)
         assert (out.hits, out.releases) == (0, 2)
 
@@ -51,11 +53,11 @@ def test_records_become_requests_with_their_blocks():
     ]
     reqs = requests_of(records, block_tokens=128, output_tokens=32)
     assert reqs == [Request(0, 1, 0.0, 1.5, 9), Request(1, 1, 0.5, 1.5, 2)]
-    assert set(yardsticks(records, 128, 128, 32)) == {"lru", "oracle"}
+    assert set(yardsticks(records, 128, 128, 32)) == {"lru", "value", "oracle"}
 
 
 def test_unknown_policy_is_refused():
-    with pytest.raises(ValueError, match="policy 'fifo': must be one of lru, oracle"):
+    with pytest.raises(ValueError, match="policy 'fifo': must be one of lru, value, oracle"):
         simulate([], 1, "fifo")
 
 
@@ -71,6 +73,6 @@ def test_the_demo_reports_measured_hits_against_both_yardsticks():
     doc = {"records": records, "router": {"reuse_hit": 2, "reuse_verified-partial": 1}}
     figures, text = retention(doc, spec)
     assert "of 3 returning turns: measured 3" in text
-    assert figures == {"measured_hits": 3, "returning": 3, "lru_hits": 3,
-                                "oracle_hits": 3}
+    assert figures == {"measured_hits": 3, "returning": 3, "lru_hits": 3, "value_hits": 3,
+                       "oracle_hits": 3}
     assert "(1.00x) and >= LRU (met)" in text

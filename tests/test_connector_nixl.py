@@ -15,7 +15,7 @@ from bidirkv.connector.hooks import tally
 from bidirkv.connector.hooks.retention import Retention
 from bidirkv.connector.patches import connector as guard
 from bidirkv.roleconfig import KV_CONNECTOR, KV_CONNECTOR_MODULE
-from bidirkv.wire import OWNER_KEY, TENANT_KEY
+from bidirkv.wire import OWNER_KEY, RETURN_KEY, TENANT_KEY
 
 pytest.importorskip("vllm")
 
@@ -80,6 +80,12 @@ def test_retention_follows_vllms_bookkeeping():
     r.finished(req("d1", {OWNER_KEY: "router-a", TENANT_KEY: "t1"}), True, handle)
     held = res.held["d1"]
     assert (held.blocks, held.owner, held.tenant, held.deadline) == (3, "router-a", "t1", 99.0)
+    assert held.gap is None  # the conversation's first turn: no estimate
+    for sent, kept in ((12.5, 12.5), (-1, None), ("5", None), (float("nan"), None),
+                       (True, None), (1e9, 86_400.0)):
+        s._reqs_need_send["g"] = 99.0
+        r.finished(req("g", {RETURN_KEY: sent}), True, handle)
+        assert res.held.pop("g").gap == kept, sent
     r.finished(req("d2", {}), False, handle)  # not delayed: nothing retained
     assert "d2" not in res.held
     # A decode request that came without P's handle is tracked, so it can be freed.

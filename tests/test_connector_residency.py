@@ -49,15 +49,54 @@ def test_grant_refused_near_vllms_deadline_and_for_unknown_ids():
     assert res.stats()["refusals"] == {"near_expiry": 1, "unknown": 1}
 
 
-def test_pressure_reclaims_oldest_first_and_skips_granted():
+def test_pressure_reclaims_whole_requests_and_skips_granted():
     res, clock = make()
     for rid, blocks in (("old", 2), ("granted", 4), ("mid", 3), ("new", 5)):
         res.retain(rid, blocks, None, clock.t + 100)
     res.grant("granted")
-    assert res.reclaim(4) == 5  # old (2) + mid (3): whole requests, oldest first
+    # Kept at one instant, with no gap: a tie, which goes oldest first.
+    assert res.reclaim(4) == 5  # old (2) + mid (3): whole requests
     assert res.take_pending() == ["old", "mid"]
     assert res.stats()["released"] == {"pressure": 2}
     assert res.releasing_blocks() == 5 and res.kept_blocks() == 9
+
+
+def test_pressure_releases_the_conversation_expected_back_last():
+    """Not the oldest: under agents taken in turn that is the one about to come back."""
+    res, clock = make()
+    res.retain("fast", 1, None, clock.t + 900, gap=1.0)  # back at 101
+    clock.t += 1
+    res.retain("slow", 1, None, clock.t + 900, gap=60.0)  # back at 161
+    clock.t += 1
+    res.retain("usual", 1, None, clock.t + 900, gap=5.0)  # back at 107
+    assert res.reclaim(1) == 1 and res.take_pending() == ["slow"]
+    assert res.reclaim(1) == 1 and res.take_pending() == ["usual"]
+    assert res.reclaim(1) == 1 and res.take_pending() == ["fast"]
+
+
+def test_an_overdue_conversation_goes_before_any_still_expected():
+    res, clock = make()
+    res.retain("stale", 1, None, clock.t + 900, gap=2.0)
+    clock.t += 17  # idle 17 s: more than 3 gaps + 10 s, most likely finished
+    res.retain("later", 1, None, clock.t + 900, gap=300.0)
+    assert res.reclaim(1) == 1 and res.take_pending() == ["stale"]
+
+
+def test_without_a_gap_an_entry_is_given_the_typical_one():
+    res, clock = make()
+    res.retain("a", 1, None, clock.t + 900, gap=10.0)  # back at 110
+    clock.t += 2
+    res.retain("b", 1, None, clock.t + 900, gap=10.0)  # back at 112
+    clock.t += 1
+    res.retain("new", 1, None, clock.t + 900)  # first turn: assumed back at 103 + 10
+    assert res.prior_gap == 10.0
+    assert res.reclaim(1) == 1 and res.take_pending() == ["new"]
+    # Before any gap came, the newest goes first (the same assumed gap for all).
+    res2, clock2 = make()
+    for rid in ("first", "second", "third"):
+        res2.retain(rid, 1, None, clock2.t + 900)
+        clock2.t += 1
+    assert res2.reclaim(1) == 1 and res2.take_pending() == ["third"]
 
 
 def test_pressure_takes_from_the_tenant_holding_the_most_first():

@@ -1,5 +1,7 @@
 """The P -> D flow over HTTP against fake engines: handles, identity, stripping, bodies."""
 
+import asyncio
+
 import pytest
 from fake_engine import Cluster
 
@@ -225,6 +227,26 @@ async def test_handle_is_refreshed_each_turn_and_single_use():
         assert ps[1].kv["remote_request_id"] == "turn-0"
         assert ps[2].kv["remote_request_id"] == "turn-1"
         assert len(c.router.store) == 1
+
+
+async def test_decode_hears_when_the_conversation_is_expected_back():
+    """From the second turn on, the decode leg carries the conversation's moving-average
+    idle time (what decode releases by under pressure), and the stored handle keeps it."""
+    async with Cluster() as c:
+        msgs = list(U1)
+        for i, pause in enumerate((0.0, 0.4, 0.0)):
+            await asyncio.sleep(pause)
+            r = await c.chat(msgs, conversation_id="c")
+            msgs += [r["message"], {"role": "user", "content": f"q{i}"}]
+        first, second, third = (g.kv for g in gens(c.d[0]))
+        assert "bidirkv_return_s" not in first  # no history yet
+        assert 0.4 <= second["bidirkv_return_s"] < 5
+        # Half the newest idle time (about 0) and half the previous average.
+        assert second["bidirkv_return_s"] / 2 <= third["bidirkv_return_s"] < second[
+            "bidirkv_return_s"]
+        (entry,) = list(c.router.store)
+        assert entry.gap == pytest.approx(third["bidirkv_return_s"], abs=1e-3)
+        assert entry.kept_at > 0
 
 
 async def test_decode_affinity_follows_the_conversation():

@@ -4,6 +4,7 @@ the in-process store and the shared store against a real Redis-protocol server."
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from redis_server import RedisServer, binary, started
@@ -68,11 +69,14 @@ async def put(s, key, rid, url=D0, blocks=2, engine="e0", **kw):
 
 async def test_single_use_and_release(make):
     s = await make()
-    await put(s, b"k", "r1", chars=1234, prompt_key=b"\x00\x00\x00\x02" + b"h" * 16)
+    await put(s, b"k", "r1", chars=1234, prompt_key=b"\x00\x00\x00\x02" + b"h" * 16,
+              kept_at=1_790_000_000.25, gap=7.5)
     status, e = await s.lookup(b"k")
     assert status == HIT and e.request_id == "r1" and e.decode_url == D0
     # What the placement measures the next turn's append, and checks its prefix, against.
     assert e.chars == 1234 and e.prompt_key == b"\x00\x00\x00\x02" + b"h" * 16
+    # When the conversation's next turn is expected, for the one that looks it up.
+    assert (e.kept_at, e.gap) == (1_790_000_000.25, 7.5)
     assert await s.lookup(b"k") == (MISS, None)  # taken: a concurrent turn misses
     await s.release(e)  # P was never asked: usable again
     status, e = await s.lookup(b"k")
@@ -123,8 +127,10 @@ async def test_pinned_blocks_watermark_and_replica_drops(make):
         await put(s, b"k%d" % i, f"r{i}", blocks=3)
     await put(s, b"x", "rx", url=D1, blocks=5, engine="e1")
     assert await s.pinned(D0) == 12 and await s.pinned(D1) == 5
-    assert await s.trim_replica(D0, 7) == 2  # oldest first
-    assert make.made.evicted["watermark"] == ["r0", "r1"] and await s.pinned(D0) == 6
+    # No gap known for any: each is expected back one typical gap after it was kept, so
+    # the newest goes first.
+    assert await s.trim_replica(D0, 7) == 2
+    assert make.made.evicted["watermark"] == ["r3", "r2"] and await s.pinned(D0) == 6
     await put(s, b"new", "rnew", blocks=1, engine="e0-restarted")
     assert await s.drop_replica(D0, "engine_changed", keep_engine_id="e0-restarted") == 2
     assert await s.pinned(D0) == 1 and await s.pinned(D1) == 5
@@ -182,8 +188,9 @@ async def test_entries_the_server_expired_leave_no_pinned_blocks_behind(make):
     await asyncio.sleep(0.1)
     await s.sweep()
     assert await s.pinned(D0) == 0 and await s.count() == 0
-    # A new handle under the watermark stays.
-    await put(s, b"fresh", "rf", blocks=4)
+    # A new handle under the watermark stays. (Kept an hour ago, as any the server expires
+    # by itself is: long overdue, so the trim meets it first.)
+    await put(s, b"fresh", "rf", blocks=4, kept_at=time.time() - 3600)
     assert await s.trim_replica(D0, 8) == 0 and await s.pinned(D0) == 4
     # The trim path meets expired entries too.
     await raw.delete(s._k("h:" + b"fresh".hex()))
@@ -233,19 +240,42 @@ async def test_the_watermark_takes_from_the_tenant_pinning_the_most(make):
     await put(s, b"other", "other", url=D1, blocks=40, tenant=B)  # another replica
     assert await s.pinned(D0) == 16
     assert await s.trim_replica(D0, 10) == 3
-    assert make.made.evicted["watermark"] == ["b0", "b1", "b2"]
+    assert make.made.evicted["watermark"] == ["b5", "b4", "b3"]  # no gaps: newest first
     assert await s.pinned(D0) == 10 and await s.pinned(D1) == 40
-    # Heaviest first (B: 6 blocks), then, even at 4 each, either tenant's oldest.
+    # Heaviest first (B: 6 blocks), then, even at 4 each, either tenant's.
     assert await s.trim_replica(D0, 6) == 2
-    assert make.made.evicted["watermark"][3] == "b3"
-    assert make.made.evicted["watermark"][4] in ("a0", "b4")
+    assert make.made.evicted["watermark"][3] == "b2"
+    assert make.made.evicted["watermark"][4] in ("a1", "b1")
 
 
-async def test_a_tenant_over_its_share_of_a_replica_loses_its_oldest_there(make):
+async def test_the_block_bounds_take_the_conversation_expected_back_last(make):
+    """Not the oldest: agents taken in turn come back oldest first. Overdue ones (idle
+    past 3 gaps + 10 s: most likely finished) go before any still expected."""
+    s = await make()
+    now = time.time()
+    await put(s, b"stale", "stale", blocks=2, kept_at=now - 120, gap=5.0)  # overdue
+    await put(s, b"soon", "soon", blocks=2, kept_at=now - 4, gap=5.0)  # back in 1 s
+    await put(s, b"late", "late", blocks=2, kept_at=now - 2, gap=60.0)  # in 58 s
+    await put(s, b"new", "new", blocks=2, kept_at=now, gap=10.0)  # in 10 s
+    assert await s.trim_replica(D0, 6) == 1
+    assert await s.trim_replica(D0, 4) == 1
+    assert await s.trim_replica(D0, 2) == 1
+    assert make.made.evicted["watermark"] == ["stale", "late", "new"]
+    status, e = await s.lookup(b"soon")
+    assert status == HIT
+    await s.release(e)
+    # A tenant over its share of the replica loses its own the same way.
+    await put(s, b"t-soon", "t-soon", blocks=3, tenant=A, kept_at=now - 4, gap=5.0)
+    await put(s, b"t-late", "t-late", blocks=3, tenant=A, kept_at=now, gap=30.0,
+              tenant_max_pinned=4)
+    assert make.made.evicted["tenant_cap"] == ["t-late"]
+
+
+async def test_a_tenant_over_its_share_of_a_replica_loses_its_own_there(make):
     s = await make()
     await put(s, b"elsewhere", "elsewhere", url=D1, blocks=3, tenant=A)
     for i in range(4):
         await put(s, b"a%d" % i, f"a{i}", blocks=3, tenant=A, tenant_max_pinned=7)
     await put(s, b"b0", "b0", blocks=3, tenant=B, tenant_max_pinned=7)
-    assert make.made.evicted["tenant_cap"] == ["a0", "a1"]
+    assert make.made.evicted["tenant_cap"] == ["a2", "a3"]  # no gaps: newest first
     assert await s.pinned(D0) == 9 and await s.pinned(D1) == 3

@@ -102,7 +102,10 @@ async def test_watermark_keeps_pinned_blocks_under_the_share_of_decode():
         for i in range(6):
             await c.chat(U1, conversation_id=f"c{i}", headers={"X-Request-Id": f"rid-{i}"})
             assert await c.router.store.pinned(c.d[0].url) <= 4
-        assert await c.d[0].wait_released("rid-0")
+        # No turn came back, so no gap is known: each handle is expected back one typical
+        # gap after it was kept, and the newest goes first (bidirkv/returns.py).
+        assert await c.d[0].wait_released("rid-5")
+        assert "rid-0" not in c.d[0].released
         metrics = await c.metrics()
         assert 'bidirkv_router_handle_evictions_total{reason="watermark"}' in metrics
         assert "bidirkv_router_decode_kv_blocks" in metrics

@@ -1,8 +1,10 @@
 """The yardsticks for decode's retention choices under KV pressure: on the trace a
 concurrent run recorded, how many returning turns would have found their KV still
-kept by a decode of the same capacity that releases least recently kept first (LRU), or
-that knows the future and releases the conversation coming back last (Belady's rule,
-the usual offline bound; with blocks of different sizes it is near, not at, the best).
+kept by a decode of the same capacity that releases least recently kept first (LRU),
+that follows decode's own rule from the past alone (`value`: bidirkv/returns.py, with
+the gaps the router would have measured), or that knows the future and releases the
+conversation coming back last (Belady's rule, the usual offline bound; with blocks of
+different sizes it is near, not at, the best).
 
 Pure: the run's records in, counts out. The model is decode's: a request holds its
 blocks from its start to its end; a finished one is kept for its conversation's next
@@ -17,7 +19,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-POLICIES = ("lru", "oracle")
+from bidirkv.returns import next_gap, release_key
+
+POLICIES = ("lru", "value", "oracle")
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,11 @@ def simulate(requests: list[Request], capacity_blocks: int, policy: str) -> Outc
         starts_of.setdefault(r.conversation, []).append(r.start)
     kept: dict[int, tuple[int, float]] = {}  # conversation -> (blocks, kept since)
     held = hits = releases = 0
+    # What the router knows (each conversation's last answer and gap) and decode's prior
+    # for a conversation without one: only the past, as in a real run.
+    last_end: dict[int, float] = {}
+    gaps: dict[int, float] = {}
+    prior: float | None = None
 
     def next_start(conv: int, now: float) -> float:
         return min((s for s in starts_of[conv] if s > now), default=math.inf)
@@ -71,6 +80,9 @@ def simulate(requests: list[Request], capacity_blocks: int, policy: str) -> Outc
         while kept and held + sum(b for b, _ in kept.values()) > capacity_blocks:
             if policy == "lru":
                 victim = min(kept, key=lambda c: kept[c][1])
+            elif policy == "value":
+                victim = max(kept, key=lambda c: release_key(
+                    now, kept[c][1], gaps.get(c, prior or 0.0)))
             else:
                 victim = max(kept, key=lambda c: (next_start(c, now), kept[c][0]))
             del kept[victim]
@@ -79,6 +91,9 @@ def simulate(requests: list[Request], capacity_blocks: int, policy: str) -> Outc
     for now, is_start, i in events:
         r = requests[i]
         if is_start:
+            if r.conversation in last_end:
+                gaps[r.conversation] = next_gap(gaps.get(r.conversation),
+                                                now - last_end[r.conversation])
             if r.conversation in kept:
                 hits += 1
                 del kept[r.conversation]  # its blocks now belong to the running request
@@ -86,6 +101,9 @@ def simulate(requests: list[Request], capacity_blocks: int, policy: str) -> Outc
             make_room(now)
         else:
             held -= r.blocks
+            last_end[r.conversation] = now
+            if r.conversation in gaps:
+                prior = next_gap(prior, gaps[r.conversation])
             kept[r.conversation] = (r.blocks, now)
             make_room(now)
     returning = sum(1 for r in requests if r.turn > 1)

@@ -14,9 +14,12 @@ each retained request is one `Held` entry, and it leaves by one of these causes:
     watermark   retained blocks above the configured share of decode's KV
 
 Pressure and the watermark take from the tenant (`bidirkv_tenant`, a label the router
-derives from its keyed tenant hash) holding the most releasable blocks, its oldest
-first: one tenant's flood of conversations yields before anyone else's. With one tenant
-that is plain oldest-first.
+derives from its keyed tenant hash) holding the most releasable blocks: one tenant's
+flood of conversations yields before anyone else's. Within the tenant they take the
+conversation expected back last (bidirkv/returns.py: overdue ones first, then by when
+the router's gap, `bidirkv_return_s`, says it returns), not the oldest: under agents
+taken in turn, the oldest is the one about to come back. A conversation without a gap
+is expected after the typical gap of those that have one (a moving average here).
 
 Safety does not rest on timing. A read is one-sided (decode never sees it), so prefill
 asks decode for a *grant* over the side channel right before it reads. A grant and a
@@ -36,6 +39,8 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+from bidirkv.returns import next_gap, release_key
 
 HELD = "held"
 GRANTED = "granted"
@@ -58,6 +63,8 @@ class Held:
     state: str = HELD
     cause: str | None = None
     tenant: str | None = None
+    kept_at: float = 0.0  # when it was retained, on this process's perf_counter
+    gap: float | None = None  # the router's estimate of its conversation's idle time
 
 
 @dataclass
@@ -83,13 +90,19 @@ class Residency:
     # their blocks: what fair reclaiming picks from.
     _free: dict[str | None, OrderedDict[str, Held]] = field(default_factory=dict)
     _free_blocks: Counter = field(default_factory=Counter)
+    # The gap assumed for an entry that came without one: a moving average of the gaps
+    # entries came with (0 before any: then the newest of them goes first).
+    prior_gap: float | None = None
 
     # -- engine thread: lifecycle ---------------------------------------------------------
     def retain(self, req_id: str, blocks: int, owner: str | None, deadline: float,
-               tenant: str | None = None) -> None:
+               tenant: str | None = None, gap: float | None = None) -> None:
         now = self.clock()
         with self.lock:
-            h = self.held[req_id] = Held(req_id, blocks, owner, deadline, tenant=tenant)
+            h = self.held[req_id] = Held(req_id, blocks, owner, deadline, tenant=tenant,
+                                         kept_at=now, gap=gap)
+            if gap is not None:
+                self.prior_gap = next_gap(self.prior_gap, gap)
             self._free.setdefault(tenant, OrderedDict())[req_id] = h
             self._free_blocks[tenant] += blocks
             self._kept += blocks
@@ -166,14 +179,20 @@ class Residency:
                        if h.owner in gone)
 
     def reclaim(self, blocks: int, cause: str = "pressure") -> int:
-        """Release whole entries until `blocks` are on their way: each time the oldest of
-        the tenant holding the most releasable blocks."""
+        """Release whole entries until `blocks` are on their way: each time, of the tenant
+        holding the most releasable blocks, the one expected back last (on a tie, the
+        oldest)."""
         got = 0
+        now = self.clock()
         with self.lock:
+            prior = self.prior_gap or 0.0
             while got < blocks and self._free:
                 # Entries of no blocks free nothing but still count as one tenant's.
                 tenant = max(self._free, key=lambda t: (self._free_blocks[t], len(self._free[t])))
-                h = next(iter(self._free[tenant].values()))
+                # A walk of one tenant's entries per release: reclaims come only when a
+                # request waits for blocks, and a tenant holds at most decode's blocks.
+                h = max(self._free[tenant].values(), key=lambda e: release_key(
+                    now, e.kept_at, prior if e.gap is None else e.gap))
                 got += self._release(h, cause)
         return got
 

@@ -3,7 +3,8 @@ process); core/residency.py decides what stays and what goes.
 
 - `request_finished`: a retained request (D, delayed free) becomes a `Held` entry, with
   the router that owns its handle (`bidirkv_owner` in the request's kv_transfer_params,
-  set by the router on the decode leg) and its tenant label.
+  set by the router on the decode leg), its tenant label and the router's estimate of
+  when its conversation comes back (`bidirkv_return_s`).
 - `update_state_after_alloc`: vLLM only tracks a D request for its deadline when it
   pulled from P; a request that arrived without a P handle (both flags false, or a handle
   the plugin dropped) would be retained and never freed. It is tracked like any other.
@@ -22,7 +23,8 @@ from typing import Any
 
 from bidirkv.connector.core.residency import Residency
 from bidirkv.connector.hooks import tally
-from bidirkv.wire import MAX_TENANT_LEN, OWNER_KEY, TENANT_KEY
+from bidirkv.returns import gap_of
+from bidirkv.wire import MAX_TENANT_LEN, OWNER_KEY, RETURN_KEY, TENANT_KEY
 
 
 def bidirectional(sched: Any) -> bool:
@@ -54,7 +56,7 @@ class Retention:
             blocks = sum(len(g) for g in out.get("remote_block_ids") or ())
             self.residency.retain(request.request_id, blocks,
                                   owner if isinstance(owner, str) else None, deadline,
-                                  tenant)
+                                  tenant, gap_of(params.get(RETURN_KEY)))
 
     def after_alloc(self, request: Any) -> None:
         params = request.kv_transfer_params

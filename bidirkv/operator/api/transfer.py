@@ -65,7 +65,8 @@ class KvTransferSpec(_Model):
         ge=0.05,
         le=1,
         description="Share of each decode replica's KV blocks that retained conversations may "
-        "pin. Above it the router releases the least recently stored ones, and decode "
+        "pin. Above it the router releases the ones expected back last (overdue ones first), "
+        "and decode "
         "enforces the same bound itself. Whatever the value, a request waiting for blocks "
         "takes retained ones first: retention never makes new work wait. Lower values "
         "release conversations that would have come back (measured: 0.5 lost most reuse "

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
+from bidirkv.returns import next_gap
 from bidirkv.router.codec import dumps_kept
 from bidirkv.router.datapath.context import Context, quietly
 from bidirkv.router.datapath.sse import MessageCollector
@@ -55,6 +57,8 @@ class Conversations:
         if entry is not None:
             turn.entry = entry
             turn.holder_url = entry.decode_url
+            if entry.kept_at > 0:
+                turn.gap = next_gap(entry.gap, time.time() - entry.kept_at)
 
     async def store_handle(self, turn: Turn, d: Backend, params: dict[str, Any],
                            collector: MessageCollector | None) -> None:
@@ -104,6 +108,7 @@ class Conversations:
                 chars=turn.prompt_chars + len(collector.text) if collector is not None else 0,
                 prompt_key=self.prompt_key(turn),
                 request_id=rid, blocks=handle_blocks(kv), max_pinned=limit,
+                gap=turn.gap,
                 tenant_max_pinned=int(share * limit) if limit is not None and share < 1
                 else None)
         except StoreUnavailable:

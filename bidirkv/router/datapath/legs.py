@@ -175,7 +175,7 @@ class Legs:
             proof = make_proof(ctx.handle_key) if ctx.handle_key else None
             tenant = turn.tenant
         p_params = p_body.get(PARAMS)
-        payload = dumps(decode_body(turn.body, p_params, owner, proof, tenant))
+        payload = dumps(decode_body(turn.body, p_params, owner, proof, tenant, turn.gap))
         # The KV D reads from P: P's prompt, as its params say.
         offered = p_params.get("remote_num_tokens") if isinstance(p_params, dict) else None
         return await self.generate(request, turn, d, payload, rid, DECODE,
@@ -189,7 +189,7 @@ class Legs:
         ctx = self.ctx
         proof = make_proof(ctx.handle_key) if ctx.handle_key else None
         payload = dumps(decode_body(turn.body, dict(LOCAL_PARAMS), ctx.residency.owner,
-                                    proof, turn.tenant))
+                                    proof, turn.tenant, turn.gap))
         return await self.generate(request, turn, d, payload, rid, EXTEND, held_tokens)
 
     async def generate(self, request: web.Request, turn: Turn, d: Backend, payload: bytes,

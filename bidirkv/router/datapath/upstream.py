@@ -21,6 +21,7 @@ from bidirkv.router.store.handles import Entry
 from bidirkv.wire import (
     OWNER_KEY,
     PROOF_KEY,
+    RETURN_KEY,
     TENANT_KEY,
     TENANT_LABEL_LEN,
     VERSION,
@@ -68,10 +69,12 @@ def prefill_body(body: dict[str, Any], handle: dict[str, Any] | None,
 
 
 def decode_body(body: dict[str, Any], p_params: Any, owner: str | None = None,
-                proof: str | None = None, tenant: bytes | None = None) -> dict[str, Any]:
+                proof: str | None = None, tenant: bytes | None = None,
+                gap: float | None = None) -> dict[str, Any]:
     """The client's body plus P's params as P signed them (host included), the router that
     will own D's handle (D keeps the blocks while that owner renews), the tenant's label,
-    and the router's proof, without which D keeps nothing and hands out no handle."""
+    the conversation's gap (when it is expected back: what D releases by), and the
+    router's proof, without which D keeps nothing and hands out no handle."""
     out = dict(body)
     if isinstance(p_params, dict):
         kv = dict(p_params)
@@ -79,6 +82,8 @@ def decode_body(body: dict[str, Any], p_params: Any, owner: str | None = None,
             kv[OWNER_KEY] = owner
         if tenant is not None:
             kv[TENANT_KEY] = tenant.hex()[:TENANT_LABEL_LEN]
+        if gap is not None:
+            kv[RETURN_KEY] = round(gap, 3)
         if proof is not None:
             kv[PROOF_KEY] = proof
         kv[VERSION_KEY] = VERSION
@@ -223,7 +228,7 @@ class Turn:
     __slots__ = (
         "kind", "stream", "body", "rid", "auth", "tenant", "conv", "entry", "reuse",
         "holder_url", "store_key", "history", "prompt", "t0", "asked_prefill", "placed",
-        "new_tokens", "prompt_chars", "prompt_tokens", "trace",
+        "new_tokens", "prompt_chars", "prompt_tokens", "trace", "gap",
     )
 
     def __init__(self, kind: str, stream: bool, body: dict[str, Any], rid: str,
@@ -253,6 +258,9 @@ class Turn:
         self.prompt_tokens: int | None = None
         # Its spans (tracing.py): the request's, under which each leg starts its own.
         self.trace = trace
+        # The conversation's moving-average idle time with this turn's (returns.py),
+        # once a stored handle said when its last answer was kept.
+        self.gap: float | None = None
 
     @property
     def collects(self) -> bool:

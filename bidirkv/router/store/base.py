@@ -48,9 +48,12 @@ class Store(Protocol):
                   num_tokens: int, *, tenant: bytes | None = None, prefix_len: int = 0,
                   request_id: str | None = None, blocks: int = 0, chars: int = 0,
                   prompt_key: bytes | None = None, max_pinned: int | None = None,
-                  tenant_max_pinned: int | None = None) -> None:
+                  tenant_max_pinned: int | None = None, kept_at: float | None = None,
+                  gap: float | None = None) -> None:
         """Store; then keep the entry bounds and, given `max_pinned` (the replica's
-        watermark) and `tenant_max_pinned` (the tenant's share of it), the block bounds."""
+        watermark) and `tenant_max_pinned` (the tenant's share of it), the block bounds.
+        `kept_at` (Unix seconds; None: now) and `gap` (the conversation's moving-average
+        idle time, None: unknown) say when it is expected back (bidirkv/returns.py)."""
         ...
     async def release(self, entry: Entry) -> None: ...
     async def consume(self, entry: Entry) -> None: ...

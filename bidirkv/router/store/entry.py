@@ -26,6 +26,8 @@ class Entry:
         "blocks",
         "chars",
         "prompt_key",
+        "kept_at",
+        "gap",
     )
 
     def __init__(
@@ -42,6 +44,8 @@ class Entry:
         blocks: int = 0,
         chars: int = 0,
         prompt_key: bytes | None = None,
+        kept_at: float = 0.0,
+        gap: float | None = None,
     ) -> None:
         self.key = key
         self.params = params
@@ -64,6 +68,11 @@ class Entry:
         # (LookupKeys.messages_key, as bytes: 4-byte count + digest). The next turn's
         # prompt extends it when its first messages hash the same.
         self.prompt_key = prompt_key
+        # When D kept it (Unix seconds; 0: unknown) and the moving average of the
+        # conversation's idle times between turns (bidirkv/returns.py; None: no turn came
+        # back yet): the next turn's estimate of when it returns, sent to D.
+        self.kept_at = kept_at
+        self.gap = gap
 
 
 class Lengths:

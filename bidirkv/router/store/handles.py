@@ -18,11 +18,13 @@ store counts them per replica (`pinned`) and hands every entry it drops to `on_e
 the router tells that replica to free the blocks (bidirkv/router/pool/residency.py).
 
 Bounds are fair between tenants (bidirkv/router/store/tally.py): the entry bound and a replica's
-watermark take the oldest entry of the tenant holding the most (entries, or blocks on
-that replica), and a tenant over one of its own caps (`max_per_tenant` entries, or the
-blocks it may pin on one replica, `trim_tenant_replica`) loses its own oldest. One
-tenant opening conversations by the thousand therefore spends its own handles, not
-everyone's.
+watermark take from the tenant holding the most (entries, or blocks on that replica),
+and a tenant over one of its own caps (`max_per_tenant` entries, or the blocks it may pin
+on one replica, `trim_tenant_replica`) loses its own. One tenant opening conversations
+by the thousand therefore spends its own handles, not everyone's. The entry bounds (the
+router's memory) take the oldest entry; the block bounds on a replica (decode's memory)
+take the conversation expected back last, overdue ones first (returnorder.py), as
+decode itself does under pressure.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
+from bidirkv.returns import next_gap, release_key
 from bidirkv.router.store.base import EvictHook, PrefixKeys
 from bidirkv.router.store.entry import EXPIRED, HIT, MISS, Entry, Lengths
+from bidirkv.router.store.returnorder import ReturnOrder, rank_gap
 from bidirkv.router.store.tally import Tally
 
 __all__ = ["EXPIRED", "HIT", "MISS", "Entry", "HandleStore"]
@@ -45,6 +49,7 @@ class HandleStore:
         max_entries: int,
         *,
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
         on_evict: EvictHook | None = None,
     ) -> None:
         self._d: OrderedDict[bytes, Entry] = OrderedDict()
@@ -61,7 +66,12 @@ class HandleStore:
         self.max_entries = max_entries
         self.max_per_tenant: int | None = None
         self._clock = clock
+        self._wall = wall  # what Entry.kept_at is on
         self._on_evict = on_evict
+        # Per replica, per tenant: the order its block bounds take handles in, and the gap
+        # a handle without one is ranked by (a moving average of the gaps stored).
+        self._orders: dict[str, dict[bytes | None, ReturnOrder]] = {}
+        self.prior_gap: float | None = None
 
     def __len__(self) -> int:
         return len(self._d)
@@ -95,6 +105,8 @@ class HandleStore:
         blocks: int = 0,
         chars: int = 0,
         prompt_key: bytes | None = None,
+        kept_at: float | None = None,
+        gap: float | None = None,
     ) -> Entry:
         old = self._d.get(key)
         if old is not None:
@@ -113,7 +125,11 @@ class HandleStore:
             blocks,
             chars,
             prompt_key,
+            self._wall() if kept_at is None else kept_at,
+            gap,
         )
+        if gap is not None:
+            self.prior_gap = next_gap(self.prior_gap, gap)
         self._index(entry)
         self._trim()
         self._trim_tenant(tenant)
@@ -127,6 +143,9 @@ class HandleStore:
         self._by_rep.setdefault(url, {}).setdefault(tenant, OrderedDict())[key] = entry
         self.tenant_entries.add(tenant, 1)
         self._rep_blocks.setdefault(url, Tally()).add(tenant, blocks)
+        order = self._orders.setdefault(url, {}).setdefault(tenant, ReturnOrder())
+        order.add(entry, rank_gap(entry, self.prior_gap))
+        order.compact(self._live, len(self._by_rep[url][tenant]))
         if tenant is not None and entry.prefix_len > 0:
             self._lengths.setdefault(tenant, Lengths()).add(entry.prefix_len)
 
@@ -148,12 +167,30 @@ class HandleStore:
         self._drop_oldest(self._by_tenant.get(tenant), lambda e: 1, excess, "tenant_cap")
 
     def trim_tenant_replica(self, decode_url: str, tenant: bytes | None, max_blocks: int) -> int:
-        """The tenant's oldest unreserved handles on the replica, until it pins at most
-        `max_blocks` there."""
+        """The tenant's unreserved handles on the replica, expected back last first,
+        until it pins at most `max_blocks` there."""
         tally = self._rep_blocks.get(decode_url)
         excess = (tally.get(tenant) if tally is not None else 0) - max_blocks
-        return self._drop_oldest(self._by_rep.get(decode_url, {}).get(tenant),
-                                 lambda e: e.blocks, excess, "tenant_cap")
+        doomed = []
+        now = self._wall()
+        while excess > 0:
+            # One that pins nothing would free nothing.
+            victim = self._victim(decode_url, tenant, now, lambda e: e.reserved or not e.blocks)
+            if victim is None:
+                break
+            self._remove(victim)
+            doomed.append(victim)
+            excess -= victim.blocks
+        self._evicted("tenant_cap", doomed)
+        return len(doomed)
+
+    def _live(self, entry: Entry) -> bool:
+        return self._d.get(entry.key) is entry
+
+    def _victim(self, url: str, tenant: bytes | None, now: float,
+                skip: Callable[[Entry], bool] = lambda e: e.reserved) -> Entry | None:
+        order = self._orders.get(url, {}).get(tenant)
+        return order.victim(now, self._live, skip) if order is not None else None
 
     def _drop_oldest(self, entries: OrderedDict[bytes, Entry] | None,
                      weight: Callable[[Entry], int], excess: int, reason: str) -> int:
@@ -172,24 +209,21 @@ class HandleStore:
         self._evicted(reason, doomed)
         return len(doomed)
 
-    def _oldest_free(self, entries: OrderedDict[bytes, Entry] | None) -> Entry | None:
-        for entry in (entries or {}).values():
-            if not entry.reserved:
-                return entry
-        return None
-
     def trim_replica(self, decode_url: str, max_blocks: int, reason: str = "watermark") -> int:
-        """Drop unreserved handles of the replica until it pins at most `max_blocks`: the
-        oldest of the tenant pinning the most there, else the replica's oldest."""
+        """Drop unreserved handles of the replica until it pins at most `max_blocks`: of
+        the tenant pinning the most there, the one expected back last (else, all of
+        theirs reserved, the first to go of any tenant's there)."""
         doomed = []
+        now = self._wall()
         while self.pinned.get(decode_url, 0) > max_blocks:
             tally = self._rep_blocks.get(decode_url)
             tenant = tally.heaviest() if tally is not None else None
-            tenants = self._by_rep.get(decode_url, {})
-            victim = self._oldest_free(tenants.get(tenant))
-            if victim is None:  # all of theirs reserved: the replica's oldest free one
-                free = [e for e in map(self._oldest_free, tenants.values()) if e is not None]
-                victim = min(free, key=lambda e: e.expires_at, default=None)
+            victim = self._victim(decode_url, tenant, now)
+            if victim is None:
+                free = [e for t in list(self._orders.get(decode_url, {}))
+                        if (e := self._victim(decode_url, t, now)) is not None]
+                victim = max(free, key=lambda e: release_key(
+                    now, e.kept_at, rank_gap(e, self.prior_gap)), default=None)
             if victim is None:
                 break
             self._remove(victim)
@@ -212,6 +246,11 @@ class HandleStore:
                 entries.pop(key, None)
                 if not entries:
                     del index[tenant]
+        orders = self._orders.get(url, {})
+        if tenant not in tenants:  # its last handle there: the heaps hold only dead ones
+            orders.pop(tenant, None)
+        if not orders:
+            self._orders.pop(url, None)
         if not tenants:
             self._by_rep.pop(url, None)
         self.tenant_entries.add(tenant, -1)

@@ -39,10 +39,11 @@ class InProcessStore:
                   num_tokens: int, *, tenant: bytes | None = None, prefix_len: int = 0,
                   request_id: str | None = None, blocks: int = 0, chars: int = 0,
                   prompt_key: bytes | None = None, max_pinned: int | None = None,
-                  tenant_max_pinned: int | None = None) -> None:
+                  tenant_max_pinned: int | None = None, kept_at: float | None = None,
+                  gap: float | None = None) -> None:
         self.local.put(key, params, decode_url, engine_id, num_tokens, tenant=tenant,
                        prefix_len=prefix_len, request_id=request_id, blocks=blocks,
-                       chars=chars, prompt_key=prompt_key)
+                       chars=chars, prompt_key=prompt_key, kept_at=kept_at, gap=gap)
         if tenant_max_pinned is not None:
             self.local.trim_tenant_replica(decode_url, tenant, tenant_max_pinned)
         if max_pinned is not None:

@@ -10,6 +10,9 @@ each, no other client sees a half-done step). Keys, under the store's prefix:
     tcount               zset: entries per tenant (the heaviest is the LRU bound's victim)
     rt:<url>|<tenant>    a tenant's keys on one replica in store order
     rtp:<url>            zset: blocks one replica pins per tenant (the watermark's victim)
+    rto:<url>|<tenant>   the same keys by when each conversation turns overdue, and
+    rte:<url>|<tenant>   by when it is expected back (bidirkv/returns.py): the order the
+                         block bounds take a tenant's keys on a replica in
     meta                 key -> what the indexes hold for it (decode url, blocks, tenant)
     seq                  a counter: the store order of the three indexes above (store
                          times in ms tie under load, and a tie orders by key, not age)
@@ -49,6 +52,8 @@ local function unindex(p, k, v)
   if redis.call('ZREM', p .. 'rt:' .. url .. '|' .. tenant, k) == 1 then
     settle(p .. 'rtp:' .. url, tenant, -blocks)
   end
+  redis.call('ZREM', p .. 'rto:' .. url .. '|' .. tenant, k)
+  redis.call('ZREM', p .. 'rte:' .. url .. '|' .. tenant, k)
   redis.call('HDEL', p .. 'meta', k)
 end
 """
@@ -64,7 +69,8 @@ return v
 """
 
 # Store an entry, replacing (or, with ARGV[6] == "1", keeping) an existing one. KEYS: entry,
-# order; ARGV: key, entry JSON, store time, TTL ms, prefix, keep-existing. Returns the old
+# order; ARGV: key, entry JSON, store time, TTL ms, prefix, keep-existing, when it turns
+# overdue, when it is expected back (Unix seconds). Returns the old
 # entry and what the caller checks its bounds against, in the same round trip: entries
 # stored, blocks pinned on the replica, the tenant's entries, the tenant's blocks there.
 PUT = _UNINDEX + """
@@ -85,6 +91,8 @@ end
 redis.call('ZADD', p .. 'ten:' .. t, seq, k)
 redis.call('ZINCRBY', p .. 'tcount', 1, t)
 redis.call('ZADD', p .. 'rt:' .. url .. '|' .. t, seq, k)
+redis.call('ZADD', p .. 'rto:' .. url .. '|' .. t, ARGV[7], k)
+redis.call('ZADD', p .. 'rte:' .. url .. '|' .. t, ARGV[8], k)
 settle(p .. 'rtp:' .. url, t, blocks)
 redis.call('HSET', p .. 'meta', k, cjson.encode({url, blocks, t}))
 return {old, redis.call('ZCARD', KEYS[2]),
@@ -95,16 +103,18 @@ return {old, redis.call('ZCARD', KEYS[2]),
 
 
 # Take entries while a bound is exceeded, in one round trip. ARGV: prefix, kind, replica
-# url, tenant, bound, limit. Kinds, and whose oldest entry goes:
-#   count       all entries > bound: the tenant with the most entries
+# url, tenant, bound, limit, now (Unix seconds). Kinds, and whose entry goes:
+#   count       all entries > bound: the tenant with the most entries, its oldest
 #   pin         blocks on the replica > bound: the tenant pinning the most there
-#   tenant      the tenant's entries > bound: the tenant's
+#   tenant      the tenant's entries > bound: the tenant's oldest
 #   tenantpin   the tenant's blocks on the replica > bound: the tenant's, on that replica
-# An empty victim index (entries stored before the tenant indexes) falls back to the
-# oldest overall, or on the replica.
+# The two block bounds take, of the tenant's keys on the replica, the one overdue longest,
+# else the one expected back last. An empty victim index (entries stored before these
+# indexes) falls back to the tenant's oldest there, then the oldest overall, or on the
+# replica.
 TRIM = _UNINDEX + """
 local p, kind, url, t = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local bound, limit = tonumber(ARGV[5]), tonumber(ARGV[6])
+local bound, limit, now = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local function score(z, m) return tonumber(redis.call('ZSCORE', z, m) or '0') end
 local function heaviest(z)
   local top = redis.call('ZREVRANGE', z, 0, 0)
@@ -124,11 +134,26 @@ local function victim_index()
   if kind == 'tenant' then return 'ten:' .. t, nil end
   return 'rt:' .. url .. '|' .. t, nil
 end
+-- Of one tenant's keys on a replica (`rt` index): the one overdue longest, else the one
+-- expected back last; nil when the value indexes hold none.
+local function by_value(index)
+  local rt = string.sub(index, 4)
+  local due = redis.call('ZRANGE', p .. 'rto:' .. rt, 0, 0, 'WITHSCORES')
+  if #due > 0 and tonumber(due[2]) < now then return due[1], 'rto:' .. rt end
+  local back = redis.call('ZREVRANGE', p .. 'rte:' .. rt, 0, 0)
+  if #back > 0 then return back[1], 'rte:' .. rt end
+  return nil
+end
 local out = {}
 for _ = 1, limit do
   if not over() then break end
   local index, fallback = victim_index()
-  local m = redis.call('ZRANGE', p .. index, 0, 0)
+  local m = {}
+  if kind == 'pin' or kind == 'tenantpin' then
+    local k, valued = by_value(index)
+    if k then m, index = {k}, valued end
+  end
+  if #m == 0 then m = redis.call('ZRANGE', p .. index, 0, 0) end
   if #m == 0 and fallback then
     index = fallback
     m = redis.call('ZRANGE', p .. index, 0, 0)

@@ -26,9 +26,11 @@ import secrets
 import time
 from typing import Any
 
+from bidirkv.returns import expected_at, next_gap, overdue_at
 from bidirkv.router.codec import dumps, loads
 from bidirkv.router.store.base import EvictHook, PrefixKeys, StoreUnavailable
 from bidirkv.router.store.handles import EXPIRED, HIT, MISS, Entry
+from bidirkv.router.store.returnorder import rank_gap
 from bidirkv.router.store.scripts import PUT, TAKE, TRIM
 
 SAFETY_TTL_MS = 60_000
@@ -51,7 +53,8 @@ def _entry(raw: bytes | str) -> Entry:
               d["num_tokens"], d["expires_at"],
               bytes.fromhex(d["tenant"]) if d.get("tenant") else None, d["prefix_len"],
               d.get("request_id"), d.get("blocks", 0), d.get("chars", 0),
-              bytes.fromhex(d["prompt_key"]) if d.get("prompt_key") else None)
+              bytes.fromhex(d["prompt_key"]) if d.get("prompt_key") else None,
+              d.get("kept_at", 0.0), d.get("gap"))
     e.reserved = True
     return e
 
@@ -61,11 +64,13 @@ def _value(e: Entry, stored_ms: int) -> bytes:
         "key": e.key.hex(), "params": e.params.decode(), "decode_url": e.decode_url,
         "engine_id": e.engine_id, "num_tokens": e.num_tokens, "expires_at": e.expires_at,
         "prefix_len": e.prefix_len, "request_id": e.request_id, "blocks": e.blocks,
-        "chars": e.chars, "stored_ms": stored_ms,
+        "chars": e.chars, "stored_ms": stored_ms, "kept_at": e.kept_at,
         **({"prompt_key": e.prompt_key.hex()} if e.prompt_key else {}),
     }
     if e.tenant is not None:  # absent, not null: Lua's cjson null is truthy
         d["tenant"] = e.tenant.hex()
+    if e.gap is not None:
+        d["gap"] = e.gap
     return dumps(d)
 
 
@@ -85,6 +90,9 @@ class RedisStore:
         self._put = client.register_script(PUT)
         self._trim_script = client.register_script(TRIM)
         self.owner: str | None = None
+        # The gap a handle without one is ranked by: this router's moving average of the
+        # gaps it stored (returnorder.py).
+        self.prior_gap: float | None = None
         self._available = True
         self._failures = 0  # in a row
         self._open_until = 0.0  # monotonic; calls fail at once before it
@@ -193,20 +201,26 @@ class RedisStore:
         now_ms = int(self._clock() * 1000)
         left_ms = max(1, int((entry.expires_at - self._clock()) * 1000))
         keyhex = entry.key.hex()
+        gap = rank_gap(entry, self.prior_gap)
         old, *counts = await self._call(
             "put", self._put, keys=[self._k("h:" + keyhex), self._k("order")],
             args=[keyhex, _value(entry, now_ms), now_ms, left_ms + SAFETY_TTL_MS, self.prefix,
-                  "1" if only_if_absent else "0"])
+                  "1" if only_if_absent else "0", repr(overdue_at(entry.kept_at, gap)),
+                  repr(expected_at(entry.kept_at, gap))])
         return (_entry(old) if old else None), [int(c or 0) for c in counts]
 
     async def put(self, key: bytes, params: bytes, decode_url: str, engine_id: str | None,
                   num_tokens: int, *, tenant: bytes | None = None, prefix_len: int = 0,
                   request_id: str | None = None, blocks: int = 0, chars: int = 0,
                   prompt_key: bytes | None = None, max_pinned: int | None = None,
-                  tenant_max_pinned: int | None = None) -> None:
-        entry = Entry(key, params, decode_url, engine_id, num_tokens,
-                      self._clock() + self.ttl, tenant, prefix_len, request_id, blocks, chars,
-                      prompt_key)
+                  tenant_max_pinned: int | None = None, kept_at: float | None = None,
+                  gap: float | None = None) -> None:
+        now = self._clock()
+        entry = Entry(key, params, decode_url, engine_id, num_tokens, now + self.ttl, tenant,
+                      prefix_len, request_id, blocks, chars, prompt_key,
+                      now if kept_at is None else kept_at, gap)
+        if gap is not None:
+            self.prior_gap = next_gap(self.prior_gap, gap)
         old, (count, pinned, mine, mine_pinned) = await self._store(entry,
                                                                     only_if_absent=False)
         if old is not None:
@@ -259,7 +273,8 @@ class RedisStore:
 
     async def _trim_index(self, kind: str, url: str, tenant: str, bound: int) -> list[Entry]:
         raw = await self._call("trim", self._trim_script, keys=[],
-                               args=[self.prefix, kind, url, tenant, bound, TRIM_LIMIT])
+                               args=[self.prefix, kind, url, tenant, bound, TRIM_LIMIT,
+                                     repr(self._clock())])
         return [_entry(v) for v in raw or ()]
 
     async def _trim(self) -> None:
