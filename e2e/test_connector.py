@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import os
 import pathlib
 import re
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +30,7 @@ from .vllm_stack import (  # noqa: E402
     KEY,
     MISS,
     MODEL,
+    REQUEST_TIMEOUT,
     Stack,
     chat,
     decode_leg,
@@ -344,8 +347,10 @@ def test_router_counts_verified_reuse(stack):
 def test_router_places_each_turn_where_its_kv_is(stack):
     """`thresholds`: a short append runs whole on the decode replica that holds the
     conversation (no prefill leg, no KV moved, D's own prefix cache) and gives the
-    reuse-off output; a long one takes the prefill leg and reads D's blocks back."""
-    policy = {"policy": "thresholds", "localPrefillTokens": 64, "maxLocalPrefillTokens": 2048}
+    reuse-off output; a long one takes the prefill leg and reads D's blocks back; and so
+    does a short one while the holder is busy."""
+    policy = {"policy": "thresholds", "localPrefillTokens": 64, "maxLocalPrefillTokens": 2048,
+              "decodeBusyRequests": 1}
     with running_router(stack, "router-placement", placement=policy) as (url, _):
         conv = {"conversation_id": "conv-71", "stream": True}
         user1 = {"role": "user", "content": random_text(300, seed=71)}
@@ -372,6 +377,33 @@ def test_router_places_each_turn_where_its_kv_is(stack):
                       'reason="long_append"}') == 1
         assert metric(url, 'bidirkv_router_reuse_tokens_total{source="bidirkv"}') > reused
         assert text3 == turn(stack, chat(msgs), None, streamed=False)[0]
+        # A short append while another conversation's leg streams on the holder: a busy
+        # decode is not given a prefill, the turn takes the prefill leg.
+        streaming, busy = threading.Event(), {}
+
+        def another_conversation():
+            body = {**chat([{"role": "user", "content": random_text(40, seed=75)}],
+                           max_tokens=400), "stream": True, "ignore_eos": True}
+            req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as r:
+                for line in r:
+                    if line.startswith(b"data:"):
+                        streaming.set()
+                busy["done"] = time.monotonic()
+
+        other = threading.Thread(target=another_conversation, daemon=True)
+        other.start()
+        assert streaming.wait(REQUEST_TIMEOUT), "the other conversation never streamed"
+        msgs += [{"role": "assistant", "content": text3},
+                 {"role": "user", "content": random_text(8, seed=74)}]
+        placed = time.monotonic()
+        text4 = stream_text(stream(url + "/v1/chat/completions", {**chat(msgs), **conv}))
+        other.join(REQUEST_TIMEOUT)
+        assert busy["done"] > placed  # the other leg was still streaming
+        assert metric(url, 'bidirkv_router_placements_total{decision="read_back",'
+                      'reason="decode_busy"}') == 1
+        assert text4 == turn(stack, chat(msgs), None, streamed=False)[0]
 
 
 def test_reuse_cuts_prefill_time(stack):
