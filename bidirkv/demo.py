@@ -182,7 +182,7 @@ def retention(doc: dict[str, Any], spec: dict[str, Any]) -> tuple[dict[str, Any]
     # Found their KV: read back by prefill (whole or verified in part), or extended on
     # the decode replica holding it (placement `cost` or `thresholds`).
     measured = sum(doc["router"].get(k) or 0
-                   for k in ("reuse_hit", "reuse_verified-partial", "extended"))
+                   for k in ("reuse_hit", "reuse_verified-partial", "reuse_extended"))
     lru, oracle = sticks["lru"], sticks["oracle"]
     figures = {"measured_hits": measured, "returning": oracle.returning,
                **{f"{p}_hits": o.hits for p, o in sticks.items()}}

@@ -41,9 +41,13 @@ def gap_of(value: object) -> float | None:
     (anything else: no estimate)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    if not math.isfinite(value) or value < 0:
+    try:
+        gap = float(value)  # an int past float's range raises
+    except OverflowError:
         return None
-    return min(float(value), MAX_GAP_S)
+    if not math.isfinite(gap) or gap < 0:
+        return None
+    return min(gap, MAX_GAP_S)
 
 
 def expected_at(kept_at: float, gap: float) -> float:
@@ -51,16 +55,18 @@ def expected_at(kept_at: float, gap: float) -> float:
     return kept_at + gap
 
 
-def overdue_at(kept_at: float, gap: float) -> float:
-    """From when it counts as overdue (most likely finished)."""
-    return kept_at + OVERDUE_GAPS * gap + OVERDUE_FLOOR_S
+def overdue_at(kept_at: float, gap: float, expires: float = math.inf) -> float:
+    """From when it counts as overdue (most likely finished): past 3 gaps and the floor,
+    or past its expiry, whichever comes first (an expired one is worth nothing)."""
+    return min(kept_at + OVERDUE_GAPS * gap + OVERDUE_FLOOR_S, expires)
 
 
-def release_key(now: float, kept_at: float, gap: float) -> tuple[int, float]:
+def release_key(now: float, kept_at: float, gap: float,
+                expires: float = math.inf) -> tuple[int, float]:
     """Sort key of a kept conversation: the largest is released first. Overdue ones
     first, the longest overdue first; then the one expected back last. Both orders are
     fixed once the entry is kept, so a store can index them (two sorted sets)."""
-    due = overdue_at(kept_at, gap)
+    due = overdue_at(kept_at, gap, expires)
     if now > due:
         return (1, -due)
     return (0, expected_at(kept_at, gap))

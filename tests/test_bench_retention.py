@@ -71,7 +71,7 @@ def test_the_demo_reports_measured_hits_against_both_yardsticks():
                 "context_tokens": words + 300 * (t - 1)}
                for t in (1, 2) for c in range(3)]
     doc = {"records": records, "router": {"reuse_hit": 1, "reuse_verified-partial": 1,
-                                          "extended": 1}}
+                                          "reuse_extended": 1}}
     figures, text = retention(doc, spec)
     assert "of 3 returning turns: measured 3" in text
     assert figures == {"measured_hits": 3, "returning": 3, "lru_hits": 3, "value_hits": 3,

@@ -19,7 +19,7 @@ def test_the_gap_is_a_moving_average_of_idle_times():
 
 def test_only_a_finite_non_negative_number_is_a_gap():
     assert gap_of(2) == 2.0 and gap_of(0.5) == 0.5 and gap_of(1e9) == MAX_GAP_S
-    for bad in (None, True, "3", -1, math.inf, math.nan, [1]):
+    for bad in (None, True, "3", -1, math.inf, math.nan, [1], 10**400):
         assert gap_of(bad) is None, bad
 
 
@@ -36,6 +36,8 @@ def test_overdue_first_then_expected_back_last():
     # Just inside its overdue line (3 gaps + 10 s) a conversation is still expected.
     assert release_key(now, now - 24.9, 5.0)[0] == 0
     assert release_key(now, now - 25.1, 5.0)[0] == 1
+    # Past its expiry a conversation is overdue, whatever its gap.
+    assert release_key(now, now - 1, 600.0, expires=now - 0.5)[0] == 1
 
 
 def entry(key: bytes, kept_at: float) -> Entry:

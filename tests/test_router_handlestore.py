@@ -188,12 +188,13 @@ async def test_entries_the_server_expired_leave_no_pinned_blocks_behind(make):
     await asyncio.sleep(0.1)
     await s.sweep()
     assert await s.pinned(D0) == 0 and await s.count() == 0
-    # A new handle under the watermark stays. (Kept an hour ago, as any the server expires
-    # by itself is: long overdue, so the trim meets it first.)
-    await put(s, b"fresh", "rf", blocks=4, kept_at=time.time() - 3600)
+    # A new handle under the watermark stays.
+    await put(s, b"fresh", "rf", blocks=4)
     assert await s.trim_replica(D0, 8) == 0 and await s.pinned(D0) == 4
-    # The trim path meets expired entries too.
+    # The trim path meets expired entries too, and first: past its expiry a handle is
+    # overdue, whatever its conversation's gap.
     await raw.delete(s._k("h:" + b"fresh".hex()))
+    await asyncio.sleep(0.1)  # as the server expires only what expired
     await put(s, b"fresh2", "rf2", blocks=4)
     assert await s.trim_replica(D0, 4) == 0 and await s.pinned(D0) == 4
     # And dropping a replica whose entries the server expired.
@@ -264,11 +265,37 @@ async def test_the_block_bounds_take_the_conversation_expected_back_last(make):
     status, e = await s.lookup(b"soon")
     assert status == HIT
     await s.release(e)
-    # A tenant over its share of the replica loses its own the same way.
-    await put(s, b"t-soon", "t-soon", blocks=3, tenant=A, kept_at=now - 4, gap=5.0)
-    await put(s, b"t-late", "t-late", blocks=3, tenant=A, kept_at=now, gap=30.0,
+    # A tenant over its share of the replica loses its own the same way: neither its
+    # oldest nor its newest, but the one expected back last.
+    await put(s, b"t-old", "t-old", blocks=2, tenant=A, kept_at=now - 4, gap=5.0)
+    await put(s, b"t-mid", "t-mid", blocks=2, tenant=A, kept_at=now - 2, gap=60.0)
+    await put(s, b"t-new", "t-new", blocks=2, tenant=A, kept_at=now, gap=10.0,
               tenant_max_pinned=4)
-    assert make.made.evicted["tenant_cap"] == ["t-late"]
+    assert make.made.evicted["tenant_cap"] == ["t-mid"]
+
+
+async def test_the_replica_bound_passes_over_what_it_cannot_take(make):
+    """The memory store: of a tenant whose handles are all in flight, none is taken (the
+    next tenant's go). The shared store: a key its value index holds but the replica's
+    does not (left by a router of an older release) is dropped from the index."""
+    s = await make()
+    await put(s, b"a0", "a0", blocks=4, tenant=A)
+    await put(s, b"b0", "b0", blocks=2, tenant=B)
+    if make.kind == "redis":
+        import redis.asyncio as aioredis
+
+        raw = aioredis.Redis(connection_pool=s.r.connection_pool)
+        stale = s._k("rte:" + D0 + "|" + A.hex())
+        await raw.zadd(stale, {"gone": time.time() + 10**6})
+        assert await s.trim_replica(D0, 4) == 1
+        assert make.made.evicted["watermark"] == ["a0"]
+        assert await raw.zscore(stale, "gone") is None
+    else:
+        status, held = await s.lookup(b"a0")  # A's only handle, reserved
+        assert status == HIT
+        assert await s.trim_replica(D0, 4) == 1
+        assert make.made.evicted["watermark"] == ["b0"]
+        await s.release(held)
 
 
 async def test_a_tenant_over_its_share_of_a_replica_loses_its_own_there(make):

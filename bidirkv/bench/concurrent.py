@@ -28,10 +28,9 @@ from bidirkv.bench.conversation import Conversation, chat_body, user_text, with_
 
 ROUTER_COUNTERS = {
     f"reuse_{o}": ("bidirkv_router_reuse_total", {"outcome": o})
-    for o in ("hit", "miss", "expired", "verified-partial", "dropped")
-} | {"reused_tokens": ("bidirkv_router_reuse_tokens_total", {}),
-     # Turns run whole on the decode replica holding their KV (placement): reused there.
-     "extended": ("bidirkv_router_placements_total", {"decision": "extend"})}
+    # extended: run whole on the decode replica holding their KV (placement), reused there
+    for o in ("hit", "miss", "expired", "verified-partial", "dropped", "extended")
+} | {"reused_tokens": ("bidirkv_router_reuse_tokens_total", {})}
 
 
 @dataclass(frozen=True)

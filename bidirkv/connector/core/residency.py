@@ -186,13 +186,20 @@ class Residency:
         now = self.clock()
         with self.lock:
             prior = self.prior_gap or 0.0
+            # Each tenant's entries in release order, sorted once per call (when first
+            # taken from): `now` is fixed, so the order holds while the tenant choice
+            # rotates, and a reclaim costs a sort, not a walk per release.
+            queues: dict[str | None, list[Held]] = {}
             while got < blocks and self._free:
                 # Entries of no blocks free nothing but still count as one tenant's.
                 tenant = max(self._free, key=lambda t: (self._free_blocks[t], len(self._free[t])))
-                # A walk of one tenant's entries per release: reclaims come only when a
-                # request waits for blocks, and a tenant holds at most decode's blocks.
-                h = max(self._free[tenant].values(), key=lambda e: release_key(
-                    now, e.kept_at, prior if e.gap is None else e.gap))
+                queue = queues.get(tenant)
+                if queue is None:
+                    # Reversed: the first to go at the end, popped; on a tie the oldest.
+                    queue = queues[tenant] = sorted(
+                        reversed(self._free[tenant].values()), key=lambda e: release_key(
+                            now, e.kept_at, prior if e.gap is None else e.gap, e.deadline))
+                h = queue.pop()
                 got += self._release(h, cause)
         return got
 

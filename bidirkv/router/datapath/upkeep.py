@@ -73,15 +73,16 @@ class Upkeep:
 
     async def store_upkeep(self) -> None:
         """What the store needs after a health round: its start (a shared store names the
-        owner), each healthy decode's watermark and pinned count, the TTL sweep, the count."""
+        owner), the TTL sweep, each healthy decode's watermark and pinned count, the count."""
         ctx = self.ctx
         await self.start_store()
+        # The sweep first: what expired should not count against the watermark.
+        await quietly(ctx.store.sweep())
         if ctx.cfg.bidirectional:
             for b in ctx.decode.healthy():
                 await self.keep_under_watermark(b.url)
                 pinned = await quietly(ctx.store.pinned(b.url))
                 ctx.metrics.export_residency(b.url, ctx.residency.replica(b.url), pinned)
-        await quietly(ctx.store.sweep())
         count = await quietly(ctx.store.count())
         if count is not None:
             ctx.metrics.handles.set(count)

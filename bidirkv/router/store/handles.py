@@ -144,7 +144,9 @@ class HandleStore:
         self.tenant_entries.add(tenant, 1)
         self._rep_blocks.setdefault(url, Tally()).add(tenant, blocks)
         order = self._orders.setdefault(url, {}).setdefault(tenant, ReturnOrder())
-        order.add(entry, rank_gap(entry, self.prior_gap))
+        # Its expiry on the wall clock, which kept_at is on.
+        order.add(entry, rank_gap(entry, self.prior_gap),
+                  self._wall() + entry.expires_at - self._clock())
         order.compact(self._live, len(self._by_rep[url][tenant]))
         if tenant is not None and entry.prefix_len > 0:
             self._lengths.setdefault(tenant, Lengths()).add(entry.prefix_len)

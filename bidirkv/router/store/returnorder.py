@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 
 from bidirkv.returns import expected_at, overdue_at
@@ -37,9 +38,11 @@ class ReturnOrder:
         self._due: list[tuple[float, int, Entry]] = []
         self._back: list[tuple[float, int, Entry]] = []
 
-    def add(self, entry: Entry, gap: float) -> None:
+    def add(self, entry: Entry, gap: float, expires: float = math.inf) -> None:
+        """`expires`: when the handle expires, on the clock of `kept_at` (an expired one
+        is overdue whatever its gap)."""
         seq = next(_SEQ)
-        heapq.heappush(self._due, (overdue_at(entry.kept_at, gap), seq, entry))
+        heapq.heappush(self._due, (overdue_at(entry.kept_at, gap, expires), seq, entry))
         heapq.heappush(self._back, (-expected_at(entry.kept_at, gap), seq, entry))
 
     def victim(self, now: float, live: Callable[[Entry], bool],

@@ -44,7 +44,8 @@ local function unindex(p, k, v)
   end
   redis.call('ZREM', p .. 'order', k)
   redis.call('ZREM', p .. 'rep:' .. url, k)
-  redis.call('HINCRBY', p .. 'pin', url, -blocks)
+  -- Lua writes -0 as "-0", which HINCRBY refuses: a handle of no blocks pins nothing.
+  if blocks ~= 0 then redis.call('HINCRBY', p .. 'pin', url, -blocks) end
   if tenant ~= '' then redis.call('ZREM', p .. 'len:' .. tenant, k) end
   if redis.call('ZREM', p .. 'ten:' .. tenant, k) == 1 then
     settle(p .. 'tcount', tenant, -1)
@@ -135,13 +136,26 @@ local function victim_index()
   return 'rt:' .. url .. '|' .. t, nil
 end
 -- Of one tenant's keys on a replica (`rt` index): the one overdue longest, else the one
--- expected back last; nil when the value indexes hold none.
+-- expected back last; nil when the value indexes hold none. A key the `rt` index does
+-- not hold (a router of an older release removed it, or stored it elsewhere since) is
+-- taken out of both value indexes and passed over.
 local function by_value(index)
   local rt = string.sub(index, 4)
-  local due = redis.call('ZRANGE', p .. 'rto:' .. rt, 0, 0, 'WITHSCORES')
-  if #due > 0 and tonumber(due[2]) < now then return due[1], 'rto:' .. rt end
-  local back = redis.call('ZREVRANGE', p .. 'rte:' .. rt, 0, 0)
-  if #back > 0 then return back[1], 'rte:' .. rt end
+  local due_z, back_z = p .. 'rto:' .. rt, p .. 'rte:' .. rt
+  for _ = 1, 64 do
+    local k, z
+    local due = redis.call('ZRANGE', due_z, 0, 0, 'WITHSCORES')
+    if #due > 0 and tonumber(due[2]) < now then
+      k, z = due[1], 'rto:' .. rt
+    else
+      local back = redis.call('ZREVRANGE', back_z, 0, 0)
+      if #back == 0 then return nil end
+      k, z = back[1], 'rte:' .. rt
+    end
+    if redis.call('ZSCORE', p .. index, k) then return k, z end
+    redis.call('ZREM', due_z, k)
+    redis.call('ZREM', back_z, k)
+  end
   return nil
 end
 local out = {}

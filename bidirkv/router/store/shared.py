@@ -54,7 +54,8 @@ def _entry(raw: bytes | str) -> Entry:
               bytes.fromhex(d["tenant"]) if d.get("tenant") else None, d["prefix_len"],
               d.get("request_id"), d.get("blocks", 0), d.get("chars", 0),
               bytes.fromhex(d["prompt_key"]) if d.get("prompt_key") else None,
-              d.get("kept_at", 0.0), d.get("gap"))
+              # Stored before kept_at existed: its store time is when it was kept.
+              d.get("kept_at", d.get("stored_ms", 0) / 1000), d.get("gap"))
     e.reserved = True
     return e
 
@@ -205,7 +206,8 @@ class RedisStore:
         old, *counts = await self._call(
             "put", self._put, keys=[self._k("h:" + keyhex), self._k("order")],
             args=[keyhex, _value(entry, now_ms), now_ms, left_ms + SAFETY_TTL_MS, self.prefix,
-                  "1" if only_if_absent else "0", repr(overdue_at(entry.kept_at, gap)),
+                  "1" if only_if_absent else "0",
+                  repr(overdue_at(entry.kept_at, gap, entry.expires_at)),
                   repr(expected_at(entry.kept_at, gap))])
         return (_entry(old) if old else None), [int(c or 0) for c in counts]
 
