@@ -229,6 +229,25 @@ async def test_handle_is_refreshed_each_turn_and_single_use():
         assert len(c.router.store) == 1
 
 
+async def test_a_streamed_turns_reuse_is_counted_before_its_answer_ends():
+    """A benchmark reads the router's counters after each answer: a streamed turn's
+    outcome is counted at its decode leg's first byte, not after the handler ends."""
+    async with Cluster() as c:
+        r1 = await c.chat(U1, True, conversation_id="conv-1")
+        c.d[0].behaviour.chunk_delay = 0.3  # five chunks: 1.5 s of answer
+        turn2 = asyncio.create_task(c.chat(U1 + [r1["message"], {"role": "user",
+                                                                 "content": "more"}],
+                                           True, conversation_id="conv-1"))
+        hit = 'bidirkv_router_reuse_total{outcome="hit"} 1.0'
+        for _ in range(40):
+            if hit in await c.metrics() or turn2.done():
+                break
+            await asyncio.sleep(0.05)
+        assert not turn2.done() and hit in await c.metrics()
+        assert (await turn2)["status"] == 200
+        assert hit in await c.metrics()  # once
+
+
 async def test_decode_hears_when_the_conversation_is_expected_back():
     """From the second turn on, the decode leg carries the conversation's moving-average
     idle time (what decode releases by under pressure), and the stored handle keeps it."""

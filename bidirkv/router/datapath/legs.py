@@ -31,6 +31,7 @@ from bidirkv.router.datapath.upstream import (
     Unavailable,
     UpstreamFailure,
     classify,
+    count_reuse,
     decode_body,
     json_response,
     placement_header,
@@ -233,6 +234,8 @@ class Legs:
                 if not first:
                     raise UpstreamFailure(d.role, d, "protocol",
                                           detail="stream ended before any data")
+                if leg in (DECODE, EXTEND):
+                    count_reuse(self.ctx.metrics, turn)
             except UPSTREAM_FAILURES as exc:
                 kind, detail = classify(exc)
                 f = UpstreamFailure(d.role, d, kind, detail=detail)

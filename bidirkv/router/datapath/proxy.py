@@ -52,6 +52,7 @@ from bidirkv.router.datapath.upstream import (
     Unavailable,
     UpstreamFailure,
     classify,
+    count_reuse,
     failure_response,
     json_error,
     json_response,
@@ -357,8 +358,7 @@ class Router:
                     await ctx.store.release(entry)
                 except StoreUnavailable:  # it cannot go back: D frees its blocks now
                     ctx.evicted("store_unavailable", [entry])
-            if turn.asked_prefill or turn.reuse == "extended":
-                metrics.reuse_outcome(turn.reuse)
+            count_reuse(metrics, turn)
             trace.note_turn(turn)
         metrics.request(kind, outcome)
         log.debug("request rid=%s conv=%s kind=%s stream=%s reuse=%s outcome=%s ms=%.2f",

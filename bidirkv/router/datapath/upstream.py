@@ -98,6 +98,14 @@ LOCAL_PARAMS = {"do_remote_prefill": False, "do_remote_decode": False}
 PLACEMENT_HEADER = "X-Bidirkv-Placement"
 
 
+def count_reuse(metrics: Any, turn: Turn) -> None:
+    """The turn's reuse outcome, once: at its decode leg's first byte (a client that
+    reads the counter after its answer finds it there), else when the request ends."""
+    if not turn.reuse_counted and (turn.asked_prefill or turn.reuse == "extended"):
+        metrics.reuse_outcome(turn.reuse)
+        turn.reuse_counted = True
+
+
 def placement_header(turn: Turn) -> dict[str, str]:
     """`decision; reason=...` for the client (benchmarks read it), when one was made."""
     d = turn.placed
@@ -228,7 +236,7 @@ class Turn:
     __slots__ = (
         "kind", "stream", "body", "rid", "auth", "tenant", "conv", "entry", "reuse",
         "holder_url", "store_key", "history", "prompt", "t0", "asked_prefill", "placed",
-        "new_tokens", "prompt_chars", "prompt_tokens", "trace", "gap",
+        "new_tokens", "prompt_chars", "prompt_tokens", "trace", "gap", "reuse_counted",
     )
 
     def __init__(self, kind: str, stream: bool, body: dict[str, Any], rid: str,
@@ -248,8 +256,10 @@ class Turn:
         self.history: ChatHistory | None = None
         self.prompt: str | None = None
         self.t0 = t0
-        # Reuse outcomes are counted only for turns that reached P.
+        # Reuse outcomes are counted only for turns that reached P (or were extended on
+        # the holder), once.
         self.asked_prefill = False
+        self.reuse_counted = False
         # Where the turn runs and why (placement.py), and the new tokens it estimated.
         self.placed: Decision | None = None
         self.new_tokens = 0
