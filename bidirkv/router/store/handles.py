@@ -166,7 +166,7 @@ class HandleStore:
         if cap is None:
             return
         excess = self.tenant_entries.get(tenant) - cap
-        self._drop_oldest(self._by_tenant.get(tenant), lambda e: 1, excess, "tenant_cap")
+        self._drop_oldest(self._by_tenant.get(tenant), excess, "tenant_cap")
 
     def trim_tenant_replica(self, decode_url: str, tenant: bytes | None, max_blocks: int) -> int:
         """The tenant's unreserved handles on the replica, expected back last first,
@@ -194,18 +194,17 @@ class HandleStore:
         order = self._orders.get(url, {}).get(tenant)
         return order.victim(now, self._live, skip) if order is not None else None
 
-    def _drop_oldest(self, entries: OrderedDict[bytes, Entry] | None,
-                     weight: Callable[[Entry], int], excess: int, reason: str) -> int:
-        """The oldest unreserved entries of `entries` until their weights cover `excess`:
-        chosen first, then removed, so a put costs what it drops, not the tenant's size."""
+    def _drop_oldest(self, entries: OrderedDict[bytes, Entry] | None, excess: int,
+                     reason: str) -> int:
+        """The `excess` oldest unreserved entries of `entries`: chosen first, then
+        removed, so a put costs what it drops, not the tenant's size."""
         doomed: list[Entry] = []
         for entry in (entries or {}).values():
             if excess <= 0:
                 break
-            w = weight(entry)
-            if w > 0 and not entry.reserved:  # an entry of no weight would free nothing
+            if not entry.reserved:
                 doomed.append(entry)
-                excess -= w
+                excess -= 1
         for entry in doomed:
             self._remove(entry)
         self._evicted(reason, doomed)
