@@ -406,6 +406,32 @@ def test_router_places_each_turn_where_its_kv_is(stack):
         assert text4 == turn(stack, chat(msgs), None, streamed=False)[0]
 
 
+def test_cost_runs_a_first_turn_whole_on_an_idle_decode_server(stack):
+    """`cost`, the default: with both servers idle a first turn is sooner whole on decode
+    (no second hop), so prefill is never asked and no KV moves; the output is the
+    reuse-off output, and decode keeps the conversation for the next turn, which it
+    extends."""
+    with running_router(stack, "router-cost", placement={"policy": "cost"}) as (url, _):
+        conv = {"conversation_id": "conv-77", "stream": True}
+        user1 = {"role": "user", "content": random_text(200, seed=77)}
+        p_done = metric(stack.p_url, "vllm:request_success_total")
+        moved = [metric(u, "vllm:nixl_bytes_transferred_sum") for u in (stack.p_url, stack.d_url)]
+        text1 = stream_text(stream(url + "/v1/chat/completions", {**chat([user1]), **conv}))
+        assert metric(url, 'bidirkv_router_placements_total{decision="decode",'
+                      'reason="cheaper_on_decode"}') == 1
+        msgs = [user1, {"role": "assistant", "content": text1},
+                {"role": "user", "content": random_text(8, seed=78)}]
+        text2 = stream_text(stream(url + "/v1/chat/completions", {**chat(msgs), **conv}))
+        assert metric(url, 'bidirkv_router_placements_total{decision="extend",'
+                      'reason="cheaper_on_decode"}') == 1
+        assert metric(url, 'bidirkv_router_reuse_total{outcome="extended"}') == 1
+        assert metric(stack.p_url, "vllm:request_success_total") == p_done  # P never asked
+        assert [metric(u, "vllm:nixl_bytes_transferred_sum")
+                for u in (stack.p_url, stack.d_url)] == moved  # 0 KV bytes moved
+    assert text1 == turn(stack, chat([user1]), None, streamed=False)[0]  # reuse-off output
+    assert text2 == turn(stack, chat(msgs), None, streamed=False)[0]
+
+
 def test_reuse_cuts_prefill_time(stack):
     user1 = {"role": "user", "content": random_text(2500, seed=71)}
     text1, handle, _ = turn(stack, chat([user1], max_tokens=8))

@@ -61,6 +61,9 @@ def spec_file(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     model = build_model(tmp / "tiny-llama-f32", dtype="float32")
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["spec"]["model"].update({"name": str(model), "dtype": "float32"})
+    # What this suite measures is the read back: every turn takes the two legs (the
+    # default placement, `cost`, has its own tests and the demo's placement run).
+    doc["spec"].setdefault("router", {})["placement"] = {"policy": "alwaysDisaggregate"}
     path = tmp / "local-f32.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path

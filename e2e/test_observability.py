@@ -96,7 +96,7 @@ def test_every_metric_the_dashboard_and_alerts_name_is_exported(traced):
 
 def test_a_clients_trace_reaches_both_engines_through_the_router(traced):
     stack, receiver = traced
-    with running_router(stack, "router-traces", placement=None) as (url, _):
+    with running_router(stack, "router-traces") as (url, _):
         trace_id, parent = traced_turn(url, seed=91)
         engines = receiver.wait_for(trace_id, {PREFILL, DECODE})
     spans = receiver.wait_for(trace_id, {ROUTER, PREFILL, DECODE})  # flushed at the stop

@@ -67,7 +67,10 @@ def spec_for(model: pathlib.Path, max_model_len: int = 4096) -> dict:
         "decode": {"extraEnv": [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "1"}]},
         "kvTransfer": {"decoderKvBlocksTtlSeconds": 120, "kvRecomputeThreshold": 64,
                        "kvBufferDevice": "cpu"},
-        "router": {"conversationTtlSeconds": 100},
+        # The suites on this stack test the two legs and the read back; the placements
+        # (`cost`, the default, may run a turn whole on decode) name theirs.
+        "router": {"conversationTtlSeconds": 100,
+                   "placement": {"policy": "alwaysDisaggregate"}},
     }
 
 

@@ -390,7 +390,11 @@ class Cluster:
             self.write_config(self.file_config(self))
             overrides = dict(self.config)
         else:
-            overrides = {"prefill": [e.url for e in self.p], "decode": [e.url for e in self.d]}
+            # Most tests here are about the two legs and the handles: the router takes
+            # them for every turn unless a test asks for a placement (the default, `cost`,
+            # may serve a first turn whole on decode).
+            overrides = {"prefill": [e.url for e in self.p], "decode": [e.url for e in self.d],
+                         "placement": {"policy": "alwaysDisaggregate"}}
             overrides.update(self.config)
         cfg = load_config(self.config_path, overrides)
         app = build_app(cfg, config_path=self.config_path, overrides=overrides,

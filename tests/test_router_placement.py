@@ -11,6 +11,8 @@ from bidirkv.router.pool.placement import (
     ALWAYS_DISAGGREGATE,
     COST,
     EXTEND,
+    MOVE,
+    ON_DECODE,
     PREFILL,
     READ_BACK,
     REASONS,
@@ -18,6 +20,7 @@ from bidirkv.router.pool.placement import (
     CostModel,
     Costs,
     Inputs,
+    Line,
     new_tokens,
     place,
 )
@@ -26,25 +29,40 @@ CP = Placement(policy=COST)
 COSTS = Costs(prefill_ms=0.5, extend_ms=0.5, read_ms=0.05, hop_ms=20.0)
 
 
-def inp(held=4000, new=200, p_busy=0, d_busy=0):
+def inp(held=4000, new=200, p_busy=0, d_busy=0, other=None):
     return Inputs(held_tokens=held, new_tokens=new, prefill_inflight=p_busy,
-                  holder_inflight=d_busy)
+                  holder_inflight=d_busy, other_inflight=other)
 
 
 @pytest.mark.parametrize("inputs, policy, want", [
     # No handle: the turn has nothing on decode to extend.
-    (inp(held=None), CP, (PREFILL, "no_handle")),
-    (inp(held=None, new=10), Placement(policy=THRESHOLDS), (PREFILL, "no_handle")),
+    (inp(held=None, other=None), CP, (PREFILL, "no_handle")),  # no decode replica to take it
+    (inp(held=None, new=10, other=0), Placement(policy=THRESHOLDS), (PREFILL, "no_handle")),
+    (inp(held=None, new=10, other=0), Placement(policy=ALWAYS_DISAGGREGATE),
+     (PREFILL, "no_handle")),
+    # cost, idle: 512 tokens on D (256 ms) beat 20 ms + 2.6 ms of pull + 256 ms on P.
+    (inp(held=None, new=512, other=0), CP, (ON_DECODE, "cheaper_on_decode")),
+    # D decoding one (512 ahead) against an idle P: the two legs.
+    (inp(held=None, new=512, other=1), CP, (PREFILL, "cheaper_disaggregated")),
+    # Both with one ahead: the hop tips it to D again (the servers share the prompts).
+    (inp(held=None, new=512, p_busy=1, other=1), CP, (ON_DECODE, "cheaper_on_decode")),
+    (inp(held=None, new=1025, other=0), CP, (PREFILL, "prompt_over_cap")),
+    (inp(held=None, new=10, other=4), CP, (PREFILL, "decode_busy")),
     # Today's behaviour on request.
     (inp(new=10), Placement(policy=ALWAYS_DISAGGREGATE), (READ_BACK, "policy")),
     # The cap and a busy holder win over any policy that could extend.
     (inp(new=1025), CP, (READ_BACK, "append_over_cap")),
     (inp(new=1025), Placement(policy=THRESHOLDS), (READ_BACK, "append_over_cap")),
     (inp(new=10, d_busy=4), CP, (READ_BACK, "decode_busy")),
+    # A busy holder and a less busy replica: prefill reads the blocks, the other decodes.
+    (inp(new=10, d_busy=4, other=1), CP, (MOVE, "decode_busy")),
+    (inp(new=10, d_busy=4, other=4), CP, (READ_BACK, "decode_busy")),
+    (inp(new=700, p_busy=2, d_busy=5, other=0), Placement(policy=THRESHOLDS),
+     (MOVE, "decode_busy")),
     (inp(new=10, d_busy=3), CP, (EXTEND, "cheaper_on_decode")),
     # cost: 200 new tokens on D (100 ms) against 20 ms + 4000 read (200 ms) + 100 ms.
     (inp(new=200), CP, (EXTEND, "cheaper_on_decode")),
-    # A short history read back is cheap: 20 + 5 + 300 ms against 600 ms on D.
+    # A short history read back is cheap: 20 + 3.5 + 5 + 300 ms against 600 ms on D.
     (inp(held=100, new=600, d_busy=1), CP, (READ_BACK, "cheaper_disaggregated")),
     # A queue on prefill makes the two-leg path dearer.
     (inp(held=100, new=600, p_busy=2, d_busy=1), CP, (EXTEND, "cheaper_on_decode")),
@@ -72,8 +90,44 @@ def test_the_cap_is_configurable():
     assert place(inp(new=0), never, COSTS).reason == "append_over_cap"  # 0 means never
 
 
-def test_the_default_is_todays_path():
-    assert place(inp(new=10), Placement(), COSTS).path == READ_BACK
+def test_the_default_is_cost():
+    assert Placement().policy == COST
+    assert place(inp(new=10), Placement(), COSTS).path == EXTEND
+
+
+def test_the_second_hop_grows_with_the_tokens_decode_pulls():
+    c = Costs(prefill_ms=0.5, extend_ms=0.5, read_ms=0.05, hop_ms=20.0, pull_ms=0.1)
+    assert c.hop(1000) == 120.0
+    # 300 new tokens on a 20k history: 150 ms on D against 20 + 2030 ms of pull + 1000 ms
+    # of read + 150 ms; with a free pull, the read back would still cost more.
+    assert place(inp(held=20_000, new=300), CP, c).path == EXTEND
+    # A dear pull makes even an idle prefill's path dearer than D's queue of two.
+    cheap = Costs(prefill_ms=0.5, extend_ms=0.5, read_ms=0.0, hop_ms=0.0, pull_ms=0.0)
+    assert place(inp(held=1000, new=300, d_busy=2), CP, cheap).path == READ_BACK
+    assert place(inp(held=1000, new=300, d_busy=2), CP,
+                 Costs(**{**cheap.__dict__, "pull_ms": 0.5})).path == EXTEND
+
+
+def test_a_line_is_learned_online_and_never_goes_negative():
+    line = Line(fixed=20.0, per_x=0.005)
+    line.add(0, 8.0)  # the first sample replaces the default fixed part
+    assert (line.fixed, line.per_x) == (8.0, 0.005)
+    for _ in range(3):  # no spread in x yet: only the fixed part is learned
+        line.add(100, 9.0)
+    assert line.per_x == 0.005
+    for i in range(200):
+        x = (i % 10) * 1000
+        line.add(x, 5.0 + 0.002 * x)
+    assert line.fixed == pytest.approx(5.0, rel=1e-6)
+    assert line.per_x == pytest.approx(0.002, rel=1e-6)
+    for i in range(200):  # costs that fall with size (noise): a flat line at their mean
+        x = (i % 10) * 1000
+        line.add(x, 50.0 - 0.001 * x)
+    assert line.per_x == 0.0 and line.fixed == pytest.approx(45.5, rel=0.05)
+    for i in range(200):  # a negative intercept: the line through the origin instead
+        x = 1000 + (i % 10) * 1000
+        line.add(x, -10.0 + 0.01 * x)
+    assert line.fixed == 0.0 and line.per_x > 0
 
 
 def test_new_tokens_from_the_prompt_size():
@@ -96,12 +150,12 @@ def test_the_cost_model_learns_from_the_legs():
     for _ in range(40):
         m.observe_prefill(ms=100.0, computed=1000)  # 0.1 ms a token
         m.observe_extend(ms=60.0, computed=200)  # 0.3 ms a token
-        m.observe_hop(5.0)
+        m.observe_hop(5.0, tokens=1000)
         m.observe_prompt(prompt_chars=3000, prompt_tokens=1000)
     c = m.costs
     assert c.prefill_ms == pytest.approx(0.1, rel=0.01)
     assert c.extend_ms == pytest.approx(0.3, rel=0.01)
-    assert c.hop_ms == pytest.approx(5.0, rel=0.01)
+    assert c.hop(1000) == pytest.approx(5.0, rel=0.01)  # one size: only the sum is known
     assert m.chars_per_token == pytest.approx(3.0, rel=0.01)
     for _ in range(40):  # a read leg: what the prefilled part does not explain
         m.observe_prefill(ms=30.0, computed=100, read=1000)
@@ -183,8 +237,8 @@ async def test_an_explicit_id_extends_only_a_prompt_that_extends_the_last_one():
 
 
 @pytest.mark.timeout(30)
-async def test_the_default_decides_nothing():
-    async with Cluster() as c:
+async def test_always_disaggregate_decides_nothing():
+    async with Cluster(config={"placement": {"policy": ALWAYS_DISAGGREGATE}}) as c:
         r1 = await c.chat(U1)
         r2 = await c.chat(U1 + [r1["message"], {"role": "user", "content": "ok"}])
         assert "X-Bidirkv-Placement" not in r2["headers"]
@@ -235,3 +289,79 @@ async def test_an_extend_that_fails_before_a_byte_takes_the_two_legs_elsewhere()
         assert not c.p[0].generations()[-1].has_handle
         assert other.generations()
         assert "extend_failed" in await c.metrics()
+
+
+@pytest.mark.timeout(30)
+async def test_cost_serves_a_first_turn_whole_on_an_idle_decode_replica():
+    async with Cluster(decode=2, config={"placement": {"policy": COST}}) as c:
+        r1 = await c.chat(U1, True)
+        assert r1["status"] == 200
+        assert r1["headers"]["X-Bidirkv-Placement"] == "decode; reason=cheaper_on_decode"
+        assert c.p[0].generations() == []  # no prefill leg
+        (holder,) = [d for d in c.d if d.generations()]
+        kv = holder.generations()[0].kv
+        assert kv["do_remote_prefill"] is False and "remote_block_ids" not in kv
+        text = await c.metrics()
+        assert 'bidirkv_router_reuse_total{outcome="miss"} 1.0' in text
+        # Decode kept it: the next turn is extended on the same replica.
+        r2 = await c.chat(U1 + [r1["message"], {"role": "user", "content": "ok"}], True)
+        assert r2["headers"]["X-Bidirkv-Placement"] == "extend; reason=cheaper_on_decode"
+        assert len(holder.generations()) == 2 and c.p[0].generations() == []
+
+
+@pytest.mark.timeout(30)
+async def test_a_first_turn_takes_the_legs_when_decode_is_busy():
+    async with Cluster(config={"placement": {"policy": COST, "decodeBusyRequests": 1}}) as c:
+        c.d[0].behaviour.chunk_delay = 0.3  # another conversation keeps D busy
+        other = asyncio.create_task(c.chat([{"role": "user", "content": "x"}], True))
+        for _ in range(100):
+            if c.d[0].generations():
+                break
+            await asyncio.sleep(0.01)
+        c.d[0].behaviour.chunk_delay = 0.0
+        r = await c.chat(U1)
+        assert r["headers"]["X-Bidirkv-Placement"] == "prefill; reason=decode_busy"
+        assert len(c.p[0].generations()) == 1
+        await other
+
+
+@pytest.mark.timeout(30)
+async def test_a_busy_holders_turn_is_read_back_and_decoded_by_another_replica():
+    async with Cluster(decode=2, config=placement(decodeBusyRequests=1)) as c:
+        # Two conversations held by the same replica (first turns alternate replicas).
+        firsts = []
+        for i in range(3):
+            msgs = [{"role": "user", "content": f"conversation {i}"}]
+            firsts.append((msgs, await c.chat(msgs)))
+        holder = next(d for d in c.d if len(d.generations()) >= 2)
+        other = next(d for d in c.d if d is not holder)
+
+        def decoded_on(msgs):
+            return next(d for d in c.d
+                        if any(g.body.get("messages") == msgs for g in d.generations()))
+
+        (a_msgs, a), (b_msgs, b) = [(m, r) for m, r in firsts if decoded_on(m) is holder][:2]
+        holder.behaviour.chunk_delay = 0.3  # b's next turn, extended, keeps the holder busy
+        busy = asyncio.create_task(c.chat(b_msgs + [b["message"],
+                                                    {"role": "user", "content": "go"}], True))
+        for _ in range(100):
+            if len(holder.generations()) >= 3:
+                break
+            await asyncio.sleep(0.01)
+        holder.behaviour.chunk_delay = 0.0
+        before = len(other.generations())
+        r = await c.chat(a_msgs + [a["message"], {"role": "user", "content": "ok"}])
+        assert r["status"] == 200
+        assert r["headers"]["X-Bidirkv-Placement"] == "move; reason=decode_busy"
+        assert c.p[0].generations()[-1].has_handle  # P read the holder's blocks
+        assert len(other.generations()) == before + 1  # and the other replica decoded
+        assert 'decision="move",reason="decode_busy"' in await c.metrics()
+        await busy
+
+
+@pytest.mark.timeout(30)
+async def test_with_bidirectional_transfer_off_every_turn_takes_the_two_legs():
+    async with Cluster(config={"bidirectional": False, "placement": {"policy": COST}}) as c:
+        r = await c.chat(U1, True)
+        assert r["status"] == 200 and "X-Bidirkv-Placement" not in r["headers"]
+        assert len(c.p[0].generations()) == 1

@@ -31,7 +31,9 @@ async def setup(tmp_path):
     await p.start()
     await d.start()
     cfg = tmp_path / "router.json"
-    cfg.write_text(json.dumps({"prefill": [p.url], "decode": [d.url]}))
+    # The handles between router processes are what is tested: every turn takes the legs.
+    cfg.write_text(json.dumps({"prefill": [p.url], "decode": [d.url],
+                               "placement": {"policy": "alwaysDisaggregate"}}))
     routers: list[RouterProcess] = []
 
     def router(name: str, key: str = KEY) -> RouterProcess:

@@ -25,7 +25,8 @@ class Replica:
 
     async def __aenter__(self) -> Replica:
         overrides = {"prefill": [e.url for e in self.cluster.p],
-                     "decode": [e.url for e in self.cluster.d], **self.config}
+                     "decode": [e.url for e in self.cluster.d],
+                     "placement": {"policy": "alwaysDisaggregate"}, **self.config}
         self.running = await start_router(build_app(load_config(None, overrides)))
         return self
 

@@ -66,8 +66,7 @@ class Timeouts(_Model):
 class Placement(_Model):
     """Where each turn runs (bidirkv/router/pool/placement.py; spec.router.placement)."""
 
-    # alwaysDisaggregate until the placement benchmark has measured `cost` (README).
-    policy: Literal["cost", "alwaysDisaggregate", "thresholds"] = "alwaysDisaggregate"
+    policy: Literal["cost", "alwaysDisaggregate", "thresholds"] = "cost"
     max_local_prefill_tokens: int = Field(default=1024, ge=0, le=1_048_576)
     decode_busy_requests: int = Field(default=4, ge=1, le=100_000)
     local_prefill_tokens: int = Field(default=256, ge=0, le=1_048_576)

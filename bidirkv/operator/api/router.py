@@ -27,13 +27,15 @@ class PlacementPolicy(StrEnum):
 
 class PlacementSpec(_Model):
     policy: PlacementPolicy = Field(
-        default=PlacementPolicy.alwaysDisaggregate,
-        description="Where each turn runs. `alwaysDisaggregate` (the default): every "
-        "turn takes the prefill leg, reading back what decode holds. `cost`: a turn whose "
-        "conversation a decode replica holds is extended there (decode prefills only the "
-        "new tokens, nothing is transferred) when that is estimated faster than the prefill "
-        "leg with the read back, from per-token costs the router learns online. "
-        "`thresholds`: extend on decode when the new tokens are at most "
+        default=PlacementPolicy.cost,
+        description="Where each turn runs. `cost` (the default): where its time to first "
+        "token is estimated lowest, from per-token costs the router learns online: extended "
+        "on the decode replica that holds its conversation (decode prefills only the new "
+        "tokens, nothing is transferred), or the prefill leg reading back what decode "
+        "holds; a first turn runs whole on the least loaded decode replica when prefill is "
+        "the busier side, and a busy holder's turn is decoded by another replica. "
+        "`alwaysDisaggregate`: every turn takes the prefill leg, reading back what decode "
+        "holds. `thresholds`: extend on decode when the new tokens are at most "
         "`localPrefillTokens`, or prefill has `prefillBusyRequests` requests in flight. "
         "Every choice gives the same output.",
     )
@@ -49,7 +51,8 @@ class PlacementSpec(_Model):
         ge=1,
         le=100_000,
         description="A decode replica with this many requests in flight from this router "
-        "is busy: its conversations' turns take the prefill leg.",
+        "is busy: it prefills nothing for a turn, and a turn it holds takes the prefill "
+        "leg, decoded by a less busy replica where there is one.",
     )
     local_prefill_tokens: int = Field(
         default=256,

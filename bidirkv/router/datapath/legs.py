@@ -81,6 +81,7 @@ class Legs:
             if entry is not None:
                 span.set("bidirkv.kv.offered_tokens", entry.num_tokens)
             t = time.perf_counter()
+            alone = p.outstanding == 0
             p.outstanding += 1
             turn.asked_prefill = True
             try:
@@ -127,7 +128,7 @@ class Legs:
             took = time.perf_counter() - t
             ctx.metrics.observe_leg("prefill", "ok", took)
             try:
-                self._learn_prefill(turn, data, took)
+                self._learn_prefill(turn, data, took, alone)
                 if span.recording:
                     self._trace_reuse(span, turn, data)
             finally:
@@ -137,13 +138,17 @@ class Legs:
         assert last is not None
         raise last
 
-    def _learn_prefill(self, turn: Turn, data: dict[str, Any], seconds: float) -> None:
+    def _learn_prefill(self, turn: Turn, data: dict[str, Any], seconds: float,
+                       alone: bool) -> None:
+        """`alone`: the leg started with no other in flight on its replica. One that
+        queued behind others measured the queue too, which the estimate adds itself."""
         work = prefill_work(data)
         if work is not None:
             turn.prompt_tokens = work.prompt_tokens
             costs = self.ctx.costs
             costs.observe_prompt(turn.prompt_chars, work.prompt_tokens)
-            costs.observe_prefill(seconds * 1000, work.computed, work.read)
+            if alone:
+                costs.observe_prefill(seconds * 1000, work.computed, work.read)
 
     def _trace_reuse(self, span: Leg, turn: Turn, data: dict[str, Any]) -> None:
         report = reuse_report(data)
@@ -204,6 +209,7 @@ class Legs:
         span = turn.trace.leg(leg, d.url, PATHS[turn.kind])
         span.set("bidirkv.kv.offered_tokens", offered_tokens)
         result, status = "cancelled", None
+        alone = d.outstanding == 0
         d.outstanding += 1
         resp: aiohttp.ClientResponse | None = None
         try:
@@ -230,7 +236,8 @@ class Legs:
                         result = "ok"
                         return out, result
                     first = await resp.content.readany()
-                    self._learn_first_byte(turn, leg, time.perf_counter() - t)
+                    if alone:
+                        self._learn_first_byte(turn, leg, time.perf_counter() - t)
                 if not first:
                     raise UpstreamFailure(d.role, d, "protocol",
                                           detail="stream ended before any data")
@@ -257,10 +264,11 @@ class Legs:
                 resp.close()
 
     def _learn_first_byte(self, turn: Turn, leg: str, seconds: float) -> None:
-        """A streamed leg's first token: after P's answer, the second hop's cost; on the
-        holder, what extending cost per new token."""
+        """A streamed leg's first token, from a leg that started alone on its replica:
+        after P's answer, the second hop's cost for the prompt D pulls; on decode alone,
+        what prefilling there cost per new token."""
         if leg == DECODE:
-            self.ctx.costs.observe_hop(seconds * 1000)
+            self.ctx.costs.observe_hop(seconds * 1000, turn.prompt_tokens or 0)
         elif leg == EXTEND:
             self.ctx.costs.observe_extend(seconds * 1000, turn.new_tokens)
 

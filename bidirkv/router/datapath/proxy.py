@@ -66,6 +66,8 @@ from bidirkv.router.pool.backends import DECODE, PREFILL, Backend, Pool
 from bidirkv.router.pool.placement import (
     ALWAYS_DISAGGREGATE,
     EXTEND,
+    MOVE,
+    ON_DECODE,
     Decision,
     Inputs,
     new_tokens,
@@ -375,26 +377,35 @@ class Router:
             return await serve_on_prefill(ctx, self.legs, request, turn)
         tried_decode: list[Backend] = []
         last: UpstreamFailure | None = None
-        holder = self._placement(turn)
-        if holder is not None:
+        target = self._placement(turn)
+        if target is not None:
             try:
-                return await self._extend(request, turn, holder)
+                return await self._extend(request, turn, target)
             except UpstreamFailure as f:
                 # Nothing reached the client: the turn takes the two legs, without the
                 # handle (its holder just failed) and on another replica.
-                tried_decode.append(holder)
+                tried_decode.append(target)
                 last = f
-                turn.reuse = "dropped"
+                if turn.reuse == "extended":
+                    turn.reuse = "dropped"
                 turn.placed = Decision(PREFILL_PATH, "extend_failed")
                 self.ctx.metrics.retries.labels("extend_failed").inc()
-                log.warning("extend on decode failed (%s); taking the prefill leg rid=%s "
-                            "conv=%s decode=%s", f.detail or f.kind, turn.rid, turn.conv,
-                            holder.url)
+                log.warning("the whole turn on decode failed (%s); taking the prefill leg "
+                            "rid=%s conv=%s decode=%s", f.detail or f.kind, turn.rid,
+                            turn.conv, target.url)
+        # A busy holder: another replica decodes the turn (a retry may still go back).
+        busy = holder_of(ctx.decode.backends, turn.holder_url, None) \
+            if turn.placed is not None and turn.placed.path == MOVE else None
         for attempt in range(2):
             rid = turn.rid if attempt == 0 else f"{turn.rid}-retry{attempt}"
             # D is chosen first: no prefill is spent on a turn that has nowhere to decode.
-            d = pick_decode(ctx.decode.backends, ctx.decode.next_start(), tried_decode,
-                            turn.holder_url)
+            d = None
+            if busy is not None and attempt == 0:
+                d = least_outstanding(ctx.decode.backends, ctx.decode.next_start(),
+                                      [*tried_decode, busy])
+            if d is None:
+                d = pick_decode(ctx.decode.backends, ctx.decode.next_start(), tried_decode,
+                                turn.holder_url)
             if d is None:
                 if last is not None:
                     return failure_response(last, turn.rid), outcome_of(last)
@@ -422,11 +433,12 @@ class Router:
         return failure_response(last, turn.rid), outcome_of(last)
 
     def _placement(self, turn: Turn) -> Backend | None:
-        """Decide where the turn runs; the holder when it is extended there. Under
-        alwaysDisaggregate nothing is decided: every turn takes the prefill leg."""
+        """Decide where the turn runs; the decode replica that takes it whole, if one
+        does. Under alwaysDisaggregate, or with bidirectional transfer off (plain P/D),
+        nothing is decided: every turn takes the prefill leg."""
         ctx = self.ctx
         policy = ctx.cfg.placement
-        if policy.policy == ALWAYS_DISAGGREGATE:
+        if policy.policy == ALWAYS_DISAGGREGATE or not ctx.cfg.bidirectional:
             return None
         holder = None
         held: int | None = None
@@ -438,23 +450,35 @@ class Router:
         held_chars = entry.chars if holder is not None and entry is not None else 0
         turn.new_tokens = new_tokens(turn.prompt_chars, held or 0, ctx.costs.chars_per_token,
                                      held_chars)
-        # Read, not picked: the prefill leg's own pick keeps its rotation.
+        # Read, not picked: the leg's own pick keeps its replicas' rotation.
         p_load = min((b.outstanding for b in ctx.prefill.healthy()), default=0)
+        others = [b.outstanding for b in ctx.decode.backends
+                  if b.healthy and b.in_pool and b is not holder]
         decision = place(Inputs(held, turn.new_tokens, p_load,
                                 holder.outstanding if holder else 0,
                                 extends_held=entry is not None
-                                and self.conversations.extends(turn, entry)),
+                                and self.conversations.extends(turn, entry),
+                                other_inflight=min(others, default=None)),
                          policy, ctx.costs.costs)
         turn.placed = decision
         ctx.metrics.placements.labels(decision.path, decision.reason).inc()
-        return holder if decision.path == EXTEND else None
+        if decision.path == EXTEND:
+            return holder
+        if decision.path == ON_DECODE:
+            return least_outstanding([b for b in ctx.decode.backends if b.in_pool],
+                                     ctx.decode.next_start())
+        return None
 
-    async def _extend(self, request: web.Request, turn: Turn, holder: Backend
+    async def _extend(self, request: web.Request, turn: Turn, d: Backend
                       ) -> tuple[web.StreamResponse, str]:
+        """The whole turn on `d`: the holder extending what it keeps, or (no entry) a
+        replica that holds none of it prefilling all of it."""
         entry = turn.entry
         turn.entry = None  # not P's to read: whatever happens, it is not handed out again
+        if entry is not None:
+            turn.reuse = "extended"  # counted at the first byte
         try:
-            resp = await self.legs.extend_leg(request, turn, holder, turn.rid,
+            resp = await self.legs.extend_leg(request, turn, d, turn.rid,
                                               entry.num_tokens if entry is not None else None)
         except BaseException:
             if entry is not None:
@@ -464,7 +488,6 @@ class Router:
             if entry is not None:
                 await quietly(self.ctx.store.discard(entry, "extend_failed"))
             return resp
-        turn.reuse = "extended"
         if entry is not None:
             # Superseded by the handle of this turn, which shares its blocks on D (its
             # prefix cache): D frees what only the old request held.

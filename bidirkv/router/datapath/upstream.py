@@ -14,7 +14,7 @@ from aiohttp import web
 from bidirkv.router.datapath.sse import PARAMS
 from bidirkv.router.datapath.tracing import UNTRACED, Trace
 from bidirkv.router.pool.backends import Backend
-from bidirkv.router.pool.placement import Decision
+from bidirkv.router.pool.placement import ON_DECODE, Decision
 from bidirkv.router.request.identity import ChatHistory
 from bidirkv.router.request.validation import CHAT, error_body
 from bidirkv.router.store.handles import Entry
@@ -101,7 +101,9 @@ PLACEMENT_HEADER = "X-Bidirkv-Placement"
 def count_reuse(metrics: Any, turn: Turn) -> None:
     """The turn's reuse outcome, once: at its decode leg's first byte (a client that
     reads the counter after its answer finds it there), else when the request ends."""
-    if not turn.reuse_counted and (turn.asked_prefill or turn.reuse == "extended"):
+    if not turn.reuse_counted and (turn.asked_prefill or turn.reuse == "extended"
+                                   or turn.placed is not None
+                                   and turn.placed.path == ON_DECODE):
         metrics.reuse_outcome(turn.reuse)
         turn.reuse_counted = True
 

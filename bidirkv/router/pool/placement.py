@@ -6,22 +6,27 @@ the decode replica that served the last turn still holds. The paths:
 
     extend      the holder takes the whole request and prefills only the new tokens, on
                 top of that KV (its own prefix cache): no prefill leg, no KV moved
+    decode      a turn with nothing on decode (a first turn) runs whole on the least
+                loaded decode replica, when prefill is the busier side: the two servers
+                then share the prompts instead of queueing them all on prefill
     read_back   prefill reads the holder's retained blocks, prefills the new tokens,
                 decode pulls it all (the bidirectional path)
+    move        as read_back, but another decode replica decodes the turn (and keeps it
+                from then on): the holder is busy
     prefill     prefill computes the prompt (no handle, or its own prefix cache); decode
                 pulls it
 
 Every path gives the reuse-off output: the choice changes only where work is done. A
 cap (`maxLocalPrefillTokens`) bounds what decode prefills locally, so the requests it is
-decoding keep their inter-token latency (the reason for P/D on GPUs), and a busy holder
-(`decodeBusyRequests` legs in flight) is never given a prefill.
+decoding keep their inter-token latency (the reason for P/D on GPUs), and a busy decode
+replica (`decodeBusyRequests` legs in flight) is never given a prefill.
 
-Policies: `cost` compares the estimated time to first token of extending on the holder
-with that of the two-leg path, from per-token costs learned online (prefill legs, extend
-legs, reads); `alwaysDisaggregate` (the default until the placement benchmark has
-measured `cost`) is the two-leg path for every turn; and `thresholds`, for teams used to
-llm-d's or Dynamo's deciders: extend when the new tokens are at most
-`localPrefillTokens`, or prefill has `prefillBusyRequests` legs in flight.
+Policies: `cost` (the default) compares the estimated time to first token of each path
+from per-token costs learned online (prefill legs, local prefills on decode, reads, and
+the second hop, whose cost grows with the tokens decode pulls); `alwaysDisaggregate` is
+the two-leg path for every turn; and `thresholds`, for teams used to llm-d's or
+Dynamo's deciders: extend when the new tokens are at most `localPrefillTokens`, or
+prefill has `prefillBusyRequests` legs in flight.
 """
 
 from __future__ import annotations
@@ -32,9 +37,13 @@ from typing import Any
 from bidirkv.router.config import Placement
 
 EXTEND = "extend"
+ON_DECODE = "decode"
 READ_BACK = "read_back"
+MOVE = "move"
 PREFILL = "prefill"
-DECISIONS = (EXTEND, READ_BACK, PREFILL)
+DECISIONS = (EXTEND, ON_DECODE, READ_BACK, MOVE, PREFILL)
+# The whole request goes to one decode replica: no prefill leg.
+WHOLE_ON_DECODE = (EXTEND, ON_DECODE)
 
 COST = "cost"
 ALWAYS_DISAGGREGATE = "alwaysDisaggregate"
@@ -44,7 +53,7 @@ POLICIES = (COST, ALWAYS_DISAGGREGATE, THRESHOLDS)
 # Bounded label values of placements_total{decision,reason}.
 REASONS = ("no_handle", "policy", "prefix_unknown", "append_over_cap", "decode_busy",
            "short_append", "prefill_busy", "long_append", "cheaper_on_decode",
-           "cheaper_disaggregated", "extend_failed")
+           "cheaper_disaggregated", "extend_failed", "prompt_over_cap")
 # A leg that prefilled fewer tokens than this says more about its fixed costs than about
 # its cost per token: not learned from.
 MIN_SAMPLE_TOKENS = 64
@@ -55,23 +64,31 @@ class Inputs:
     held_tokens: int | None  # tokens the holder retains for this conversation; None: none
     new_tokens: int  # the turn's tokens beyond those (estimated)
     prefill_inflight: int  # legs in flight on the least loaded prefill
-    holder_inflight: int  # legs in flight on the holder
+    holder_inflight: int  # legs in flight on the holder (0 without one)
     # The router knows the prompt extends exactly what the holder keeps (the conversation
     # was named by its history or its prompt prefix, and the prompt is not shorter): an
     # explicit conversation id proves nothing of the sort, and an edited history would
     # have decode prefill all of it past the edit.
     extends_held: bool = True
+    # Legs in flight on the least loaded usable decode replica other than the holder;
+    # None: there is none.
+    other_inflight: int | None = None
 
 
 @dataclass(frozen=True)
 class Costs:
     """Milliseconds: per token prefilled on P and on D, per token read from D, and the
-    second leg's own cost (a request, a connection, D's pull of P's blocks)."""
+    second leg's cost: its own (a request, a connection, a scheduler step on D) and per
+    token of the prompt D pulls from P."""
 
     prefill_ms: float = 0.5
     extend_ms: float = 0.5
     read_ms: float = 0.05
     hop_ms: float = 20.0
+    pull_ms: float = 0.005
+
+    def hop(self, tokens: int) -> float:
+        return self.hop_ms + self.pull_ms * tokens
 
 
 @dataclass(frozen=True)
@@ -81,24 +98,29 @@ class Decision:
 
 
 def estimate_ms(inp: Inputs, c: Costs) -> tuple[float, float]:
-    """(extend on the holder, the two-leg path with the read), time to first token. A
-    leg in flight ahead of this one costs about one more prefill of the same size."""
+    """(the whole turn on one decode replica, the two-leg path with the read), time to
+    first token. A leg in flight ahead of this one costs about one more prefill of the
+    same size. The decode replica is the holder, or without one the least loaded."""
     held = inp.held_tokens or 0
-    extend = inp.new_tokens * c.extend_ms * (1 + inp.holder_inflight)
+    ahead = inp.holder_inflight if inp.held_tokens is not None else inp.other_inflight or 0
+    local = inp.new_tokens * c.extend_ms * (1 + ahead)
     prefill_work = held * min(c.read_ms, c.prefill_ms) + inp.new_tokens * c.prefill_ms
-    return extend, c.hop_ms + prefill_work * (1 + inp.prefill_inflight)
+    return local, c.hop(held + inp.new_tokens) + prefill_work * (1 + inp.prefill_inflight)
 
 
 def place(inp: Inputs, policy: Placement, costs: Costs) -> Decision:
+    cap = policy.max_local_prefill_tokens
     if inp.held_tokens is None:
-        return Decision(PREFILL, "no_handle")
+        return _unheld(inp, policy, costs)
     if policy.policy == ALWAYS_DISAGGREGATE:
         return Decision(READ_BACK, "policy")
     if not inp.extends_held:
         return Decision(READ_BACK, "prefix_unknown")
-    if inp.new_tokens > policy.max_local_prefill_tokens or policy.max_local_prefill_tokens == 0:
+    if inp.new_tokens > cap or cap == 0:
         return Decision(READ_BACK, "append_over_cap")
     if inp.holder_inflight >= policy.decode_busy_requests:
+        if inp.other_inflight is not None and inp.other_inflight < inp.holder_inflight:
+            return Decision(MOVE, "decode_busy")
         return Decision(READ_BACK, "decode_busy")
     if policy.policy == THRESHOLDS:
         if inp.new_tokens <= policy.local_prefill_tokens:
@@ -106,10 +128,26 @@ def place(inp: Inputs, policy: Placement, costs: Costs) -> Decision:
         if inp.prefill_inflight >= policy.prefill_busy_requests:
             return Decision(EXTEND, "prefill_busy")
         return Decision(READ_BACK, "long_append")
-    extend, disaggregated = estimate_ms(inp, costs)
-    if extend <= disaggregated:
+    local, disaggregated = estimate_ms(inp, costs)
+    if local <= disaggregated:
         return Decision(EXTEND, "cheaper_on_decode")
     return Decision(READ_BACK, "cheaper_disaggregated")
+
+
+def _unheld(inp: Inputs, policy: Placement, costs: Costs) -> Decision:
+    """A turn no decode replica holds: under `cost`, whole on the least loaded decode
+    replica when that is estimated sooner; else the two legs."""
+    cap = policy.max_local_prefill_tokens
+    if policy.policy != COST or inp.other_inflight is None:
+        return Decision(PREFILL, "no_handle")
+    if inp.new_tokens > cap or cap == 0:
+        return Decision(PREFILL, "prompt_over_cap")
+    if inp.other_inflight >= policy.decode_busy_requests:
+        return Decision(PREFILL, "decode_busy")
+    local, disaggregated = estimate_ms(inp, costs)
+    if local <= disaggregated:
+        return Decision(ON_DECODE, "cheaper_on_decode")
+    return Decision(PREFILL, "cheaper_disaggregated")
 
 
 def prompt_chars(body: dict[str, Any]) -> int:
@@ -142,6 +180,38 @@ def _ewma(old: float, sample: float, weight: float = 0.2) -> float:
     return old + weight * (sample - old)
 
 
+class Line:
+    """y = fixed + per_x * x, fitted online by least squares with exponential forgetting
+    (each sample weighs `weight`, older ones fade), so a cost that grows with the size of
+    the work is learned from the work the router sees. Until the samples' x spread over
+    `min_spread`, the slope stays at its prior and only the fixed part is learned."""
+
+    def __init__(self, fixed: float, per_x: float, weight: float = 0.2,
+                 min_spread: float = 256.0) -> None:
+        self.fixed, self.per_x = fixed, per_x
+        self._prior = per_x
+        self._keep = 1 - weight
+        self._min_var = min_spread * min_spread
+        self._n = self._x = self._y = self._xx = self._xy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        k = self._keep if self._n else 0.0  # the first sample replaces the default
+        self._n = self._n * k + 1
+        self._x = self._x * k + x
+        self._y = self._y * k + y
+        self._xx = self._xx * k + x * x
+        self._xy = self._xy * k + x * y
+        mx, my = self._x / self._n, self._y / self._n
+        var = self._xx / self._n - mx * mx
+        slope = (self._xy / self._n - mx * my) / var if var >= self._min_var else self._prior
+        # Costs are never negative: a noisy fit that says so keeps the other part exact.
+        self.per_x = max(0.0, slope)
+        self.fixed = my - self.per_x * mx
+        if self.fixed < 0:
+            self.fixed = 0.0
+            self.per_x = max(0.0, self._xy / self._xx) if self._xx > 0 else 0.0
+
+
 class CostModel:
     """Per-token costs and the prompt's characters per token, learned from what the legs
     took and what the engines reported. Each starts from a default that its first
@@ -152,6 +222,7 @@ class CostModel:
         self._costs = costs or Costs()
         self.chars_per_token = chars_per_token
         self._seen: set[str] = set()
+        self._hop = Line(self._costs.hop_ms, self._costs.pull_ms)
 
     @property
     def costs(self) -> Costs:
@@ -180,10 +251,12 @@ class CostModel:
             rest = max(0.0, ms - computed * self._costs.prefill_ms)
             self._learn("read_ms", rest / read)
 
-    def observe_hop(self, ms: float) -> None:
-        """The two-leg path's second leg, from P's answer to D's first byte."""
+    def observe_hop(self, ms: float, tokens: int = 0) -> None:
+        """The two-leg path's second leg, from P's answer to D's first byte; `tokens`: the
+        prompt's, which D pulls from P (0: not known)."""
         if ms >= 0:
-            self._learn("hop_ms", ms)
+            self._hop.add(max(0, tokens), ms)
+            self._costs = _with(self._costs, hop_ms=self._hop.fixed, pull_ms=self._hop.per_x)
 
     def observe_extend(self, ms: float, computed: int) -> None:
         if computed >= MIN_SAMPLE_TOKENS:
