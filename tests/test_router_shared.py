@@ -35,7 +35,7 @@ class Replica:
 
     async def chat(self, messages, **extra):
         body = {"model": "fake-model", "messages": messages, **extra}
-        async with aiohttp.ClientSession() as s, s.post(
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s, s.post(
                 self.running.url + "/v1/chat/completions", json=body) as r:
             return r.status, await r.json()
 

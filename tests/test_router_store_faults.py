@@ -5,6 +5,8 @@ needs, and a read-only replica after a failover."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import redis
 from fake_engine import Cluster
@@ -87,3 +89,23 @@ async def test_a_slow_store_opens_the_breaker_and_turns_stop_waiting_for_it(redi
             assert handles_sent(c) == 1
     finally:
         link.close()
+
+
+async def test_a_lost_cancel_does_not_hang_the_routers_stop():
+    """A loop whose first cancel is lost (Python 3.11's wait_for around a redis command
+    that just completed) and that then waits for an event nobody sets still stops."""
+    from bidirkv.router.datapath.upkeep import stopped
+
+    never = asyncio.Event()
+
+    async def loop():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            pass  # lost
+        await never.wait()
+
+    task = asyncio.create_task(loop())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(stopped(task), 5)
+    assert task.cancelled()

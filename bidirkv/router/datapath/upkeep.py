@@ -15,6 +15,18 @@ from bidirkv.router.store.base import StoreUnavailable
 log = logging.getLogger("bidirkv.router")
 
 
+async def stopped(task: asyncio.Task[None]) -> None:
+    """Cancel `task` until it ends. One cancel can be lost: on Python 3.11
+    `asyncio.wait_for`, which redis-py wraps every command in, drops a cancel that lands
+    as the command completes, and the store loop would then wait for a health round that
+    never comes again (its loop is already gone)."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    with contextlib.suppress(asyncio.CancelledError):
+        task.result()
+
+
 class Upkeep:
     """Everything the router does besides serving a request, in two loops."""
 
@@ -36,9 +48,7 @@ class Upkeep:
         # Before the store closes: no loop may call it after that.
         for task in (self.health_task, self.store_task):
             if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await stopped(task)
 
     async def start_store(self) -> None:
         """A shared store names the owner decode keeps KV for (the same for every router

@@ -155,7 +155,8 @@ class RedisStore:
         self.owner = raw.decode() if isinstance(raw, bytes) else raw
 
     async def close(self) -> None:
-        await self.r.aclose()
+        # A pool handed to the client is not the client's to close unless asked.
+        await self.r.aclose(close_connection_pool=True)
 
     async def _take_key(self, keyhex: str) -> Entry | None:
         raw = await self._call("take", self._take, keys=[self._k("h:" + keyhex),
