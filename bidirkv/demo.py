@@ -99,6 +99,8 @@ async def control_plane(spec_path: pathlib.Path) -> None:
     print("    the next steps run these same rendered containers as local processes")
 
 
+ALWAYS_DISAGGREGATE = {"router": {"placement": {"policy": "alwaysDisaggregate"}}}
+
 # Decode KV limited so that retained conversations fill it; vLLM's default retention (the
 # local spec shortens it), so a stall would show as minutes, not seconds.
 PRESSURE = {"blocks": 128, "conversations": 12, "turns": 4, "concurrency": 4, "think_s": 1.0,
@@ -110,7 +112,10 @@ def pressure_patch(spec: dict[str, Any], bidirectional: bool) -> dict[str, Any]:
             if not a.startswith("--num-gpu-blocks-override")]
     return {"engine": {"extraArgs": [*args, f"--num-gpu-blocks-override={PRESSURE['blocks']}"]},
             "kvTransfer": {"bidirectional": bidirectional, "decoderKvBlocksTtlSeconds": 480},
-            "router": {"conversationTtlSeconds": 420}}
+            # Every returning turn reads back what decode kept: the retention is measured
+            # against the trace's yardsticks (the default placement has its own figures).
+            "router": {"conversationTtlSeconds": 420,
+                       "placement": {"policy": "alwaysDisaggregate"}}}
 
 
 def run_pressure(label: str, patch: dict[str, Any], args: argparse.Namespace
@@ -251,6 +256,8 @@ def run_phase(label: str, patch: dict[str, Any] | None, bench_kw: dict[str, Any]
             raise StartError("\n".join([str(exc), *stack.exited()])) from None
         doc = run_document(cfg, records, time.monotonic() - t, runner.loadavg,
                            retention_cap_s=stack.retention_s)
+        from bidirkv.democoncurrency import placements
+
         doc["placements"] = placements(stack.router_url)
         write_json(args.out / f"{label}.json", doc)
         load = runner.loadavg
@@ -261,19 +268,6 @@ def run_phase(label: str, patch: dict[str, Any] | None, bench_kw: dict[str, Any]
             then(stack)
     print(f"    stopped P, D and router of the {label.upper()} stack", flush=True)
     return doc
-
-
-def placements(router_url: str) -> dict[str, float]:
-    """The router's placement decisions so far, `decision/reason` -> turns."""
-    from bidirkv.bench.promtext import scrape
-
-    samples = scrape(router_url + "/metrics") or {}
-    out = {}
-    for (name, labels), value in sorted(samples.items()):
-        if name == "bidirkv_router_placements_total" and value:
-            lab = dict(labels)
-            out[f"{lab.get('decision')}/{lab.get('reason')}"] = value
-    return out
 
 
 def data_plane(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]], Any]
@@ -308,18 +302,25 @@ def data_plane(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]
                  "serve at concurrency 1 and 4")
             democoncurrency.measure(stack, args.out)
 
-    on = timed("bidirectional ON: start the stack from examples/local.yaml, benchmark"
-               + ("" if args.skip_concurrency else ", concurrency") + ", stop",
-               lambda: run_phase("on", None, bench_kw, args, lower_bound=False,
-                                 then=concurrency))
+    # ON always disaggregated: every returning turn reads back what decode kept (what the
+    # per-turn table measures); the placement run, the spec's default `cost`, gets the
+    # concurrency phase (the default is what vllm bench serve should meet).
+    on = timed("bidirectional ON, `router.placement.policy: alwaysDisaggregate`: start the "
+               "stack from examples/local.yaml, benchmark"
+               + ("" if args.skip_concurrency or not args.skip_placement else ", concurrency")
+               + ", stop",
+               lambda: run_phase("on", ALWAYS_DISAGGREGATE, bench_kw, args, lower_bound=False,
+                                 then=concurrency if args.skip_placement else None))
     cost = None
     if not args.skip_placement:
-        cost = timed("bidirectional ON with placement `cost` (a turn may run whole on the "
-                     "decode server holding it): restart, benchmark, stop",
-                     lambda: run_phase("cost", {"router": {"placement": {"policy": "cost"}}},
-                                       bench_kw, args, lower_bound=False))
+        cost = timed("bidirectional ON with the default placement `cost` (a turn may run "
+                     "whole on a decode server): restart, benchmark"
+                     + ("" if args.skip_concurrency else ", concurrency") + ", stop",
+                     lambda: run_phase("cost", None, bench_kw, args, lower_bound=False,
+                                       then=concurrency))
     off = timed("bidirectional OFF (servers and router): restart, benchmark + lower bound, "
-                "stop", lambda: run_phase("off", {"kvTransfer": {"bidirectional": False}},
+                "stop", lambda: run_phase("off", {"kvTransfer": {"bidirectional": False},
+                                                  **ALWAYS_DISAGGREGATE},
                                           bench_kw, args, lower_bound=True))
     doc = report.compare_document(on, off, {
         "spec": str(args.spec), "cpu": cpu.to_json(),

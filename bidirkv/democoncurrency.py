@@ -36,6 +36,7 @@ def measure(stack: Any, out: pathlib.Path, *, concurrencies: tuple[int, ...] = (
     the table, the aims, JSON and a plot. Prompts are fresh per run (a new seed), so
     whatever the stack served before is in no cache they hit."""
     from bidirkv.bench import pdload
+    from bidirkv.local.cpu import read_cpu
 
     spec = stack.spec.model
     served, model = spec.served_name or spec.name, spec.name
@@ -49,14 +50,35 @@ def measure(stack: Any, out: pathlib.Path, *, concurrencies: tuple[int, ...] = (
               f"req/s, TTFT p50 {r['median_ttft_ms']:.0f} ms, ITL p50 "
               f"{r['median_itl_ms']:.1f} ms", flush=True)
 
+    policy = str(stack.spec.router.placement.policy)
+    aims = pdload.aims_for(policy)
+    print(f"    router placement: {policy}", flush=True)
     results = pdload.run_matrix(targets, served, model, concurrencies, num_prompts,
                                 on_result=shown)
-    print(pdload.table(results))
+    print(pdload.table(results, aims))
+    decided = placements(stack.router_url)
+    print("    the router's placements: " + (", ".join(f"{k} {v:g}" for k, v in decided.items())
+                                             or "none (alwaysDisaggregate)"))
+    cpu = read_cpu()
     paths = pdload.write(results, out, "1P1D vLLM CPU, tiny model: decode server alone vs "
-                         "router (P/D), vllm bench serve")
+                         f"router (P/D, placement {policy}), vllm bench serve\n"
+                         f"{cpu.model} ({cpu.isa()})", aims, policy)
     for name, path in paths.items():
         print(f"{name}: {path}")
     return results
+
+
+def placements(router_url: str) -> dict[str, float]:
+    """The router's placement decisions so far, `decision/reason` -> turns."""
+    from bidirkv.bench.promtext import scrape
+
+    samples = scrape(router_url + "/metrics") or {}
+    out = {}
+    for (name, labels), value in sorted(samples.items()):
+        if name == "bidirkv_router_placements_total" and value:
+            lab = dict(labels)
+            out[f"{lab.get('decision')}/{lab.get('reason')}"] = value
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,11 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--concurrency", type=int, action="append",
                    help="repeatable; default 1 and 4")
+    p.add_argument("--placement", choices=("cost", "alwaysDisaggregate", "thresholds"),
+                   help="the router's placement policy (default: the spec's)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     t = time.monotonic()
+    patch = {"router": {"placement": {"policy": args.placement}}} if args.placement else None
     run(args.spec, args.out.resolve(), concurrencies=tuple(args.concurrency or (1, 4)),
-        num_prompts=args.num_prompts, progress=not args.no_progress)
+        num_prompts=args.num_prompts, progress=not args.no_progress, patch=patch)
     print(f"done in {time.monotonic() - t:.0f} s")
     return 0
 
