@@ -410,8 +410,14 @@ def test_cost_runs_a_first_turn_whole_on_an_idle_decode_server(stack):
     """`cost`, the default: with both servers idle a first turn is sooner whole on decode
     (no second hop), so prefill is never asked and no KV moves; the output is the
     reuse-off output, and decode keeps the conversation for the next turn, which it
-    extends."""
+    extends. (Once the router has seen a prompt's token count: before, it cannot size a
+    turn against the cap.)"""
     with running_router(stack, "router-cost", placement={"policy": "cost"}) as (url, _):
+        # The first turn after a start takes the legs: prefill's usage sizes the next ones.
+        warm = {"role": "user", "content": random_text(40, seed=76)}
+        stream(url + "/v1/chat/completions", {**chat([warm]), "stream": True})
+        assert metric(url, 'bidirkv_router_placements_total{decision="prefill",'
+                      'reason="learning"}') == 1
         conv = {"conversation_id": "conv-77", "stream": True}
         user1 = {"role": "user", "content": random_text(200, seed=77)}
         p_done = metric(stack.p_url, "vllm:request_success_total")

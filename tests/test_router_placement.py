@@ -48,6 +48,9 @@ def inp(held=4000, new=200, p_busy=0, d_busy=0, other=None):
     (inp(held=None, new=512, p_busy=1, other=1), CP, (ON_DECODE, "cheaper_on_decode")),
     (inp(held=None, new=1025, other=0), CP, (PREFILL, "prompt_over_cap")),
     (inp(held=None, new=10, other=4), CP, (PREFILL, "decode_busy")),
+    # No prompt's token count seen yet: nothing can be sized against the cap.
+    (Inputs(None, 10, 0, 0, other_inflight=0, sized=False), CP, (PREFILL, "learning")),
+    (Inputs(4000, 10, 0, 0, sized=False), CP, (READ_BACK, "learning")),
     # Today's behaviour on request.
     (inp(new=10), Placement(policy=ALWAYS_DISAGGREGATE), (READ_BACK, "policy")),
     # The cap and a busy holder win over any policy that could extend.
@@ -294,34 +297,41 @@ async def test_an_extend_that_fails_before_a_byte_takes_the_two_legs_elsewhere()
 @pytest.mark.timeout(30)
 async def test_cost_serves_a_first_turn_whole_on_an_idle_decode_replica():
     async with Cluster(decode=2, config={"placement": {"policy": COST}}) as c:
+        # Until prefill has reported a prompt's tokens the router cannot size a turn
+        # against the cap: the first turn after a start takes the legs.
+        r0 = await c.chat([{"role": "user", "content": "warm up"}], True)
+        assert r0["headers"]["X-Bidirkv-Placement"] == "prefill; reason=learning"
+        seen = [len(d.generations()) for d in c.d]
         r1 = await c.chat(U1, True)
         assert r1["status"] == 200
         assert r1["headers"]["X-Bidirkv-Placement"] == "decode; reason=cheaper_on_decode"
-        assert c.p[0].generations() == []  # no prefill leg
-        (holder,) = [d for d in c.d if d.generations()]
-        kv = holder.generations()[0].kv
+        assert len(c.p[0].generations()) == 1  # no prefill leg for this turn
+        (holder,) = [d for d, n in zip(c.d, seen, strict=True) if len(d.generations()) > n]
+        kv = holder.generations()[-1].kv
         assert kv["do_remote_prefill"] is False and "remote_block_ids" not in kv
         text = await c.metrics()
-        assert 'bidirkv_router_reuse_total{outcome="miss"} 1.0' in text
+        assert 'bidirkv_router_reuse_total{outcome="miss"} 2.0' in text
         # Decode kept it: the next turn is extended on the same replica.
+        n = len(holder.generations())
         r2 = await c.chat(U1 + [r1["message"], {"role": "user", "content": "ok"}], True)
         assert r2["headers"]["X-Bidirkv-Placement"] == "extend; reason=cheaper_on_decode"
-        assert len(holder.generations()) == 2 and c.p[0].generations() == []
+        assert len(holder.generations()) == n + 1 and len(c.p[0].generations()) == 1
 
 
 @pytest.mark.timeout(30)
 async def test_a_first_turn_takes_the_legs_when_decode_is_busy():
     async with Cluster(config={"placement": {"policy": COST, "decodeBusyRequests": 1}}) as c:
+        await c.chat([{"role": "user", "content": "warm up"}])  # sizes turns from now on
         c.d[0].behaviour.chunk_delay = 0.3  # another conversation keeps D busy
         other = asyncio.create_task(c.chat([{"role": "user", "content": "x"}], True))
         for _ in range(100):
-            if c.d[0].generations():
+            if c.d[0].generations()[1:]:
                 break
             await asyncio.sleep(0.01)
         c.d[0].behaviour.chunk_delay = 0.0
         r = await c.chat(U1)
         assert r["headers"]["X-Bidirkv-Placement"] == "prefill; reason=decode_busy"
-        assert len(c.p[0].generations()) == 1
+        assert len(c.p[0].generations()) == 2
         await other
 
 

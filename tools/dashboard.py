@@ -214,7 +214,7 @@ ROWS = (
            Target(sum_rate("vllm:bidirkv_reuse_total", "reason"), "{{reason}}"),
            unit="ops", stack=True),
         ts("Placement decisions", "Where each turn ran (router.placement): extend, "
-           "read_back or prefill, and why.",
+           "decode, read_back, move or prefill, and why.",
            Target(sum_rate("bidirkv_router_placements_total", "decision, reason"),
                   "{{decision}}: {{reason}}"), unit="ops", stack=True),
     )),

@@ -38,7 +38,8 @@ class Metrics:
         )
         self.placements = Counter(
             p + "placements", "Where each turn ran, and why (bidirkv/router/pool/"
-            "placement.py): decision extend, read_back or prefill.", ["decision", "reason"],
+            "placement.py): decision extend, decode, read_back, move or prefill.",
+            ["decision", "reason"],
             registry=r,
         )
         self.tokens_offered = Counter(

@@ -189,9 +189,10 @@ class Legs:
 
     async def extend_leg(self, request: web.Request, turn: Turn, d: Backend, rid: str,
                          held_tokens: int | None = None) -> tuple[web.StreamResponse, str]:
-        """The whole turn on the decode replica holding the conversation: it prefills the
-        new tokens on top of the KV it kept (its prefix cache), keeps the blocks and hands
-        out the next handle. UpstreamFailure before the client got a byte."""
+        """The whole turn on one decode replica: the one holding the conversation prefills
+        the new tokens on top of the KV it kept (its prefix cache), another the whole
+        prompt; either keeps the blocks and hands out the next handle. UpstreamFailure
+        before the client got a byte."""
         ctx = self.ctx
         proof = make_proof(ctx.handle_key) if ctx.handle_key else None
         payload = dumps(decode_body(turn.body, dict(LOCAL_PARAMS), ctx.residency.owner,
@@ -268,7 +269,8 @@ class Legs:
         after P's answer, the second hop's cost for the prompt D pulls; on decode alone,
         what prefilling there cost per new token."""
         if leg == DECODE:
-            self.ctx.costs.observe_hop(seconds * 1000, turn.prompt_tokens or 0)
+            if turn.prompt_tokens is not None:
+                self.ctx.costs.observe_hop(seconds * 1000, turn.prompt_tokens)
         elif leg == EXTEND:
             self.ctx.costs.observe_extend(seconds * 1000, turn.new_tokens)
 

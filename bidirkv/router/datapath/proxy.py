@@ -386,8 +386,6 @@ class Router:
                 # handle (its holder just failed) and on another replica.
                 tried_decode.append(target)
                 last = f
-                if turn.reuse == "extended":
-                    turn.reuse = "dropped"
                 turn.placed = Decision(PREFILL_PATH, "extend_failed")
                 self.ctx.metrics.retries.labels("extend_failed").inc()
                 log.warning("the whole turn on decode failed (%s); taking the prefill leg "
@@ -458,7 +456,8 @@ class Router:
                                 holder.outstanding if holder else 0,
                                 extends_held=entry is not None
                                 and self.conversations.extends(turn, entry),
-                                other_inflight=min(others, default=None)),
+                                other_inflight=min(others, default=None),
+                                sized=ctx.costs.sized),
                          policy, ctx.costs.costs)
         turn.placed = decision
         ctx.metrics.placements.labels(decision.path, decision.reason).inc()
@@ -471,10 +470,14 @@ class Router:
 
     async def _extend(self, request: web.Request, turn: Turn, d: Backend
                       ) -> tuple[web.StreamResponse, str]:
-        """The whole turn on `d`: the holder extending what it keeps, or (no entry) a
-        replica that holds none of it prefilling all of it."""
-        entry = turn.entry
-        turn.entry = None  # not P's to read: whatever happens, it is not handed out again
+        """The whole turn on `d`: the holder extending what it keeps, or a replica that
+        holds none of it prefilling all of it (a handle whose holder cannot serve is of
+        no use there: dropped)."""
+        ctx = self.ctx
+        entry, turn.entry = turn.entry, None  # not P's to read: never handed out again
+        if entry is not None and entry.decode_url != d.url:
+            await quietly(ctx.store.discard(entry, "reuse_failed"))
+            entry, turn.reuse = None, "dropped"
         if entry is not None:
             turn.reuse = "extended"  # counted at the first byte
         try:
@@ -482,16 +485,18 @@ class Router:
                                               entry.num_tokens if entry is not None else None)
         except BaseException:
             if entry is not None:
-                await quietly(self.ctx.store.discard(entry, "extend_failed"))
+                turn.reuse = "dropped"
+                await quietly(ctx.store.discard(entry, "extend_failed"))
             raise
         if resp[1] == "upstream_client_error":  # the client's request, refused by D
             if entry is not None:
-                await quietly(self.ctx.store.discard(entry, "extend_failed"))
+                turn.reuse = "dropped"
+                await quietly(ctx.store.discard(entry, "extend_failed"))
             return resp
         if entry is not None:
             # Superseded by the handle of this turn, which shares its blocks on D (its
             # prefix cache): D frees what only the old request held.
-            await quietly(self.ctx.store.discard(entry, "extended"))
+            await quietly(ctx.store.discard(entry, "extended"))
         return resp
 
     # -- other routes ------------------------------------------------------------------

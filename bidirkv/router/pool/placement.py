@@ -7,8 +7,9 @@ the decode replica that served the last turn still holds. The paths:
     extend      the holder takes the whole request and prefills only the new tokens, on
                 top of that KV (its own prefix cache): no prefill leg, no KV moved
     decode      a turn with nothing on decode (a first turn) runs whole on the least
-                loaded decode replica, when prefill is the busier side: the two servers
-                then share the prompts instead of queueing them all on prefill
+                loaded decode replica when that is estimated sooner: always when both
+                are idle (no second hop), and under load the two servers then share
+                the prompts instead of queueing them all on prefill
     read_back   prefill reads the holder's retained blocks, prefills the new tokens,
                 decode pulls it all (the bidirectional path)
     move        as read_back, but another decode replica decodes the turn (and keeps it
@@ -53,7 +54,7 @@ POLICIES = (COST, ALWAYS_DISAGGREGATE, THRESHOLDS)
 # Bounded label values of placements_total{decision,reason}.
 REASONS = ("no_handle", "policy", "prefix_unknown", "append_over_cap", "decode_busy",
            "short_append", "prefill_busy", "long_append", "cheaper_on_decode",
-           "cheaper_disaggregated", "extend_failed", "prompt_over_cap")
+           "cheaper_disaggregated", "extend_failed", "prompt_over_cap", "learning")
 # A leg that prefilled fewer tokens than this says more about its fixed costs than about
 # its cost per token: not learned from.
 MIN_SAMPLE_TOKENS = 64
@@ -73,6 +74,9 @@ class Inputs:
     # Legs in flight on the least loaded usable decode replica other than the holder;
     # None: there is none.
     other_inflight: int | None = None
+    # The router has seen a prompt's token count (prefill reports it): until then it
+    # cannot size a turn against the cap, and decode is given no prefill.
+    sized: bool = True
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,8 @@ def place(inp: Inputs, policy: Placement, costs: Costs) -> Decision:
         return _unheld(inp, policy, costs)
     if policy.policy == ALWAYS_DISAGGREGATE:
         return Decision(READ_BACK, "policy")
+    if not inp.sized:
+        return Decision(READ_BACK, "learning")
     if not inp.extends_held:
         return Decision(READ_BACK, "prefix_unknown")
     if inp.new_tokens > cap or cap == 0:
@@ -140,6 +146,8 @@ def _unheld(inp: Inputs, policy: Placement, costs: Costs) -> Decision:
     cap = policy.max_local_prefill_tokens
     if policy.policy != COST or inp.other_inflight is None:
         return Decision(PREFILL, "no_handle")
+    if not inp.sized:
+        return Decision(PREFILL, "learning")
     if inp.new_tokens > cap or cap == 0:
         return Decision(PREFILL, "prompt_over_cap")
     if inp.other_inflight >= policy.decode_busy_requests:
@@ -183,13 +191,13 @@ def _ewma(old: float, sample: float, weight: float = 0.2) -> float:
 class Line:
     """y = fixed + per_x * x, fitted online by least squares with exponential forgetting
     (each sample weighs `weight`, older ones fade), so a cost that grows with the size of
-    the work is learned from the work the router sees. Until the samples' x spread over
-    `min_spread`, the slope stays at its prior and only the fixed part is learned."""
+    the work is learned from the work the router sees. While the samples' x spread less
+    than `min_spread`, the slope stays as it was (its prior at first) and only the fixed
+    part is learned."""
 
     def __init__(self, fixed: float, per_x: float, weight: float = 0.2,
                  min_spread: float = 256.0) -> None:
         self.fixed, self.per_x = fixed, per_x
-        self._prior = per_x
         self._keep = 1 - weight
         self._min_var = min_spread * min_spread
         self._n = self._x = self._y = self._xx = self._xy = 0.0
@@ -203,7 +211,8 @@ class Line:
         self._xy = self._xy * k + x * y
         mx, my = self._x / self._n, self._y / self._n
         var = self._xx / self._n - mx * mx
-        slope = (self._xy / self._n - mx * my) / var if var >= self._min_var else self._prior
+        # Too little spread to tell a slope: keep the last one (the prior at first).
+        slope = (self._xy / self._n - mx * my) / var if var >= self._min_var else self.per_x
         # Costs are never negative: a noisy fit that says so keeps the other part exact.
         self.per_x = max(0.0, slope)
         self.fixed = my - self.per_x * mx
@@ -251,10 +260,15 @@ class CostModel:
             rest = max(0.0, ms - computed * self._costs.prefill_ms)
             self._learn("read_ms", rest / read)
 
-    def observe_hop(self, ms: float, tokens: int = 0) -> None:
+    @property
+    def sized(self) -> bool:
+        """A prompt's characters per token was measured (else turns cannot be sized)."""
+        return "chars" in self._seen
+
+    def observe_hop(self, ms: float, tokens: int) -> None:
         """The two-leg path's second leg, from P's answer to D's first byte; `tokens`: the
-        prompt's, which D pulls from P (0: not known)."""
-        if ms >= 0:
+        prompt's, which D pulls from P."""
+        if ms >= 0 and tokens >= 0:
             self._hop.add(max(0, tokens), ms)
             self._costs = _with(self._costs, hop_ms=self._hop.fixed, pull_ms=self._hop.per_x)
 
