@@ -17,8 +17,8 @@ OUT = ROOT / "out" / "demo"
 
 
 def run(spec_path: pathlib.Path, out: pathlib.Path, *, concurrencies: tuple[int, ...] = (1, 4),
-        num_prompts: int = 48, progress: bool = True, patch: dict[str, Any] | None = None
-        ) -> list[dict[str, Any]]:
+        num_prompts: int = 48, progress: bool = True, patch: dict[str, Any] | None = None,
+        rounds: int = 1) -> list[dict[str, Any]]:
     """Start a stack from the spec, measure it (`measure`), stop it."""
     from bidirkv.local.cli import prepare_stack, tiny_model_for
 
@@ -27,11 +27,12 @@ def run(spec_path: pathlib.Path, out: pathlib.Path, *, concurrencies: tuple[int,
                           progress=progress)
     with stack:
         stack.start(progress=progress)
-        return measure(stack, out, concurrencies=concurrencies, num_prompts=num_prompts)
+        return measure(stack, out, concurrencies=concurrencies, num_prompts=num_prompts,
+                       rounds=rounds)
 
 
 def measure(stack: Any, out: pathlib.Path, *, concurrencies: tuple[int, ...] = (1, 4),
-            num_prompts: int = 48) -> list[dict[str, Any]]:
+            num_prompts: int = 48, rounds: int = 1) -> list[dict[str, Any]]:
     """vllm bench serve against a running stack's decode server alone, then its router;
     the table, the aims, JSON and a plot. Prompts are fresh per run (a new seed), so
     whatever the stack served before is in no cache they hit."""
@@ -54,7 +55,7 @@ def measure(stack: Any, out: pathlib.Path, *, concurrencies: tuple[int, ...] = (
     aims = pdload.aims_for(policy)
     print(f"    router placement: {policy}", flush=True)
     results = pdload.run_matrix(targets, served, model, concurrencies, num_prompts,
-                                on_result=shown)
+                                on_result=shown, rounds=rounds)
     print(pdload.table(results, aims))
     decided = placements(stack.router_url)
     print("    the router's placements: " + (", ".join(f"{k} {v:g}" for k, v in decided.items())
@@ -91,12 +92,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="repeatable; default 1 and 4")
     p.add_argument("--placement", choices=("cost", "alwaysDisaggregate", "thresholds"),
                    help="the router's placement policy (default: the spec's)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs per target and concurrency, alternating (the aims compare "
+                   "each round's pair, then take the median)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: must be at least 1")
     t = time.monotonic()
     patch = {"router": {"placement": {"policy": args.placement}}} if args.placement else None
     run(args.spec, args.out.resolve(), concurrencies=tuple(args.concurrency or (1, 4)),
-        num_prompts=args.num_prompts, progress=not args.no_progress, patch=patch)
+        num_prompts=args.num_prompts, progress=not args.no_progress, patch=patch,
+        rounds=args.rounds)
     print(f"done in {time.monotonic() - t:.0f} s")
     return 0
 

@@ -28,7 +28,7 @@ def test_verdicts_compare_the_router_with_the_single_server():
 
 def test_table_says_which_aims_are_met():
     text = pdload.table(RESULTS)
-    assert "P/D overhead +18 ms (aim <= 20) met" in text
+    assert "P/D overhead +18.0 ms (aim <= 20) met" in text
     assert "req/s ratio 0.85 (aim >= 1) NOT met" in text
 
 
@@ -51,3 +51,15 @@ def test_a_router_with_lower_itl_than_the_single_server_meets_the_itl_aim():
     (four,) = pdload.verdicts(faster)
     assert round(four["itl_delta_ms"], 1) == -1.4 and four["itl_ok"]
     assert "ITL p50 -1.4 ms (aim <= +1) met" in pdload.table(faster)
+
+
+def test_rounds_compare_each_pair_then_take_the_median():
+    rounds = []
+    for n, (single, router) in enumerate([(300.0, 310.0), (280.0, 282.0), (250.0, 320.0)]):
+        for label, ttft in ((pdload.SINGLE, single), (pdload.ROUTER, router)):
+            rounds.append({**result(label, 1, 2.0, ttft, ttft, 20.0), "round": n})
+    (one,) = pdload.verdicts(rounds, pdload.COST_AIMS)
+    # The pairs differ by +10, +2 and +70 ms: a drift between runs moves one pair only.
+    assert one["rounds"] == 3 and one["overhead_ms"] == 10.0 and not one["overhead_ok"]
+    assert "c=1 (median of 3 rounds): P/D overhead +10.0 ms (aim <= 5) NOT met" in \
+        pdload.table(rounds, pdload.COST_AIMS)

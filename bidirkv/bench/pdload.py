@@ -33,42 +33,60 @@ def aims_for(policy: str) -> dict[str, float]:
 def run_matrix(targets: Sequence[tuple[str, str]], model: str, tokenizer: str,
                concurrencies: Sequence[int] = (1, 4), num_prompts: int = 48,
                input_len: int = 512, output_len: int = 16, seed: int = 1000,
-               on_result: Callable[[dict[str, Any]], None] | None = None
-               ) -> list[dict[str, Any]]:
-    """Every (concurrency, target) pair once, targets alternating so that drift in the
-    machine's load hits both alike; each run gets prompts of its own."""
+               on_result: Callable[[dict[str, Any]], None] | None = None,
+               rounds: int = 1) -> list[dict[str, Any]]:
+    """Every (concurrency, target) pair `rounds` times, targets alternating so that
+    drift in the machine's load hits both alike; each run gets prompts of its own."""
     results = []
     for c in concurrencies:
-        for label, url in targets:
-            seed += 1
-            r = run(ServeRun(url=url, model=model, tokenizer=tokenizer, concurrency=c,
-                             num_prompts=num_prompts if c > 1 else max(16, num_prompts // 2),
-                             input_len=input_len, output_len=output_len, seed=seed,
-                             label=label))
-            results.append(r)
-            if on_result is not None:
-                on_result(r)
+        for n in range(rounds):
+            for label, url in targets:
+                seed += 1
+                r = run(ServeRun(url=url, model=model, tokenizer=tokenizer, concurrency=c,
+                                 num_prompts=num_prompts if c > 1
+                                 else max(16, num_prompts // 2),
+                                 input_len=input_len, output_len=output_len, seed=seed,
+                                 label=label))
+                r["round"] = n
+                results.append(r)
+                if on_result is not None:
+                    on_result(r)
     return results
 
 
-def _by(results: list[dict[str, Any]], label: str, c: int) -> dict[str, Any] | None:
-    return next((r for r in results if r["label"] == label and r["concurrency"] == c), None)
+def _by(results: list[dict[str, Any]], label: str, c: int, n: int = 0
+        ) -> dict[str, Any] | None:
+    return next((r for r in results if r["label"] == label and r["concurrency"] == c
+                 and r.get("round", 0) == n), None)
+
+
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
 
 
 def verdicts(results: list[dict[str, Any]], aims: dict[str, float] = AIMS
              ) -> list[dict[str, Any]]:
-    """Per concurrency: the router against the single server, and each aim met or not."""
+    """Per concurrency: the router against the single server of the same round, and each
+    aim met or not; with several rounds, the median of the rounds' comparisons."""
     out = []
     for c in sorted({r["concurrency"] for r in results}):
-        s, p = _by(results, SINGLE, c), _by(results, ROUTER, c)
-        if s is None or p is None:
+        pairs = [(s, p) for n in sorted({r.get("round", 0) for r in results})
+                 if (s := _by(results, SINGLE, c, n)) is not None
+                 and (p := _by(results, ROUTER, c, n)) is not None]
+        if not pairs:
             continue
         row: dict[str, Any] = {
             "concurrency": c,
-            "overhead_ms": p["median_ttft_ms"] - s["median_ttft_ms"],
-            "throughput_ratio": p["request_throughput"] / s["request_throughput"],
-            "p99_ratio": p["p99_ttft_ms"] / s["p99_ttft_ms"],
-            "itl_delta_ms": p["median_itl_ms"] - s["median_itl_ms"],
+            "rounds": len(pairs),
+            "overhead_ms": _median([p["median_ttft_ms"] - s["median_ttft_ms"]
+                                    for s, p in pairs]),
+            "throughput_ratio": _median([p["request_throughput"] / s["request_throughput"]
+                                         for s, p in pairs]),
+            "p99_ratio": _median([p["p99_ttft_ms"] / s["p99_ttft_ms"] for s, p in pairs]),
+            "itl_delta_ms": _median([p["median_itl_ms"] - s["median_itl_ms"]
+                                     for s, p in pairs]),
         }
         row["itl_ok"] = row["itl_delta_ms"] <= aims["itl_delta_ms"]
         if c == 1:
@@ -90,9 +108,10 @@ def table(results: list[dict[str, Any]], aims: dict[str, float] = AIMS) -> str:
                      f"{r['median_itl_ms']:>6.1f}ms {r['failed']:>6}")
     lines.append("")
     for v in verdicts(results, aims):
-        parts = [f"c={v['concurrency']}:"]
+        parts = [f"c={v['concurrency']}" + (f" (median of {v['rounds']} rounds)"
+                                             if v["rounds"] > 1 else "") + ":"]
         if "overhead_ok" in v:
-            parts.append(f"P/D overhead {v['overhead_ms']:+.0f} ms (aim <= "
+            parts.append(f"P/D overhead {v['overhead_ms']:+.1f} ms (aim <= "
                          f"{aims['overhead_ms']:.0f}) {'met' if v['overhead_ok'] else 'NOT met'};")
         if "throughput_ok" in v:
             parts.append(f"req/s ratio {v['throughput_ratio']:.2f} (aim >= "
@@ -123,7 +142,9 @@ def write(results: list[dict[str, Any]], out: pathlib.Path, title: str,
     width = 0.38
     for ax, (key, name) in zip(axes, panels, strict=True):
         for i, label in enumerate(labels):
-            vals = [(_by(results, label, c) or {}).get(key) or 0 for c in concs]
+            vals = [_median([r[key] or 0 for r in results
+                             if r["label"] == label and r["concurrency"] == c] or [0])
+                    for c in concs]
             ax.bar([x + (i - 0.5) * width for x in range(len(concs))], vals, width,
                    label=label)
         ax.set_xticks(range(len(concs)), [f"c={c}" for c in concs])
