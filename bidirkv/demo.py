@@ -305,16 +305,16 @@ def data_plane(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]
     # ON always disaggregated: every returning turn reads back what decode kept (what the
     # per-turn table measures); the placement run, the spec's default `cost`, gets the
     # concurrency phase (the default is what vllm bench serve should meet).
-    on = timed("bidirectional ON, `router.placement.policy: alwaysDisaggregate`: start the "
-               "stack from examples/local.yaml, benchmark"
+    on = timed("bidirectional ON, placement alwaysDisaggregate: start the stack from "
+               "examples/local.yaml, benchmark"
                + ("" if args.skip_concurrency or not args.skip_placement else ", concurrency")
                + ", stop",
                lambda: run_phase("on", ALWAYS_DISAGGREGATE, bench_kw, args, lower_bound=False,
                                  then=concurrency if args.skip_placement else None))
     cost = None
     if not args.skip_placement:
-        cost = timed("bidirectional ON with the default placement `cost` (a turn may run "
-                     "whole on a decode server): restart, benchmark"
+        cost = timed("bidirectional ON, default placement cost (a turn may run whole on a "
+                     "decode server): restart, benchmark"
                      + ("" if args.skip_concurrency else ", concurrency") + ", stop",
                      lambda: run_phase("cost", None, bench_kw, args, lower_bound=False,
                                        then=concurrency))
