@@ -188,6 +188,20 @@ def released(engine):
     return [rid for call in engine.residency_calls for rid in call.get("release") or ()]
 
 
+async def busy_with(engine, request):
+    """`request` (a coroutine) streaming slowly on `engine`, once it has reached it: its
+    task, still streaming, so the router counts a leg in flight there."""
+    seen = len(engine.generations())
+    engine.behaviour.chunk_delay = 0.3
+    task = asyncio.create_task(request)
+    for _ in range(100):
+        if len(engine.generations()) > seen:
+            break
+        await asyncio.sleep(0.01)
+    engine.behaviour.chunk_delay = 0.0  # the next request's chunks come at once
+    return task
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_short_append_is_extended_on_the_decode_replica_holding_it(stream):
@@ -264,13 +278,8 @@ async def test_a_long_append_takes_the_read_back():
 async def test_a_busy_holder_sends_the_turn_to_prefill():
     async with Cluster(decode=1, config=placement(decodeBusyRequests=1)) as c:
         r1 = await c.chat(U1)
-        c.d[0].behaviour.chunk_delay = 0.3  # another conversation keeps D busy
-        other = asyncio.create_task(c.chat([{"role": "user", "content": "x"}], True))
-        for _ in range(100):
-            if c.d[0].generations()[1:]:
-                break
-            await asyncio.sleep(0.01)
-        c.d[0].behaviour.chunk_delay = 0.0
+        # Another conversation keeps D busy.
+        other = await busy_with(c.d[0], c.chat([{"role": "user", "content": "x"}], True))
         r2 = await c.chat(U1 + [r1["message"], {"role": "user", "content": "ok"}])
         assert r2["headers"]["X-Bidirkv-Placement"] == "read_back; reason=decode_busy"
         assert c.p[0].generations()[-1].has_handle
@@ -322,13 +331,8 @@ async def test_cost_serves_a_first_turn_whole_on_an_idle_decode_replica():
 async def test_a_first_turn_takes_the_legs_when_decode_is_busy():
     async with Cluster(config={"placement": {"policy": COST, "decodeBusyRequests": 1}}) as c:
         await c.chat([{"role": "user", "content": "warm up"}])  # sizes turns from now on
-        c.d[0].behaviour.chunk_delay = 0.3  # another conversation keeps D busy
-        other = asyncio.create_task(c.chat([{"role": "user", "content": "x"}], True))
-        for _ in range(100):
-            if c.d[0].generations()[1:]:
-                break
-            await asyncio.sleep(0.01)
-        c.d[0].behaviour.chunk_delay = 0.0
+        # Another conversation keeps D busy.
+        other = await busy_with(c.d[0], c.chat([{"role": "user", "content": "x"}], True))
         r = await c.chat(U1)
         assert r["headers"]["X-Bidirkv-Placement"] == "prefill; reason=decode_busy"
         assert len(c.p[0].generations()) == 2
@@ -351,14 +355,9 @@ async def test_a_busy_holders_turn_is_read_back_and_decoded_by_another_replica()
                         if any(g.body.get("messages") == msgs for g in d.generations()))
 
         (a_msgs, a), (b_msgs, b) = [(m, r) for m, r in firsts if decoded_on(m) is holder][:2]
-        holder.behaviour.chunk_delay = 0.3  # b's next turn, extended, keeps the holder busy
-        busy = asyncio.create_task(c.chat(b_msgs + [b["message"],
-                                                    {"role": "user", "content": "go"}], True))
-        for _ in range(100):
-            if len(holder.generations()) >= 3:
-                break
-            await asyncio.sleep(0.01)
-        holder.behaviour.chunk_delay = 0.0
+        # b's next turn, extended, keeps the holder busy.
+        busy = await busy_with(holder, c.chat(b_msgs + [b["message"],
+                                                       {"role": "user", "content": "go"}], True))
         before = len(other.generations())
         r = await c.chat(a_msgs + [a["message"], {"role": "user", "content": "ok"}])
         assert r["status"] == 200

@@ -258,8 +258,8 @@ class Turn:
         self.history: ChatHistory | None = None
         self.prompt: str | None = None
         self.t0 = t0
-        # Reuse outcomes are counted only for turns that reached P (or were extended on
-        # the holder), once.
+        # Reuse outcomes are counted only for turns that reached P or ran whole on
+        # decode, once.
         self.asked_prefill = False
         self.reuse_counted = False
         # Where the turn runs and why (placement.py), and the new tokens it estimated.

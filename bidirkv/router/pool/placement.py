@@ -43,8 +43,6 @@ READ_BACK = "read_back"
 MOVE = "move"
 PREFILL = "prefill"
 DECISIONS = (EXTEND, ON_DECODE, READ_BACK, MOVE, PREFILL)
-# The whole request goes to one decode replica: no prefill leg.
-WHOLE_ON_DECODE = (EXTEND, ON_DECODE)
 
 COST = "cost"
 ALWAYS_DISAGGREGATE = "alwaysDisaggregate"
@@ -113,7 +111,6 @@ def estimate_ms(inp: Inputs, c: Costs) -> tuple[float, float]:
 
 
 def place(inp: Inputs, policy: Placement, costs: Costs) -> Decision:
-    cap = policy.max_local_prefill_tokens
     if inp.held_tokens is None:
         return _unheld(inp, policy, costs)
     if policy.policy == ALWAYS_DISAGGREGATE:
@@ -122,7 +119,7 @@ def place(inp: Inputs, policy: Placement, costs: Costs) -> Decision:
         return Decision(READ_BACK, "learning")
     if not inp.extends_held:
         return Decision(READ_BACK, "prefix_unknown")
-    if inp.new_tokens > cap or cap == 0:
+    if _over_cap(inp, policy):
         return Decision(READ_BACK, "append_over_cap")
     if inp.holder_inflight >= policy.decode_busy_requests:
         if inp.other_inflight is not None and inp.other_inflight < inp.holder_inflight:
@@ -134,28 +131,33 @@ def place(inp: Inputs, policy: Placement, costs: Costs) -> Decision:
         if inp.prefill_inflight >= policy.prefill_busy_requests:
             return Decision(EXTEND, "prefill_busy")
         return Decision(READ_BACK, "long_append")
-    local, disaggregated = estimate_ms(inp, costs)
-    if local <= disaggregated:
-        return Decision(EXTEND, "cheaper_on_decode")
-    return Decision(READ_BACK, "cheaper_disaggregated")
+    return _cheaper(inp, costs, EXTEND, READ_BACK)
 
 
 def _unheld(inp: Inputs, policy: Placement, costs: Costs) -> Decision:
     """A turn no decode replica holds: under `cost`, whole on the least loaded decode
     replica when that is estimated sooner; else the two legs."""
-    cap = policy.max_local_prefill_tokens
     if policy.policy != COST or inp.other_inflight is None:
         return Decision(PREFILL, "no_handle")
     if not inp.sized:
         return Decision(PREFILL, "learning")
-    if inp.new_tokens > cap or cap == 0:
+    if _over_cap(inp, policy):
         return Decision(PREFILL, "prompt_over_cap")
     if inp.other_inflight >= policy.decode_busy_requests:
         return Decision(PREFILL, "decode_busy")
+    return _cheaper(inp, costs, ON_DECODE, PREFILL)
+
+
+def _over_cap(inp: Inputs, policy: Placement) -> bool:
+    cap = policy.max_local_prefill_tokens
+    return inp.new_tokens > cap or cap == 0
+
+
+def _cheaper(inp: Inputs, costs: Costs, whole: str, two_legs: str) -> Decision:
     local, disaggregated = estimate_ms(inp, costs)
     if local <= disaggregated:
-        return Decision(ON_DECODE, "cheaper_on_decode")
-    return Decision(PREFILL, "cheaper_disaggregated")
+        return Decision(whole, "cheaper_on_decode")
+    return Decision(two_legs, "cheaper_disaggregated")
 
 
 def prompt_chars(body: dict[str, Any]) -> int:
