@@ -40,9 +40,7 @@ import subprocess
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-import helm_python as helm
 import pytest
-import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "bidir-kv"
@@ -101,10 +99,9 @@ def dashboard_exprs() -> dict[str, str]:
 
 
 def render_chart(values: dict[str, Any]) -> list[dict[str, Any]]:
-    with helm.Chart.load(CHART) as chart:
-        out = chart.render(values, name="bidir-kv", namespace="bidir-kv-system")
-    return [d for path, text in sorted(out.items()) if not path.endswith("NOTES.txt")
-            for d in yaml.safe_load_all(text) if d]
+    from test_chart import render  # imported here: the e2e suites use this module too
+
+    return render(values)[0]
 
 
 def prometheus_rule(values: dict[str, Any] | None = None) -> dict[str, Any]:
