@@ -31,6 +31,8 @@ from typing import Any
 
 import aiohttp
 
+from bidirkv.local.family import cpu_seconds
+
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ROOT / "tests" / "fake_engine.py"
 MISS_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -58,11 +60,6 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(values: list[float], q: float) -> float:

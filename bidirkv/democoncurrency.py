@@ -1,7 +1,8 @@
 """The concurrency phase of `make demo` (also `python -m bidirkv.democoncurrency`):
 start the local stack, load the decode server alone and the router with vLLM's own load
-generator (`vllm bench serve`) at concurrency 1 and 4, print the table and the aims,
-write JSON and a plot (bidirkv/bench/pdload.py)."""
+generator (`vllm bench serve`) at concurrency 1 and 4, print the table (with the CPU time
+the servers of each target used per request) and the aims, write JSON and a plot
+(bidirkv/bench/pdload.py)."""
 
 from __future__ import annotations
 
@@ -47,15 +48,21 @@ def measure(stack: Any, out: pathlib.Path, *, concurrencies: tuple[int, ...] = (
           flush=True)
 
     def shown(r: dict[str, Any]) -> None:
+        cpu = r.get("cpu_ms_per_request")
         print(f"    {r['label']:<20} c={r['concurrency']}: {r['request_throughput']:.2f} "
               f"req/s, TTFT p50 {r['median_ttft_ms']:.0f} ms, ITL p50 "
-              f"{r['median_itl_ms']:.1f} ms", flush=True)
+              f"{r['median_itl_ms']:.1f} ms"
+              + (f", servers' CPU {cpu:.0f} ms/request" if cpu is not None else ""),
+              flush=True)
 
     policy = str(stack.spec.router.placement.policy)
     aims = pdload.aims_for(policy)
     print(f"    router placement: {policy}", flush=True)
+    # The single server is the decode server; through the router all three serve.
+    serving = {pdload.SINGLE: ("decode",), pdload.ROUTER: ("prefill", "decode", "router")}
     results = pdload.run_matrix(targets, served, model, concurrencies, num_prompts,
-                                on_result=shown, rounds=rounds)
+                                on_result=shown, rounds=rounds,
+                                cpu=lambda label: stack.cpu_seconds(serving[label]))
     print(pdload.table(results, aims))
     decided = placements(stack.router_url)
     print("    the router's placements: " + (", ".join(f"{k} {v:g}" for k, v in decided.items())

@@ -63,3 +63,17 @@ def test_rounds_compare_each_pair_then_take_the_median():
     assert one["rounds"] == 3 and one["overhead_ms"] == 10.0 and not one["overhead_ok"]
     assert "c=1 (median of 3 rounds): P/D overhead +10.0 ms (aim <= 5) NOT met" in \
         pdload.table(rounds, pdload.COST_AIMS)
+
+
+def test_each_run_records_the_servers_cpu_per_request_and_the_verdict_their_ratio():
+    assert pdload.cpu_per_request(10.0, 16.0, 48) == 125.0
+    assert pdload.cpu_per_request(None, 16.0, 48) is None  # no account of the servers
+    assert pdload.cpu_per_request(10.0, 16.0, 0) is None  # nothing completed
+    runs = [{**result(pdload.SINGLE, 4, 8.0, 330.0, 500.0, 9.0), "cpu_ms_per_request": 140.0},
+            {**result(pdload.ROUTER, 4, 9.0, 250.0, 480.0, 10.0), "cpu_ms_per_request": 189.0}]
+    (four,) = pdload.verdicts(runs)
+    assert round(four["cpu_ratio"], 2) == 1.35
+    text = pdload.table(runs)
+    assert "    140ms" in text and "    189ms" in text
+    assert "servers' CPU per request 1.35x the single server's" in text
+    assert "cpu_ratio" not in pdload.verdicts(RESULTS)[1]  # runs without the account

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from bidirkv.cli import main as cli_main
-from bidirkv.local.family import signal_exact
+from bidirkv.local.family import cpu_seconds, signal_exact
 from bidirkv.local.plan import ServerPlan, StackPlan
 from bidirkv.local.ports import PortInUse, free_ports, port_free
 from bidirkv.local.procs import process_start_time, same_process
@@ -31,6 +31,9 @@ FAKE_SERVER = textwrap.dedent("""
     import http.server, os, socket, subprocess, sys, time
     role, pids, hold = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if role == "worker":
+        spin = time.process_time() + 0.4  # CPU time a stack's account must include
+        while time.process_time() < spin:
+            pass
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", hold))
@@ -142,6 +145,21 @@ def test_down_stops_what_a_killed_server_left_running(fake, capsys):
     assert wait_for(lambda: not alive(pids.values())), alive(pids.values())
     assert port_free(fake.hold_port)
     assert read_state(fake.dir) is None
+
+
+def test_a_stacks_cpu_time_counts_what_its_servers_started(fake):
+    stack, pids = fake.start()
+    worker = cpu_seconds(pids["worker"][0])
+    assert worker >= 0.4  # it spun before it slept
+    # The worker left the server's session (as vLLM's may): still the server's.
+    assert stack.cpu_seconds(("prefill",)) >= worker + cpu_seconds(pids["server"][0])
+    assert stack.cpu_seconds(("router",)) < worker  # an idle http.server
+    assert stack.cpu_seconds(("decode",)) == 0.0  # no such server
+    stack.stop()
+    assert stack.cpu_seconds(("prefill",)) == 0.0  # nothing of it is left to count
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert cpu_seconds(gone.pid) == 0.0
 
 
 def test_a_leftover_group_is_proven_by_the_token_without_recorded_descendants(fake):

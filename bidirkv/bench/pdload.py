@@ -34,24 +34,39 @@ def run_matrix(targets: Sequence[tuple[str, str]], model: str, tokenizer: str,
                concurrencies: Sequence[int] = (1, 4), num_prompts: int = 48,
                input_len: int = 512, output_len: int = 16, seed: int = 1000,
                on_result: Callable[[dict[str, Any]], None] | None = None,
-               rounds: int = 1) -> list[dict[str, Any]]:
+               rounds: int = 1, cpu: Callable[[str], float] | None = None
+               ) -> list[dict[str, Any]]:
     """Every (concurrency, target) pair `rounds` times, targets alternating so that
-    drift in the machine's load hits both alike; each run gets prompts of its own."""
+    drift in the machine's load hits both alike; each run gets prompts of its own.
+    `cpu(label)`: the CPU seconds used so far by the processes serving that target; each
+    run then records their CPU time per request."""
     results = []
     for c in concurrencies:
         for n in range(rounds):
             for label, url in targets:
                 seed += 1
+                before = cpu(label) if cpu is not None else None
                 r = run(ServeRun(url=url, model=model, tokenizer=tokenizer, concurrency=c,
                                  num_prompts=num_prompts if c > 1
                                  else max(16, num_prompts // 2),
                                  input_len=input_len, output_len=output_len, seed=seed,
                                  label=label))
                 r["round"] = n
+                r["cpu_ms_per_request"] = cpu_per_request(
+                    before, cpu(label) if cpu is not None else None, r["completed"])
                 results.append(r)
                 if on_result is not None:
                     on_result(r)
     return results
+
+
+def cpu_per_request(before: float | None, after: float | None, completed: int | None
+                    ) -> float | None:
+    """Milliseconds of the serving processes' CPU per completed request (the run's whole
+    span, the client's start-up included, in which the servers sit idle)."""
+    if before is None or after is None or not completed:
+        return None
+    return (after - before) * 1000 / completed
 
 
 def _by(results: list[dict[str, Any]], label: str, c: int, n: int = 0
@@ -88,6 +103,10 @@ def verdicts(results: list[dict[str, Any]], aims: dict[str, float] = AIMS
             "itl_delta_ms": _median([p["median_itl_ms"] - s["median_itl_ms"]
                                      for s, p in pairs]),
         }
+        cpu = [p["cpu_ms_per_request"] / s["cpu_ms_per_request"] for s, p in pairs
+               if p.get("cpu_ms_per_request") and s.get("cpu_ms_per_request")]
+        if cpu:
+            row["cpu_ratio"] = _median(cpu)
         row["itl_ok"] = row["itl_delta_ms"] <= aims["itl_delta_ms"]
         if c == 1:
             row["overhead_ok"] = row["overhead_ms"] <= aims["overhead_ms"]
@@ -100,12 +119,15 @@ def verdicts(results: list[dict[str, Any]], aims: dict[str, float] = AIMS
 
 def table(results: list[dict[str, Any]], aims: dict[str, float] = AIMS) -> str:
     head = (f"{'target':<22} {'conc':>4} {'req/s':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
-            f"{'ITL p50':>8} {'failed':>6}")
+            f"{'ITL p50':>8} {'CPU/req':>8} {'failed':>6}")
     lines = [head, "-" * len(head)]
     for r in results:
+        cpu = r.get("cpu_ms_per_request")
         lines.append(f"{r['label']:<22} {r['concurrency']:>4} {r['request_throughput']:>6.2f} "
                      f"{r['median_ttft_ms']:>7.0f}ms {r['p99_ttft_ms']:>7.0f}ms "
-                     f"{r['median_itl_ms']:>6.1f}ms {r['failed']:>6}")
+                     f"{r['median_itl_ms']:>6.1f}ms "
+                     + (f"{cpu:>6.0f}ms" if cpu is not None else f"{'-':>8}")
+                     + f" {r['failed']:>6}")
     lines.append("")
     for v in verdicts(results, aims):
         parts = [f"c={v['concurrency']}" + (f" (median of {v['rounds']} rounds)"
@@ -120,6 +142,10 @@ def table(results: list[dict[str, Any]], aims: dict[str, float] = AIMS) -> str:
                          f"{v['p99_ratio']:.2f} (aim <= 2) {'met' if v['p99_ok'] else 'NOT met'};")
         parts.append(f"ITL p50 {v['itl_delta_ms']:+.1f} ms (aim <= +1) "
                      f"{'met' if v['itl_ok'] else 'NOT met'}")
+        if "cpu_ratio" in v:
+            parts[-1] += ";"
+            parts.append(f"servers' CPU per request {v['cpu_ratio']:.2f}x the single "
+                         "server's")
         lines.append(" ".join(parts))
     return "\n".join(lines)
 

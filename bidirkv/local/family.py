@@ -68,6 +68,15 @@ def read_task(pid: int) -> Task | None:
         return None
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time the process has used so far; 0.0 once it is gone."""
+    fields = stat_fields(pid)
+    try:
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+    except (IndexError, ValueError):
+        return 0.0
+
+
 def process_start_time(pid: int) -> int | None:
     """Field 22 of /proc/PID/stat (clock ticks since boot); None if gone, a zombie, or
     not Linux."""

@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 
-from bidirkv.local.family import TOKEN_VAR, family, snapshot, stop_family
+from bidirkv.local.family import TOKEN_VAR, cpu_seconds, family, snapshot, stop_family
 from bidirkv.local.plan import ServerPlan, StackPlan, process_env
 from bidirkv.local.ports import PortInUse, check_ports
 from bidirkv.local.procs import Proc, StartError, same_process, wait_all_healthy
@@ -94,6 +94,19 @@ class LocalStack:
 
     def urls(self, role: str) -> list[str]:
         return [s.url for s in self.plan.servers if s.role == role]
+
+    def cpu_seconds(self, roles: tuple[str, ...]) -> float:
+        """CPU time used so far by the servers of these roles and everything they started
+        (API servers, engine cores, workers): a benchmark's cost per request, which on a
+        machine with few cores bounds its throughput."""
+        table = snapshot()
+        total = 0.0
+        for rec in self.state.procs:
+            if rec.role in roles:
+                found, _ = family([(rec.pid, rec.started_at), *rec.descendants],
+                                  self.state.token, table)
+                total += sum(cpu_seconds(pid) for pid in found)
+        return total
 
     def log_path(self, name: str) -> pathlib.Path:
         return self.state_dir / "logs" / f"{name}.log"
