@@ -147,18 +147,25 @@ def test_the_cost_model_learns_from_the_legs():
     m.observe_prompt(prompt_chars=5600, prompt_tokens=1000)
     assert m.chars_per_token == 5.6  # the first real ratio replaces the default
     m.observe_prefill(ms=300.0, computed=1000)
-    # The first measurement replaces the default; decode is taken to prefill as fast as
-    # prefill until an extend was measured.
+    # The first measurement replaces the default; decode prefills as fast as prefill
+    # (the same engine).
     assert m.costs.prefill_ms == m.costs.extend_ms == 0.3
     for _ in range(40):
         m.observe_prefill(ms=100.0, computed=1000)  # 0.1 ms a token
-        m.observe_extend(ms=60.0, computed=200)  # 0.3 ms a token
         m.observe_hop(5.0, tokens=1000)
         m.observe_prompt(prompt_chars=3000, prompt_tokens=1000)
     c = m.costs
-    assert c.prefill_ms == pytest.approx(0.1, rel=0.01)
-    assert c.extend_ms == pytest.approx(0.3, rel=0.01)
+    assert c.prefill_ms == c.extend_ms == pytest.approx(0.1, rel=0.01)
     assert c.hop(1000) == pytest.approx(5.0, rel=0.01)  # one size: only the sum is known
+    for _ in range(40):  # extends on long histories: dearer a token, on both engines alike
+        m.observe_extend(ms=60.0, computed=200)
+    assert m.costs.prefill_ms == m.costs.extend_ms == pytest.approx(0.3, rel=0.01)
+    # So a fresh prompt on an idle decode server still beats prefill plus the second hop.
+    fresh = Inputs(held_tokens=None, new_tokens=512, prefill_inflight=0, holder_inflight=0,
+                   other_inflight=0)
+    assert place(fresh, CP, m.costs).path == ON_DECODE
+    for _ in range(40):
+        m.observe_prefill(ms=100.0, computed=1000)
     assert m.chars_per_token == pytest.approx(3.0, rel=0.01)
     for _ in range(40):  # a read leg: what the prefilled part does not explain
         m.observe_prefill(ms=30.0, computed=100, read=1000)
@@ -169,8 +176,7 @@ def test_the_cost_model_learns_from_the_legs():
     # A few tokens say more about a leg's fixed cost than its cost per token.
     m.observe_prefill(ms=30.0, computed=3)
     m.observe_extend(ms=30.0, computed=3)
-    assert m.costs.prefill_ms == pytest.approx(0.1, rel=0.01)
-    assert m.costs.extend_ms == pytest.approx(0.3, rel=0.01)
+    assert m.costs.prefill_ms == m.costs.extend_ms == pytest.approx(0.1, rel=0.01)
 
 
 # -- over HTTP, against fake engines ------------------------------------------------------

@@ -81,7 +81,7 @@ class Inputs:
 class Costs:
     """Milliseconds: per token prefilled on P and on D, per token read from D, and the
     second leg's cost: its own (a request, a connection, a scheduler step on D) and per
-    token of the prompt D pulls from P."""
+    token of the prompt D pulls from P. (CostModel learns one prefill cost for both.)"""
 
     prefill_ms: float = 0.5
     extend_ms: float = 0.5
@@ -226,8 +226,16 @@ class Line:
 class CostModel:
     """Per-token costs and the prompt's characters per token, learned from what the legs
     took and what the engines reported. Each starts from a default that its first
-    measurement replaces (the defaults only order the first turns), and until an extend
-    was measured decode is taken to prefill as fast as prefill does (the same engine)."""
+    measurement replaces (the defaults only order the first turns).
+
+    Prefill and decode run the same model on the same kind of machine, so a token
+    prefilled costs the same on either: one cost per token is learned, from prefill's
+    legs and decode's local prefills alike. Learned apart, the two were measured on
+    different work: decode's extends came on long histories (the whole prompt tokenized
+    again, attention over all of it), prefill's own legs on fresh prompts, since a leg
+    that reads back teaches the read. After a multi-turn run a fresh 512-token prompt then
+    looked dearer on an idle decode server than on prefill plus the second hop, and took
+    the two legs (+35 ms at concurrency 1)."""
 
     def __init__(self, costs: Costs | None = None, chars_per_token: float = 4.0) -> None:
         self._costs = costs or Costs()
@@ -237,8 +245,6 @@ class CostModel:
 
     @property
     def costs(self) -> Costs:
-        if "extend_ms" in self._seen:
-            return self._costs
         return _with(self._costs, extend_ms=self._costs.prefill_ms)
 
     def _learn(self, name: str, sample: float) -> None:
@@ -275,8 +281,9 @@ class CostModel:
             self._costs = _with(self._costs, hop_ms=self._hop.fixed, pull_ms=self._hop.per_x)
 
     def observe_extend(self, ms: float, computed: int) -> None:
+        """A whole turn on decode, to its first byte: `computed` tokens prefilled there."""
         if computed >= MIN_SAMPLE_TOKENS:
-            self._learn("extend_ms", ms / computed)
+            self._learn("prefill_ms", ms / computed)
 
 
 def _with(c: Costs, **over: float) -> Costs:
