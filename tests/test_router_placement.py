@@ -26,7 +26,7 @@ from bidirkv.router.pool.placement import (
 )
 
 CP = Placement(policy=COST)
-COSTS = Costs(prefill_ms=0.5, extend_ms=0.5, read_ms=0.05, hop_ms=20.0)
+COSTS = Costs(prefill_ms=0.5, read_ms=0.05, hop_ms=20.0)
 
 
 def inp(held=4000, new=200, p_busy=0, d_busy=0, other=None):
@@ -99,13 +99,13 @@ def test_the_default_is_cost():
 
 
 def test_the_second_hop_grows_with_the_tokens_decode_pulls():
-    c = Costs(prefill_ms=0.5, extend_ms=0.5, read_ms=0.05, hop_ms=20.0, pull_ms=0.1)
+    c = Costs(prefill_ms=0.5, read_ms=0.05, hop_ms=20.0, pull_ms=0.1)
     assert c.hop(1000) == 120.0
     # 300 new tokens on a 20k history: 150 ms on D against 20 + 2030 ms of pull + 1000 ms
     # of read + 150 ms; with a free pull, the read back would still cost more.
     assert place(inp(held=20_000, new=300), CP, c).path == EXTEND
     # A dear pull makes even an idle prefill's path dearer than D's queue of two.
-    cheap = Costs(prefill_ms=0.5, extend_ms=0.5, read_ms=0.0, hop_ms=0.0, pull_ms=0.0)
+    cheap = Costs(prefill_ms=0.5, read_ms=0.0, hop_ms=0.0, pull_ms=0.0)
     assert place(inp(held=1000, new=300, d_busy=2), CP, cheap).path == READ_BACK
     assert place(inp(held=1000, new=300, d_busy=2), CP,
                  Costs(**{**cheap.__dict__, "pull_ms": 0.5})).path == EXTEND
@@ -143,23 +143,23 @@ def test_new_tokens_from_the_prompt_size():
 
 
 def test_the_cost_model_learns_from_the_legs():
-    m = CostModel(Costs(prefill_ms=1.0, extend_ms=1.0, read_ms=0.1, hop_ms=20.0))
+    m = CostModel(Costs(prefill_ms=1.0, read_ms=0.1, hop_ms=20.0))
     m.observe_prompt(prompt_chars=5600, prompt_tokens=1000)
     assert m.chars_per_token == 5.6  # the first real ratio replaces the default
     m.observe_prefill(ms=300.0, computed=1000)
     # The first measurement replaces the default; decode prefills as fast as prefill
     # (the same engine).
-    assert m.costs.prefill_ms == m.costs.extend_ms == 0.3
+    assert m.costs.prefill_ms == 0.3
     for _ in range(40):
         m.observe_prefill(ms=100.0, computed=1000)  # 0.1 ms a token
         m.observe_hop(5.0, tokens=1000)
         m.observe_prompt(prompt_chars=3000, prompt_tokens=1000)
     c = m.costs
-    assert c.prefill_ms == c.extend_ms == pytest.approx(0.1, rel=0.01)
+    assert c.prefill_ms == pytest.approx(0.1, rel=0.01)
     assert c.hop(1000) == pytest.approx(5.0, rel=0.01)  # one size: only the sum is known
     for _ in range(40):  # extends on long histories: dearer a token, on both engines alike
         m.observe_extend(ms=60.0, computed=200)
-    assert m.costs.prefill_ms == m.costs.extend_ms == pytest.approx(0.3, rel=0.01)
+    assert m.costs.prefill_ms == pytest.approx(0.3, rel=0.01)
     # So a fresh prompt on an idle decode server still beats prefill plus the second hop.
     fresh = Inputs(held_tokens=None, new_tokens=512, prefill_inflight=0, holder_inflight=0,
                    other_inflight=0)
@@ -176,7 +176,7 @@ def test_the_cost_model_learns_from_the_legs():
     # A few tokens say more about a leg's fixed cost than its cost per token.
     m.observe_prefill(ms=30.0, computed=3)
     m.observe_extend(ms=30.0, computed=3)
-    assert m.costs.prefill_ms == m.costs.extend_ms == pytest.approx(0.1, rel=0.01)
+    assert m.costs.prefill_ms == pytest.approx(0.1, rel=0.01)
 
 
 # -- over HTTP, against fake engines ------------------------------------------------------

@@ -79,12 +79,11 @@ class Inputs:
 
 @dataclass(frozen=True)
 class Costs:
-    """Milliseconds: per token prefilled on P and on D, per token read from D, and the
-    second leg's cost: its own (a request, a connection, a scheduler step on D) and per
-    token of the prompt D pulls from P. (CostModel learns one prefill cost for both.)"""
+    """Milliseconds: per token prefilled (on P or on D: the same engine, see CostModel),
+    per token read from D, and the second leg's cost: its own (a request, a connection, a
+    scheduler step on D) and per token of the prompt D pulls from P."""
 
     prefill_ms: float = 0.5
-    extend_ms: float = 0.5
     read_ms: float = 0.05
     hop_ms: float = 20.0
     pull_ms: float = 0.005
@@ -105,7 +104,7 @@ def estimate_ms(inp: Inputs, c: Costs) -> tuple[float, float]:
     same size. The decode replica is the holder, or without one the least loaded."""
     held = inp.held_tokens or 0
     ahead = inp.holder_inflight if inp.held_tokens is not None else inp.other_inflight or 0
-    local = inp.new_tokens * c.extend_ms * (1 + ahead)
+    local = inp.new_tokens * c.prefill_ms * (1 + ahead)
     prefill_work = held * min(c.read_ms, c.prefill_ms) + inp.new_tokens * c.prefill_ms
     return local, c.hop(held + inp.new_tokens) + prefill_work * (1 + inp.prefill_inflight)
 
@@ -245,7 +244,7 @@ class CostModel:
 
     @property
     def costs(self) -> Costs:
-        return _with(self._costs, extend_ms=self._costs.prefill_ms)
+        return self._costs
 
     def _learn(self, name: str, sample: float) -> None:
         old = getattr(self._costs, name)
