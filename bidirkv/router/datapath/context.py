@@ -19,7 +19,7 @@ from bidirkv.router.datapath.tracing import Traces
 from bidirkv.router.metrics import Metrics
 from bidirkv.router.pool.backends import DECODE, PREFILL, Backend, Pool
 from bidirkv.router.pool.placement import CostModel
-from bidirkv.router.pool.residency import Residency
+from bidirkv.router.pool.residency import ResidencyClient
 from bidirkv.router.request.identity import LookupKeys
 from bidirkv.router.store.base import Store, StoreUnavailable
 from bidirkv.router.store.factory import make_store, store_mode
@@ -75,8 +75,8 @@ class Context:
         self.costs = CostModel()
         self.prefill = Pool(PREFILL, cfg.prefill)
         self.decode = Pool(DECODE, cfg.decode)
-        self.residency = Residency(cfg.owner_lease_seconds, self.timeouts.probe,
-                                   on_result=self._on_residency_call)
+        self.residency = ResidencyClient(cfg.owner_lease_seconds, self.timeouts.probe,
+                                         on_result=self._on_residency_call)
         # The request spans and their exporters (tracing.py); a reload may replace them.
         # First: a span file that cannot be opened stops the start before anything else.
         self.traces = Traces(cfg.tracing)

@@ -75,7 +75,7 @@ from bidirkv.router.pool.placement import (
     prompt_chars,
 )
 from bidirkv.router.pool.placement import PREFILL as PREFILL_PATH
-from bidirkv.router.pool.residency import Residency
+from bidirkv.router.pool.residency import ResidencyClient
 from bidirkv.router.pool.selection import holder_of, least_outstanding, pick_decode
 from bidirkv.router.request.identity import LookupKeys, short_hash
 from bidirkv.router.request.validation import ClientError, parse_request
@@ -195,7 +195,7 @@ class Router:
         return self.ctx.decode
 
     @property
-    def residency(self) -> Residency:
+    def residency(self) -> ResidencyClient:
         return self.ctx.residency
 
     @property

@@ -51,7 +51,10 @@ class Replica:
     last: dict[str, Any] = field(default_factory=dict)  # the engine's last report
 
 
-class Residency:
+class ResidencyClient:
+    """The client of decode's residency route: this router's releases and lease, and the
+    capacity each replica reports."""
+
     def __init__(self, lease_seconds: float, timeout: aiohttp.ClientTimeout,
                  on_result: Callable[[str, str, int], None] | None = None,
                  owner: str | None = None) -> None:
