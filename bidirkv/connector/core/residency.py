@@ -19,7 +19,9 @@ flood of conversations yields before anyone else's. Within the tenant they take 
 conversation expected back last (bidirkv/returns.py: overdue ones first, then by when
 the router's gap, `bidirkv_return_s`, says it returns), not the oldest: under agents
 taken in turn, the oldest is the one about to come back. A conversation without a gap
-is expected after the typical gap of those that have one (a moving average here).
+is expected after the typical gap of those that have one (a moving average here, as it
+stood when the conversation was kept). Both choices are indexed (releaseorder.py): a
+reclaim costs O(log n) per entry it releases, however many tenants decode holds.
 
 Safety does not rest on timing. A read is one-sided (decode never sees it), so prefill
 asks decode for a *grant* over the side channel right before it reads. A grant and a
@@ -40,7 +42,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from bidirkv.returns import next_gap, release_key
+from bidirkv.connector.core.releaseorder import Heaviest, ReleaseOrder
+from bidirkv.returns import next_gap
 
 HELD = "held"
 GRANTED = "granted"
@@ -87,11 +90,15 @@ class Residency:
     _parked: int = 0  # entries in state HELD: retained, nothing acting on them
     _releasing: int = 0
     # Entries in state HELD (the only releasable ones) per tenant, oldest first, and
-    # their blocks: what fair reclaiming picks from.
+    # their blocks: what fair reclaiming picks from, through two indexes (releaseorder.py):
+    # the tenant holding the most, and each tenant's order of release.
     _free: dict[str | None, OrderedDict[str, Held]] = field(default_factory=dict)
     _free_blocks: Counter = field(default_factory=Counter)
+    _heaviest: Heaviest = field(default_factory=Heaviest)
+    _order: dict[str | None, ReleaseOrder] = field(default_factory=dict)
     # The gap assumed for an entry that came without one: a moving average of the gaps
-    # entries came with (0 before any: then the newest of them goes first).
+    # entries came with when it was kept (0 before any: then the newest of them goes
+    # first). Fixed per entry when kept, as the router's order does, so an index holds.
     prior_gap: float | None = None
 
     # -- engine thread: lifecycle ---------------------------------------------------------
@@ -103,8 +110,12 @@ class Residency:
                                          kept_at=now, gap=gap)
             if gap is not None:
                 self.prior_gap = next_gap(self.prior_gap, gap)
-            self._free.setdefault(tenant, OrderedDict())[req_id] = h
+            mine = self._free.setdefault(tenant, OrderedDict())
+            mine[req_id] = h
             self._free_blocks[tenant] += blocks
+            self._heaviest.set(tenant, (self._free_blocks[tenant], len(mine)))
+            rank_gap = gap if gap is not None else self.prior_gap or 0.0
+            self._order.setdefault(tenant, ReleaseOrder()).add(req_id, now, rank_gap, deadline)
             self._kept += blocks
             self._parked += 1
             if owner is not None and owner not in self.owners:
@@ -136,12 +147,18 @@ class Residency:
     # -- decisions -----------------------------------------------------------------------
     def _unfree(self, h: Held) -> None:
         """Caller holds the lock: `h` leaves state HELD."""
-        mine = self._free.get(h.tenant)
+        t = h.tenant
+        mine = self._free.get(t)
         if mine is not None and mine.pop(h.req_id, None) is not None:
-            self._free_blocks[h.tenant] -= h.blocks
+            self._free_blocks[t] -= h.blocks
             if not mine:
-                del self._free[h.tenant]
-                del self._free_blocks[h.tenant]
+                del self._free[t]
+                del self._free_blocks[t]
+                del self._order[t]
+                self._heaviest.set(t, None)
+            else:
+                self._heaviest.set(t, (self._free_blocks[t], len(mine)))
+                self._order[t].remove(h.req_id)
 
     def _release(self, h: Held, cause: str) -> int:
         """Caller holds the lock. Only an entry nobody was granted can go."""
@@ -180,27 +197,16 @@ class Residency:
 
     def reclaim(self, blocks: int, cause: str = "pressure") -> int:
         """Release whole entries until `blocks` are on their way: each time, of the tenant
-        holding the most releasable blocks, the one expected back last (on a tie, the
-        oldest)."""
+        holding the most releasable blocks, the one to go first by releaseorder.py
+        (O(log n) per entry released, whatever the number of tenants)."""
         got = 0
         now = self.clock()
         with self.lock:
-            prior = self.prior_gap or 0.0
-            # Each tenant's entries in release order, sorted once per call (when first
-            # taken from): `now` is fixed, so the order holds while the tenant choice
-            # rotates, and a reclaim costs a sort, not a walk per release.
-            queues: dict[str | None, list[Held]] = {}
-            while got < blocks and self._free:
+            while got < blocks and self._heaviest:
                 # Entries of no blocks free nothing but still count as one tenant's.
-                tenant = max(self._free, key=lambda t: (self._free_blocks[t], len(self._free[t])))
-                queue = queues.get(tenant)
-                if queue is None:
-                    # Reversed: the first to go at the end, popped; on a tie the oldest.
-                    queue = queues[tenant] = sorted(
-                        reversed(self._free[tenant].values()), key=lambda e: release_key(
-                            now, e.kept_at, prior if e.gap is None else e.gap, e.deadline))
-                h = queue.pop()
-                got += self._release(h, cause)
+                tenant = self._heaviest.top()
+                got += self._release(self._free[tenant][self._order[tenant].first(now)],
+                                     cause)
         return got
 
     def over_watermark(self, total_blocks: int) -> int:
