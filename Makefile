@@ -49,8 +49,17 @@ $(PROMQL_STAMP):
 		$(PROMQL_PACKAGES)
 	touch $@
 
+# Debian's kubectl, which e2e/test_kubectl.py runs against the test API server; a kubectl
+# already on the PATH is used as it is. The package lists are fetched only when the install
+# fails without them (a fresh machine).
+KUBECTL_STAMP := .cache/kubectl/.present
+$(KUBECTL_STAMP):
+	command -v kubectl >/dev/null || apt-get install -y -q kubernetes-client \
+		|| (apt-get update -q && apt-get install -y -q kubernetes-client)
+	mkdir -p $(@D) && touch $@
+
 # The data-plane suites run real vLLM CPU servers, so the tests need the engine stack.
-test: $(ENGINE_STAMP) $(VLLM_NEXT_STAMP) $(PROMQL_STAMP)
+test: $(ENGINE_STAMP) $(VLLM_NEXT_STAMP) $(PROMQL_STAMP) $(KUBECTL_STAMP)
 	$(BIN)/ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider
 

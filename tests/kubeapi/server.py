@@ -26,9 +26,18 @@ requires ``fieldManager``; objects sent with a ``resourceVersion`` to create are
 annotation keys and names are validated; immediate deletes answer with a ``Status`` (the object
 for pods and service accounts, and always while finalizers are pending).
 
+What kubectl reads is served as kube-apiserver serves it (:mod:`~kubeapi.openapi`,
+:mod:`~kubeapi.gnostic`, :mod:`~kubeapi.table`): ``/openapi/v2`` as JSON or as gnostic's
+protobuf (kubectl validates and explains from it), with the built-in kinds' upstream
+definitions and each CRD's schema converted for v2; Table output for get and list (a CRD's
+``additionalPrinterColumns``; built-in kinds get the generic ``Name``/``Created At``).
+
 Not modelled: authentication/authorization (every request is allowed), admission webhooks,
-schema validation of built-in kinds (only their metadata is checked), protobuf/CBOR/table
-output, aggregated discovery, field managers (server-side apply is a create-or-merge that never
+schema validation of built-in kinds (only their metadata is checked), protobuf/CBOR
+encodings of objects, ``/openapi/v3`` (kubectl 1.27+ falls back to v2) and the v2
+document's paths (so newer kubectl validates on the client, never asking for
+``fieldValidation``), per-kind printers of built-in kinds, Table output of watches,
+aggregated discovery, field managers (server-side apply is a create-or-merge that never
 removes fields), resourceVersion semantics on list (always the latest state), controllers (no
 pods are made for deployments; only namespace cleanup and the optional ownerReference garbage
 collector run; ``Foreground`` propagation behaves like ``Background``), CRD conversion (served
@@ -43,6 +52,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime as dt
 import json
 import logging
 import threading
@@ -54,6 +64,7 @@ from typing import Any, NamedTuple
 import yaml
 from aiohttp import web
 
+from kubeapi import gnostic, openapi
 from kubeapi.errors import (
     ApiError,
     bad_request,
@@ -62,8 +73,9 @@ from kubeapi.errors import (
 )
 from kubeapi.labelselectors import FieldSelector, LabelSelector
 from kubeapi.patch import APPLY_PATCH, JSON_PATCH, MERGE_PATCH, STRATEGIC_PATCH
-from kubeapi.resources import ResourceType
+from kubeapi.resources import CRD_KEY, ResourceType
 from kubeapi.store import Store
+from kubeapi.table import table, table_version
 
 __all__ = ["KubeAPIServer", "Request", "running_kubeapi"]
 
@@ -153,6 +165,9 @@ class KubeAPIServer:
         self._runner: web.AppRunner | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+        # The OpenAPI document as JSON and protobuf, for the CRDs' resourceVersions it was
+        # built from.
+        self._openapi: tuple[tuple, bytes, bytes] | None = None
 
     # Lifecycle -----------------------------------------------------------------------------
 
@@ -259,6 +274,8 @@ class KubeAPIServer:
             return _json_response(VERSION_INFO)
         if path.rstrip("/") in ("/healthz", "/livez", "/readyz"):
             return web.Response(text="ok")
+        if path.rstrip("/") == "/openapi/v2":
+            return self._openapi_v2(request.headers.get("Accept", ""))
         segs = [s for s in path.split("/") if s]
         registry = self.store.registry
         if segs == ["api"]:
@@ -282,6 +299,43 @@ class KubeAPIServer:
                 raise _NOT_FOUND
             return _json_response(doc)
         return await self._resource(request, group, version, rest)
+
+    def _crds(self) -> list[dict]:
+        group, plural = CRD_KEY
+        return self.store.find_all(f"{group}/v1", plural)
+
+    def _openapi_v2(self, accept: str) -> web.Response:
+        crds = self._crds()
+        key = tuple((c["metadata"]["name"], c["metadata"]["resourceVersion"]) for c in crds)
+        if self._openapi is None or self._openapi[0] != key:
+            builtins = [rt for rt in self.store.registry.all() if rt.crd is None]
+            doc = openapi.document(builtins, crds)
+            self._openapi = (key, json.dumps(doc, separators=(",", ":")).encode(),
+                             gnostic.document(doc))
+        _, as_json, as_proto = self._openapi
+        if gnostic.CONTENT_TYPE in accept:
+            # As kube-openapi's handler: the media type asked for has an "@", which is no
+            # valid media type to answer with.
+            return web.Response(body=as_proto, content_type="application/octet-stream")
+        return web.Response(body=as_json, content_type="application/json")
+
+    def _printer_columns(self, rt: ResourceType) -> list[dict] | None:
+        """The CRD version's additionalPrinterColumns ([] when it has none); None for
+        built-in kinds."""
+        if rt.crd is None:
+            return None
+        crd = self.store.find(f"{CRD_KEY[0]}/v1", CRD_KEY[1], None, rt.crd) or {}
+        for ver in (crd.get("spec") or {}).get("versions") or ():
+            if ver.get("name") == rt.version:
+                return list(ver.get("additionalPrinterColumns") or ())
+        return []
+
+    def _table(self, rt: ResourceType, version: str, objects: list[dict], params: Any,
+               metadata: dict) -> web.Response:
+        return _json_response(table(
+            objects, self._printer_columns(rt), version=version,
+            include_object=params.get("includeObject"), metadata=metadata,
+            now=dt.datetime.now(dt.UTC)))
 
     async def _resource(self, request: web.Request, group: str, version: str,
                         rest: list[str]) -> web.StreamResponse:
@@ -313,8 +367,13 @@ class KubeAPIServer:
             raise method_not_allowed()
         if verb == "watch":
             return await self._watch(request, rt, namespace, name)
+        as_table = table_version(request.headers.get("Accept", ""))
         if verb == "list":
-            return self._list(rt, namespace, params)
+            return self._list(rt, namespace, params, as_table)
+        if verb == "get" and not sub and as_table:
+            obj = self.store.get(rt, namespace, name)
+            return self._table(rt, as_table, [obj], params,
+                               {"resourceVersion": obj["metadata"].get("resourceVersion", "")})
         return await self._write_or_get(request, verb, rt, namespace, name, sub)
 
     @staticmethod
@@ -336,7 +395,8 @@ class KubeAPIServer:
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
 
-    def _list(self, rt: ResourceType, namespace: str | None, params: Any) -> web.Response:
+    def _list(self, rt: ResourceType, namespace: str | None, params: Any,
+              as_table: str | None = None) -> web.Response:
         labels, fields = self._selectors(rt, params)
         try:
             limit = int(params["limit"]) if params.get("limit") else None
@@ -348,6 +408,8 @@ class KubeAPIServer:
         if token:
             meta["continue"] = token
             meta["remainingItemCount"] = remaining
+        if as_table:
+            return self._table(rt, as_table, items, params, meta)
         return _json_response({"kind": rt.list_kind_name, "apiVersion": rt.api_version,
                                "metadata": meta, "items": items})
 

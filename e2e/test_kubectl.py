@@ -1,0 +1,152 @@
+"""The design card's commands with the real kubectl against the test API server.
+
+kubectl is Debian's (package ``kubernetes-client``, which ``make test`` installs when no
+kubectl is on the PATH): it validates on the client from the server's ``/openapi/v2``
+(protobuf), prints ``get`` from the server's Table output (the CRD's printer columns), scales
+through the ``scale`` subresource and explains fields from the OpenAPI document.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kubeapi.server import running_kubeapi
+
+ROOT = Path(__file__).resolve().parent.parent
+CRD = ROOT / "crds" / "bidirkv.io_disaggregatedinferences.yaml"
+EXAMPLE = ROOT / "examples" / "inference.yaml"
+DI = ("bidirkv.io/v1alpha1", "disaggregatedinferences")
+NAME = "qwen3-32b"
+
+KUBECTL = shutil.which("kubectl")
+if KUBECTL is None and os.geteuid() != 0:
+    pytest.skip("kubectl is not installed and this user cannot install it: `make test` as "
+                "root installs Debian's kubernetes-client", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """The server with the CRD and the example applied by kubectl, and a kubectl runner."""
+    if KUBECTL is None:
+        pytest.fail("kubectl is not installed: `make test` installs Debian's kubernetes-client")
+    home = tmp_path_factory.mktemp("kubectl-home")  # kubectl's discovery cache stays here
+    with running_kubeapi() as server:
+        env = {**os.environ, "HOME": str(home),
+               "KUBECONFIG": str(server.write_kubeconfig(home / "kubeconfig"))}
+
+        def kubectl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+            done = subprocess.run([KUBECTL, *args], env=env, capture_output=True, text=True,
+                                  timeout=60)
+            if check and done.returncode:
+                raise AssertionError(f"kubectl {' '.join(args)} failed ({done.returncode}): "
+                                     f"{done.stderr}")
+            return done
+
+        kubectl("apply", "-f", str(CRD))
+        applied = kubectl("apply", "-f", str(EXAMPLE))
+        yield server, kubectl, applied
+
+
+def _crd_schema() -> dict:
+    crd = yaml.safe_load(CRD.read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_apply_example_with_validation(cluster):
+    server, _, applied = cluster
+    assert applied.stdout.strip() == f"disaggregatedinference.bidirkv.io/{NAME} created"
+    stored = server.get(*DI, "default", NAME)
+    example = yaml.safe_load(EXAMPLE.read_text())
+    assert stored["spec"]["model"] == {**stored["spec"]["model"], **example["spec"]["model"]}
+    assert stored["spec"]["kvTransfer"]["decoderKvBlocksTtlSeconds"] == 480
+    assert stored["spec"]["decode"]["replicas"] == 2
+
+
+@pytest.mark.parametrize(("field", "value", "error"), [
+    ("bidirectionnal", True, 'unknown field "bidirectionnal"'),
+    ("decoderKvBlocksTtlSeconds", "480s", 'got "string", expected "integer"'),
+])
+def test_invalid_field_refused_by_kubectl(cluster, tmp_path, field, value, error):
+    server, kubectl, _ = cluster
+    bad = copy.deepcopy(yaml.safe_load(EXAMPLE.read_text()))
+    bad["metadata"]["name"] = "bad"
+    bad["spec"]["kvTransfer"][field] = value
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    writes = len(server.writes())
+
+    done = kubectl("apply", "-f", str(path), check=False)
+
+    assert done.returncode != 0
+    assert error in done.stderr
+    assert "DisaggregatedInference.spec.kvTransfer" in done.stderr
+    assert "error validating data" in done.stderr  # kubectl's own check, not the server's
+    assert len(server.writes()) == writes
+    assert server.get(*DI, "default", "bad") is None
+
+
+def _set_status(server, status: dict) -> None:
+    """What the operator would write (it does not run here)."""
+    url = f"{server.url}/apis/{DI[0]}/namespaces/default/{DI[1]}/{NAME}/status"
+    request = urllib.request.Request(
+        url, data=json.dumps({"status": status}).encode(), method="PATCH",
+        headers={"Content-Type": "application/merge-patch+json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200
+
+
+@pytest.mark.parametrize("resource", ["disaggregatedinference", "di"])
+def test_get_prints_the_printer_columns(cluster, resource):
+    server, kubectl, _ = cluster
+    _set_status(server, {"phase": "Pending", "prefill": {"summary": "1/1"},
+                         "decode": {"summary": "0/2"}})
+
+    lines = kubectl("get", resource).stdout.splitlines()
+
+    assert lines[0].split() == ["NAME", "MODEL", "PREFILL", "DECODE", "BIDIRECTIONAL",
+                                "PHASE", "AGE"]
+    assert len(lines) == 2
+    *row, age = lines[1].split()
+    assert row == [NAME, "Qwen/Qwen3-32B", "1/1", "0/2", "true", "Pending"]
+    assert re.fullmatch(r"\d+s|\d+m(\d+s)?", age), age
+    # Columns line up under their headers, as kubectl's table printer aligns them.
+    assert lines[1].index("Qwen/Qwen3-32B") == lines[0].index("MODEL")
+
+
+def test_explain_prints_the_field_descriptions(cluster):
+    _, kubectl, _ = cluster
+    out = kubectl("explain", "di.spec.kvTransfer").stdout
+    transfer = _crd_schema()["properties"]["spec"]["properties"]["kvTransfer"]
+
+    assert re.search(r"^KIND:\s+DisaggregatedInference$", out, re.M)
+    assert re.search(r"^VERSION:\s+bidirkv.io/v1alpha1$", out, re.M)
+    assert _words(transfer["description"]) in _words(out)
+    for name, field in transfer["properties"].items():
+        assert re.search(rf"^\s+{name}\s+<{field['type']}>", out, re.M), name
+        assert _words(field["description"]) in _words(out), name
+
+
+def test_scale_sets_the_decode_replicas(cluster):
+    server, kubectl, _ = cluster
+    server.requests.clear()
+
+    done = kubectl("scale", f"di/{NAME}", "--replicas=3")
+
+    assert done.stdout.strip() == f"disaggregatedinference.bidirkv.io/{NAME} scaled"
+    assert server.get(*DI, "default", NAME)["spec"]["decode"]["replicas"] == 3
+    assert [(r.verb, r.subresource) for r in server.writes()] in (
+        [("patch", "scale")], [("update", "scale")])
