@@ -8,9 +8,10 @@ from typing import Any
 
 from bidirkv.returns import next_gap
 from bidirkv.router.codec import dumps_kept
+from bidirkv.router.datapath.bodies import handle_blocks
 from bidirkv.router.datapath.context import Context, quietly
 from bidirkv.router.datapath.sse import MessageCollector
-from bidirkv.router.datapath.upstream import Turn, handle_blocks
+from bidirkv.router.datapath.turn import Turn
 from bidirkv.router.pool.backends import Backend
 from bidirkv.router.request.identity import short_hash
 from bidirkv.router.request.validation import CHAT

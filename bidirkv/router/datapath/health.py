@@ -8,9 +8,10 @@ import asyncio
 import logging
 
 from bidirkv.router.codec import loads
+from bidirkv.router.datapath.bodies import model_len
 from bidirkv.router.datapath.context import Context, quietly
+from bidirkv.router.datapath.failures import UPSTREAM_FAILURES, classify
 from bidirkv.router.datapath.sessions import Clients
-from bidirkv.router.datapath.upstream import UPSTREAM_FAILURES, classify, model_len
 from bidirkv.router.pool.backends import DECODE, Backend
 
 log = logging.getLogger("bidirkv.router")

@@ -15,29 +15,29 @@ from aiohttp import web
 
 from bidirkv.proof import make_proof
 from bidirkv.router.codec import dumps, loads
+from bidirkv.router.datapath.bodies import (
+    LOCAL_PARAMS,
+    PARAMS_MARKER,
+    PATHS,
+    decode_body,
+    prefill_body,
+)
 from bidirkv.router.datapath.context import Context, quietly
 from bidirkv.router.datapath.conversations import Conversations
+from bidirkv.router.datapath.failures import (
+    UPSTREAM_FAILURES,
+    Unavailable,
+    UpstreamFailure,
+    classify,
+    rejected,
+)
 from bidirkv.router.datapath.health import Health
+from bidirkv.router.datapath.replies import json_response, placement_header
 from bidirkv.router.datapath.reusereport import prefill_work, reuse_report
 from bidirkv.router.datapath.sessions import Clients
 from bidirkv.router.datapath.sse import DONE, PARAMS, MessageCollector, SSEFilter, error_event
 from bidirkv.router.datapath.tracing import Leg
-from bidirkv.router.datapath.upstream import (
-    LOCAL_PARAMS,
-    PARAMS_MARKER,
-    PATHS,
-    UPSTREAM_FAILURES,
-    Turn,
-    Unavailable,
-    UpstreamFailure,
-    classify,
-    count_reuse,
-    decode_body,
-    json_response,
-    placement_header,
-    prefill_body,
-    rejected,
-)
+from bidirkv.router.datapath.turn import Turn, count_reuse
 from bidirkv.router.pool.backends import DECODE, PREFILL, Backend
 from bidirkv.router.pool.placement import EXTEND
 from bidirkv.router.pool.selection import least_outstanding
@@ -302,7 +302,7 @@ class Legs:
         now = time.perf_counter()
         self.ctx.metrics.observe_ttft(turn.kind, False, now - turn.t0)
         self.ctx.metrics.observe_leg(leg, "ok", now - t)
-        return json_response(200, body, {"X-Request-Id": turn.rid, **placement_header(turn)})
+        return json_response(200, body, {"X-Request-Id": turn.rid, **placement_header(turn.placed)})
 
     async def _relay(self, request: web.Request, turn: Turn, d: Backend,
                      resp: aiohttp.ClientResponse, first: bytes, t: float, leg: str
@@ -314,7 +314,7 @@ class Legs:
             "Content-Type": "text/event-stream; charset=utf-8",
             "Cache-Control": "no-cache",
             "X-Request-Id": turn.rid,
-            **placement_header(turn),
+            **placement_header(turn.placed),
         })
         done = False
         try:

@@ -23,27 +23,19 @@ from aiohttp import web
 
 from bidirkv.router.codec import dumps
 from bidirkv.router.datapath.context import Context
-from bidirkv.router.datapath.health import (
-    DISAGGREGATED,
-    PREFILL_ONLY,
-    UNAVAILABLE,
-    serving_mode,
-)
-from bidirkv.router.datapath.legs import Legs
-from bidirkv.router.datapath.upstream import (
-    Turn,
+from bidirkv.router.datapath.failures import (
     UpstreamFailure,
     failure_response,
     outcome_of,
     unavailable,
 )
+from bidirkv.router.datapath.health import PREFILL_ONLY
+from bidirkv.router.datapath.legs import Legs
+from bidirkv.router.datapath.turn import Turn
 from bidirkv.router.pool.backends import PREFILL, Backend
 from bidirkv.router.pool.selection import least_outstanding
 
 log = logging.getLogger("bidirkv.router")
-
-__all__ = ["DISAGGREGATED", "LEG", "PREFILL_ONLY", "UNAVAILABLE", "serve_on_prefill",
-           "serving_mode"]
 
 LEG = "prefill_only"  # the leg_duration_seconds label (and span) of a request P serves
 

@@ -31,36 +31,27 @@ import uuid
 from aiohttp import web
 
 from bidirkv.router.config import RouterConfig
+from bidirkv.router.datapath.bodies import PATHS, upstream_headers
 from bidirkv.router.datapath.context import Context, quietly, timeouts_of
 from bidirkv.router.datapath.conversations import Conversations
-from bidirkv.router.datapath.health import Health
-from bidirkv.router.datapath.legs import Legs
-from bidirkv.router.datapath.prefillonly import (
-    PREFILL_ONLY,
-    UNAVAILABLE,
-    serve_on_prefill,
-    serving_mode,
-)
-from bidirkv.router.datapath.sessions import Clients
-from bidirkv.router.datapath.tracing import Trace, replace, traced
-from bidirkv.router.datapath.upkeep import Upkeep
-from bidirkv.router.datapath.upstream import (
-    HANDLE_KEY_ENV,
-    PATHS,
+from bidirkv.router.datapath.failures import (
     UPSTREAM_FAILURES,
-    Turn,
     Unavailable,
     UpstreamFailure,
     classify,
-    count_reuse,
     failure_response,
-    json_error,
-    json_response,
     outcome_of,
     rejected,
     unavailable,
-    upstream_headers,
 )
+from bidirkv.router.datapath.health import PREFILL_ONLY, UNAVAILABLE, Health, serving_mode
+from bidirkv.router.datapath.legs import Legs
+from bidirkv.router.datapath.prefillonly import serve_on_prefill
+from bidirkv.router.datapath.replies import json_error, json_response
+from bidirkv.router.datapath.sessions import Clients
+from bidirkv.router.datapath.tracing import Trace, replace, traced
+from bidirkv.router.datapath.turn import Turn, count_reuse, trace_attributes
+from bidirkv.router.datapath.upkeep import Upkeep
 from bidirkv.router.metrics import Metrics
 from bidirkv.router.pool.backends import DECODE, PREFILL, Backend, Pool
 from bidirkv.router.pool.placement import (
@@ -143,8 +134,6 @@ async def read_body(request: web.Request, limit: int) -> bytes:
         parts.append(chunk)
     return b"".join(parts)
 
-
-__all__ = ["HANDLE_KEY_ENV", "Router", "json_error", "json_response", "request_id"]
 
 # A client's X-Request-Id is kept only in this shape. vLLM builds the decode request id
 # from it (`chatcmpl-{id}-{8 hex}`), which then travels in release batches and logs: one
@@ -361,7 +350,8 @@ class Router:
                 except StoreUnavailable:  # it cannot go back: D frees its blocks now
                     ctx.evicted("store_unavailable", [entry])
             count_reuse(metrics, turn)
-            trace.note_turn(turn)
+            if trace.recording:
+                trace.update(trace_attributes(turn))
         metrics.request(kind, outcome)
         log.debug("request rid=%s conv=%s kind=%s stream=%s reuse=%s outcome=%s ms=%.2f",
                   rid, turn.conv, kind, turn.stream, turn.reuse, outcome,

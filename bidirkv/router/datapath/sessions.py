@@ -33,14 +33,14 @@ from typing import Any
 import aiohttp
 
 from bidirkv.router.codec import loads
-from bidirkv.router.datapath.tracing import UNTRACED, Leg
-from bidirkv.router.datapath.upstream import (
+from bidirkv.router.datapath.bodies import upstream_headers
+from bidirkv.router.datapath.failures import (
     UPSTREAM_FAILURES,
     UpstreamFailure,
     classify,
     stale_connection,
-    upstream_headers,
 )
+from bidirkv.router.datapath.tracing import UNTRACED, Leg
 from bidirkv.router.metrics import Metrics
 from bidirkv.router.pool.backends import Backend
 

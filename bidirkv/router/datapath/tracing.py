@@ -36,7 +36,7 @@ import functools
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -48,9 +48,6 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from bidirkv.router.config import ConfigError, Tracing
 from bidirkv.router.datapath.spanfile import SpanFileExporter
-
-if TYPE_CHECKING:
-    from bidirkv.router.datapath.upstream import Turn
 
 log = logging.getLogger("bidirkv.router")
 
@@ -129,7 +126,7 @@ class Untraced:
     def resend(self, reason: str) -> None:
         pass
 
-    def note_turn(self, turn: Turn) -> None:
+    def update(self, attrs: dict[str, Any]) -> None:
         pass
 
     def end(self, *_: Any) -> None:
@@ -171,23 +168,10 @@ class RequestTrace:
         if self.recording and value is not None:
             self.attrs[key] = value
 
-    def note_turn(self, turn: Turn) -> None:
-        """What the request became: its reuse outcome, placement, prompt size."""
-        if not self.recording:
-            return
-        attrs = self.attrs
-        attrs["bidirkv.stream"] = turn.stream
-        attrs["bidirkv.request_id"] = turn.rid
-        attrs["bidirkv.conversation"] = turn.conv
-        attrs["bidirkv.reuse"] = turn.reuse
-        if turn.placed is not None:
-            attrs["bidirkv.placement.decision"] = turn.placed.path
-            attrs["bidirkv.placement.reason"] = turn.placed.reason
-        if turn.prompt_tokens is not None:
-            attrs["gen_ai.usage.input_tokens"] = turn.prompt_tokens
-        model = turn.body.get("model")
-        if isinstance(model, str):
-            attrs["gen_ai.request.model"] = model
+    def update(self, attrs: dict[str, Any]) -> None:
+        """Attributes gathered elsewhere (what the request became), set as one."""
+        if self.recording:
+            self.attrs.update(attrs)
 
     def end(self, status: int | None = None, outcome: str = "ok") -> None:
         span = self.span

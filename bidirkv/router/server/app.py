@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from bidirkv.router.config import ConfigError, RouterConfig, load_config
-from bidirkv.router.datapath.proxy import HANDLE_KEY_ENV, Router
+from bidirkv.router.datapath.proxy import Router
 from bidirkv.router.datapath.tracing import describe
 from bidirkv.router.server.reload import ConfigWatcher
 from bidirkv.router.server.routes import ROUTER, add_metrics_routes, add_routes, json_errors
@@ -24,6 +24,7 @@ from bidirkv.router.server.routes import ROUTER, add_metrics_routes, add_routes,
 log = logging.getLogger("bidirkv.router")
 
 WATCHER = web.AppKey("watcher", ConfigWatcher)
+HANDLE_KEY_ENV = "BIDIRKV_HANDLE_KEY"
 STORE_PASSWORD_ENV = "BIDIRKV_HANDLE_STORE_PASSWORD"
 # Off unless set: lets benchmarks fill the handle store without 100k real requests.
 DEBUG_ENV = "BIDIRKV_ROUTER_DEBUG"

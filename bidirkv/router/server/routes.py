@@ -11,8 +11,9 @@ from typing import Any
 from aiohttp import web
 
 from bidirkv.router.codec import dumps, dumps_kept, loads
-from bidirkv.router.datapath.prefillonly import UNAVAILABLE
-from bidirkv.router.datapath.proxy import Router, json_error, json_response
+from bidirkv.router.datapath.health import UNAVAILABLE
+from bidirkv.router.datapath.proxy import Router
+from bidirkv.router.datapath.replies import json_error, json_response
 from bidirkv.router.datapath.tracing import traced
 from bidirkv.router.request.validation import CHAT, COMPLETIONS, MAX_CONVERSATION_ID
 from bidirkv.router.store.base import StoreUnavailable
