@@ -140,6 +140,21 @@ def test_explain_prints_the_field_descriptions(cluster):
         assert _words(field["description"]) in _words(out), name
 
 
+def test_server_side_dry_run_stores_nothing(cluster, tmp_path):
+    server, kubectl, _ = cluster
+    changed = yaml.safe_load(EXAMPLE.read_text())
+    changed["spec"]["prefill"]["replicas"] = 4
+    path = tmp_path / "changed.yaml"
+    path.write_text(yaml.safe_dump(changed))
+    before = server.get(*DI, "default", NAME)
+
+    done = kubectl("apply", "--dry-run=server", "-f", str(path))
+
+    assert done.stdout.strip() == (
+        f"disaggregatedinference.bidirkv.io/{NAME} configured (server dry run)")
+    assert server.get(*DI, "default", NAME) == before
+
+
 def test_scale_sets_the_decode_replicas(cluster):
     server, kubectl, _ = cluster
     server.requests.clear()

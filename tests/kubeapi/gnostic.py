@@ -4,7 +4,8 @@ kube-apiserver serves ``/openapi/v2`` as
 ``application/com.github.proto-openapi.spec.v2@v1.0+protobuf`` and kubectl asks for it that
 way (validation, ``explain``). The messages are encoded by hand from the field numbers of
 gnostic's ``openapiv2/OpenAPIv2.proto`` (message ``openapi.v2.Document``): the info, the
-definitions and vendor extensions, which is what kubectl reads of it. Values without a
+definitions, and the paths' operations with their parameters and responses (kubectl reads
+which query parameters a PATCH takes), with vendor extensions. Values without a
 message of their own (defaults, enums, extensions) travel as gnostic's ``Any`` with the
 value written as YAML (JSON is YAML).
 """
@@ -114,11 +115,69 @@ def schema(s: dict) -> bytes:
     return b"".join(out)
 
 
+def _parameter(p: dict) -> bytes:
+    """``ParametersItem``: a ``$ref`` (JsonReference), or a ``Parameter``: the body, or a
+    query or path parameter (the API serves no header or form-data parameters)."""
+    if "$ref" in p:
+        return _message(2, _string(1, p["$ref"]) + _string(2, p.get("description")))
+    if p.get("in") == "body":
+        body = (_string(1, p.get("description")) + _string(2, p.get("name"))
+                + _string(3, "body") + _bool(4, p.get("required"))
+                + _message(5, schema(p.get("schema") or {})) + _extensions(6, p))
+        return _message(1, _message(1, body))  # Parameter.body_parameter
+    where = p.get("in")
+    if where not in ("query", "path"):
+        raise ValueError(f"parameter {p.get('name')!r}: in={where!r} is not encoded; "
+                         "allowed: body, query, path")
+    # QueryParameterSubSchema has allow_empty_value = 5 where PathParameterSubSchema has
+    # type; after it the query message's numbers are one higher.
+    query = where == "query"
+    shift = int(query)
+    fields = (_bool(1, p.get("required")) + _string(2, where) + _string(3, p.get("description"))
+              + _string(4, p.get("name")) + (_bool(5, p.get("allowEmptyValue")) if query else b"")
+              + _string(5 + shift, p.get("type")) + _string(6 + shift, p.get("format"))
+              + _bool(19 + shift, p.get("uniqueItems")) + _extensions(22 + shift, p))
+    # Parameter.non_body_parameter: NonBodyParameter.query_... = 3, .path_... = 4
+    return _message(1, _message(2, _message(3 if query else 4, fields)))
+
+
+def _operation(op: dict) -> bytes:
+    out = [_strings(1, op.get("tags") or ()), _string(2, op.get("summary")),
+           _string(3, op.get("description")), _string(5, op.get("operationId")),
+           _strings(6, op.get("produces") or ()), _strings(7, op.get("consumes") or ())]
+    out += [_message(8, _parameter(p)) for p in op.get("parameters") or ()]
+    responses = b"".join(  # Responses.response_code: NamedResponseValue{name, value.response}
+        _message(1, _string(1, code) + _message(2, _message(1, _response(r))))
+        for code, r in (op.get("responses") or {}).items())
+    out += [_message(9, responses), _strings(10, op.get("schemes") or ()),
+            _bool(11, op.get("deprecated")), _extensions(13, op)]
+    return b"".join(out)
+
+
+def _response(r: dict) -> bytes:
+    out = _string(1, r.get("description"))
+    if "schema" in r:
+        out += _message(2, _message(1, schema(r["schema"])))  # SchemaItem.schema
+    return out + _extensions(5, r)
+
+
+_METHODS = {"get": 2, "put": 3, "post": 4, "delete": 5, "options": 6, "head": 7, "patch": 8}
+
+
+def _path_item(item: dict) -> bytes:
+    out = [_message(field, _operation(item[m])) for m, field in _METHODS.items() if m in item]
+    out += [_message(9, _parameter(p)) for p in item.get("parameters") or ()]
+    out.append(_extensions(10, item))
+    return b"".join(out)
+
+
 def document(doc: dict) -> bytes:
-    """``Document``: swagger = 1, info = 2, definitions = 9 (paths are not encoded)."""
+    """``Document``: swagger = 1, info = 2, paths = 8, definitions = 9."""
     info = doc.get("info") or {}
+    paths = b"".join(_message(2, _string(1, path) + _message(2, _path_item(item)))
+                     for path, item in (doc.get("paths") or {}).items())
     definitions = b"".join(_message(1, _string(1, name) + _message(2, schema(s)))
                            for name, s in (doc.get("definitions") or {}).items())
     return (_string(1, doc.get("swagger", "2.0"))
             + _message(2, _string(1, info.get("title")) + _string(2, info.get("version")))
-            + _message(9, definitions) + _extensions(16, doc))
+            + _message(8, paths) + _message(9, definitions) + _extensions(16, doc))

@@ -12,17 +12,24 @@ Two sources, as in a cluster:
 
 Definitions are named like kube-apiserver's: ``io.bidirkv.v1alpha1.DisaggregatedInference``
 (the group reversed, the version, the kind). kubectl looks kinds up by the GVK extension.
+
+Paths: each resource's PATCH operation with its query parameters, which is where kubectl
+learns that the server takes ``dryRun`` (``kubectl apply --dry-run=server``). No
+``fieldValidation`` parameter is listed, as this server does not check fields itself, so
+kubectl 1.25+ keeps validating on the client. Other operations are not listed.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import re
 from collections.abc import Iterable
 from typing import Any
 
 from kubernetes_validate import utils as kv
 
+from kubeapi.patch import APPLY_PATCH, JSON_PATCH, MERGE_PATCH, STRATEGIC_PATCH
 from kubeapi.resources import ResourceType
 
 BUILTIN_SCHEMAS = "kubernetes-json-schema/v1.33.0-local/_definitions.json"
@@ -185,21 +192,80 @@ def crd_definitions(crd: dict) -> dict[str, dict]:
     return out
 
 
-def document(builtins: Iterable[ResourceType], crds: Iterable[dict]) -> dict:
-    """The Swagger 2.0 document for the `builtins` this server serves and the `crds` installed."""
+def _patch_path(rt: ResourceType) -> tuple[str, dict]:
+    """The item path of `rt` with its PATCH operation, as kube-apiserver lists them."""
+    prefix = f"/apis/{rt.group}/{rt.version}" if rt.group else f"/api/{rt.version}"
+    scope = "/namespaces/{namespace}" if rt.namespaced else ""
+    gvk = {"group": rt.group, "kind": rt.kind, "version": rt.version}
+    # patchAppsV1NamespacedDeployment, patchBidirkvIoV1alpha1NamespacedDisaggregatedInference
+    group = rt.group.removesuffix(".k8s.io") or "core"
+    words = [*re.split(r"[.-]", group), rt.version]
+    tag = "".join(w[:1].upper() + w[1:] for w in words)
+    operation_id = f"patch{tag}{'Namespaced' if rt.namespaced else ''}{rt.kind}"
+    ref = {"$ref": _REF + (definition_name(rt.group, rt.version, rt.kind) if rt.crd
+                           else _builtin_name(rt))}
+
+    def query(name: str, type_: str, description: str) -> dict:
+        return {"name": name, "in": "query", "type": type_, "uniqueItems": True,
+                "description": description}
+
+    consumes = [JSON_PATCH, MERGE_PATCH, APPLY_PATCH]
+    if rt.crd is None:
+        consumes.insert(2, STRATEGIC_PATCH)
+    patch = {
+        "description": f"partially update the specified {rt.kind}",
+        "consumes": consumes,
+        "produces": ["application/json", "application/yaml"],
+        "schemes": ["https"],
+        "tags": [tag[:1].lower() + tag[1:]],
+        "operationId": operation_id,
+        "parameters": [
+            {"name": "body", "in": "body", "required": True,
+             "schema": {"$ref": f"{_REF}{_META}Patch"}},
+            query("dryRun", "string", "All: validate and answer, store nothing."),
+            query("fieldManager", "string", "Who makes the change (required by apply)."),
+            query("force", "boolean", "Apply: take over fields other managers own."),
+        ],
+        "responses": {"200": {"description": "OK", "schema": ref},
+                      "201": {"description": "Created", "schema": ref}},
+        "x-kubernetes-action": "patch",
+        "x-kubernetes-group-version-kind": gvk,
+    }
+    params = [{"name": "name", "in": "path", "required": True, "type": "string",
+               "uniqueItems": True, "description": f"name of the {rt.kind}"}]
+    if rt.namespaced:
+        params.append({"name": "namespace", "in": "path", "required": True, "type": "string",
+                       "uniqueItems": True, "description": "object name and auth scope"})
+    return f"{prefix}{scope}/{rt.plural}/{{name}}", {"patch": patch, "parameters": params}
+
+
+def _builtin_name(rt: ResourceType) -> str:
+    gvk = (rt.group, rt.version, rt.kind)
+    for name, d in upstream_definitions().items():
+        if gvk in _gvks(d):
+            return name
+    raise KeyError(f"no upstream definition for {rt.api_version} {rt.kind}")
+
+
+def document(types: Iterable[ResourceType], crds: Iterable[dict]) -> dict:
+    """The Swagger 2.0 document for the resource `types` this server serves (built-in and
+    custom) and the `crds` that define the custom ones."""
+    types = list(types)
     upstream = upstream_definitions()
-    served = {(rt.group, rt.version, rt.kind) for rt in builtins}
+    served = {(rt.group, rt.version, rt.kind) for rt in types if rt.crd is None}
     custom: dict[str, dict] = {}
     for crd in crds:
         custom.update(crd_definitions(crd))
     roots = [name for name, d in upstream.items()
              if any(gvk in served for gvk in _gvks(d))]
     roots += [r for d in custom.values() for r in _refs(d)]
-    roots += [f"{_META}Status", f"{_META}APIResourceList"]
+    roots += [f"{_META}Status", f"{_META}Patch"]
     definitions = {**_closure(roots, upstream, custom), **custom}
+    paths = dict(_patch_path(rt) for rt in types
+                 if rt.crd is None or definition_name(rt.group, rt.version, rt.kind) in custom)
     return {
         "swagger": "2.0",
         "info": {"title": "Kubernetes", "version": "v1.33.0"},
-        "paths": {},
+        "paths": dict(sorted(paths.items())),
         "definitions": dict(sorted(definitions.items())),
     }

@@ -29,14 +29,15 @@ for pods and service accounts, and always while finalizers are pending).
 What kubectl reads is served as kube-apiserver serves it (:mod:`~kubeapi.openapi`,
 :mod:`~kubeapi.gnostic`, :mod:`~kubeapi.table`): ``/openapi/v2`` as JSON or as gnostic's
 protobuf (kubectl validates and explains from it), with the built-in kinds' upstream
-definitions and each CRD's schema converted for v2; Table output for get and list (a CRD's
+definitions, each CRD's schema converted for v2 and each resource's PATCH operation (where
+kubectl learns that ``--dry-run=server`` is served); Table output for get and list (a CRD's
 ``additionalPrinterColumns``; built-in kinds get the generic ``Name``/``Created At``).
 
 Not modelled: authentication/authorization (every request is allowed), admission webhooks,
 schema validation of built-in kinds (only their metadata is checked), protobuf/CBOR
-encodings of objects, ``/openapi/v3`` (kubectl 1.27+ falls back to v2) and the v2
-document's paths (so newer kubectl validates on the client, never asking for
-``fieldValidation``), per-kind printers of built-in kinds, Table output of watches,
+encodings of objects, ``/openapi/v3`` (kubectl 1.27+ falls back to v2), server-side
+field validation (``fieldValidation`` is not listed, so kubectl validates on the client),
+the v2 document's other operations, per-kind printers of built-in kinds, Table output of watches,
 aggregated discovery, field managers (server-side apply is a create-or-merge that never
 removes fields), resourceVersion semantics on list (always the latest state), controllers (no
 pods are made for deployments; only namespace cleanup and the optional ownerReference garbage
@@ -308,8 +309,7 @@ class KubeAPIServer:
         crds = self._crds()
         key = tuple((c["metadata"]["name"], c["metadata"]["resourceVersion"]) for c in crds)
         if self._openapi is None or self._openapi[0] != key:
-            builtins = [rt for rt in self.store.registry.all() if rt.crd is None]
-            doc = openapi.document(builtins, crds)
+            doc = openapi.document(self.store.registry.all(), crds)
             self._openapi = (key, json.dumps(doc, separators=(",", ":")).encode(),
                              gnostic.document(doc))
         _, as_json, as_proto = self._openapi
