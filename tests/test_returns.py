@@ -1,13 +1,12 @@
 """When a kept conversation is expected back (bidirkv/returns.py) and the order a replica's
-block bounds take handles in (bidirkv/router/store/returnorder.py)."""
+block bounds take handles in (bidirkv/router/store/base.py)."""
 
 from __future__ import annotations
 
 import math
 
 from bidirkv.returns import MAX_GAP_S, gap_of, next_gap, release_key
-from bidirkv.router.store.entry import Entry
-from bidirkv.router.store.returnorder import ReturnOrder
+from bidirkv.router.store.base import Entry, ReturnOrder
 
 
 def test_the_gap_is_a_moving_average_of_idle_times():

@@ -21,9 +21,8 @@ from bidirkv.router.pool.backends import DECODE, PREFILL, Backend, Pool
 from bidirkv.router.pool.placement import CostModel
 from bidirkv.router.pool.residency import ResidencyClient
 from bidirkv.router.request.identity import LookupKeys
-from bidirkv.router.store.base import Store, StoreUnavailable
-from bidirkv.router.store.factory import make_store, store_mode
-from bidirkv.router.store.handles import Entry
+from bidirkv.router.store.base import Entry, Store, StoreUnavailable
+from bidirkv.router.store.shared import make_store, store_mode
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,7 @@ from bidirkv.router.datapath.turn import Turn
 from bidirkv.router.pool.backends import Backend
 from bidirkv.router.request.identity import short_hash
 from bidirkv.router.request.validation import CHAT
-from bidirkv.router.store.base import StoreUnavailable
-from bidirkv.router.store.entry import Entry
-from bidirkv.router.store.handles import EXPIRED, HIT, MISS
+from bidirkv.router.store.base import EXPIRED, HIT, MISS, Entry, Kept, StoreUnavailable
 from bidirkv.wire import VERSION_KEY, version_problem
 
 log = logging.getLogger("bidirkv.router")
@@ -104,14 +102,14 @@ class Conversations:
         try:
             limit = ctx.max_pinned(d.url)
             share = ctx.cfg.tenant_retention_share
-            await ctx.store.put(
+            await ctx.store.put(Kept(
                 key, dumps_kept(kv), d.url, engine, n, tenant=turn.tenant, prefix_len=prefix_len,
                 chars=turn.prompt_chars + len(collector.text) if collector is not None else 0,
                 prompt_key=self.prompt_key(turn),
                 request_id=rid, blocks=handle_blocks(kv), max_pinned=limit,
                 gap=turn.gap,
                 tenant_max_pinned=int(share * limit) if limit is not None and share < 1
-                else None)
+                else None))
         except StoreUnavailable:
             if rid is not None:  # not kept anywhere: D frees the blocks now
                 ctx.residency.release_ids(d.url, [rid])

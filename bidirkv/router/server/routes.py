@@ -16,7 +16,7 @@ from bidirkv.router.datapath.proxy import Router
 from bidirkv.router.datapath.replies import json_error, json_response
 from bidirkv.router.datapath.tracing import traced
 from bidirkv.router.request.validation import CHAT, COMPLETIONS, MAX_CONVERSATION_ID
-from bidirkv.router.store.base import StoreUnavailable
+from bidirkv.router.store.base import Kept, StoreUnavailable
 
 log = logging.getLogger("bidirkv.router")
 
@@ -143,8 +143,8 @@ async def _debug_fill(request: web.Request) -> web.Response:
             "transfer_mode": "pull",
         }
         key = n.to_bytes(16, "big")
-        await router.store.put(key, dumps_kept(params), decode, params["remote_engine_id"],
-                               params["remote_num_tokens"])
+        await router.store.put(Kept(key, dumps_kept(params), decode,
+                                    params["remote_engine_id"], params["remote_num_tokens"]))
     return json_response(200, dumps({"stored": await router.store.count()}))
 
 

@@ -1,5 +1,6 @@
-"""Decode handles kept per conversation: the in-process store and the shared store
-(Valkey/Redis), behind one async interface (`base.Store`).
+"""Decode handles kept per conversation: the rules and the record (`base.py`), the
+in-process store (`memory.py`) and the shared store (`shared.py`, its Lua in
+`scripts.py`), behind one async interface (`base.Store`).
 
 Imports the router's leaf modules (`codec`, `config`) only; never `request`, `pool`,
 `datapath` or `server`.

@@ -1,17 +1,21 @@
-"""The handle store's interface (`Store`): one async protocol, two implementations.
+"""The handle store as one idea: what it keeps (`Entry`, stored from a `Kept`), what it
+promises (`Store`), and the orders its bounds take entries in.
 
-- `InProcessStore` (memory.py, over handles.py's `HandleStore`): one router replica,
-  the default.
-- `RedisStore` (shared.py): Valkey/Redis/ElastiCache shared by router
+Two implementations keep the same rules, held equal by one table of cases run against
+both (tests/test_router_store.py):
+- `InProcessStore` (memory.py): one router replica, the default;
+- `RedisStore` (shared.py, its steps in Lua in scripts.py): Valkey/Redis shared by router
   replicas, so turns of one conversation may reach any replica and survive restarts.
 
-Both keep the same semantics: tenant-scoped keys (the caller hashes them), single use
-(`lookup` takes the entry; `release` puts it back when P was never asked; `consume` and
-`discard` end it), a TTL, a bound on the number of entries, blocks pinned per decode
-replica with a trim to a watermark, both fair between tenants (the one holding the most
-loses its oldest first), per-tenant caps (entries; blocks on one replica), and every
-entry they drop without P having read it handed to `on_evict`, so its decode blocks are
-released (bidirkv/router/pool/residency.py).
+The rules: tenant-scoped keys (the caller hashes them), single use (`lookup` takes the
+entry; `release` puts it back when P was never asked; `consume` and `discard` end it), a
+TTL, a bound on the number of entries, blocks pinned per decode replica with a trim to a
+watermark, both fair between tenants (the one holding the most loses first), per-tenant
+caps (entries; blocks on one replica), and every entry dropped without P having read it
+handed to `on_evict`, so its decode blocks are released (bidirkv/router/pool/residency.py).
+The entry bounds (the router's memory) take the oldest entry; the block bounds (decode's
+memory) take the conversation expected back last, overdue ones first, as decode itself
+does under pressure (bidirkv/returns.py).
 
 `owner` is the identity decode holds retained KV for: None means "this router process"
 (a restarted in-process router is a new owner); a shared store has one owner id for all
@@ -20,10 +24,87 @@ its routers, so a replica that restarts keeps the conversations.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Protocol
+import bisect
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from bidirkv.router.store.entry import Entry
+from bidirkv.returns import expected_at, overdue_at
+
+HIT = "hit"
+MISS = "miss"
+EXPIRED = "expired"
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """A handle decode kept, as `Store.put` takes it, and the block bounds of its replica
+    at this moment (None: unbounded): `max_pinned` (the watermark) and `tenant_max_pinned`
+    (the tenant's share of it), kept once it is stored."""
+
+    key: bytes
+    params: bytes
+    decode_url: str
+    engine_id: str | None = None
+    num_tokens: int = 0
+    tenant: bytes | None = None
+    prefix_len: int = 0
+    request_id: str | None = None
+    blocks: int = 0
+    chars: int = 0
+    prompt_key: bytes | None = None
+    kept_at: float | None = None  # None: when stored
+    gap: float | None = None
+    max_pinned: int | None = None
+    tenant_max_pinned: int | None = None
+
+
+# eq=False: an entry is one stored handle; the stores tell a replaced one from its
+# successor by identity.
+@dataclass(slots=True, eq=False)
+class Entry:
+    """One stored handle. Params are compact JSON bytes, not dicts: block id lists of big
+    ints cost ~36 bytes per id as Python objects, ~5 as text, and 100k handles must fit
+    in a small pod."""
+
+    key: bytes
+    params: bytes
+    decode_url: str
+    engine_id: str | None
+    num_tokens: int
+    expires_at: float  # on the store's clock
+    # Set only for prompt-prefix entries (/v1/completions without an id).
+    tenant: bytes | None
+    prefix_len: int
+    # D's own id of the retained request (what it frees on release) and how many blocks
+    # it pins there.
+    request_id: str | None = None
+    blocks: int = 0
+    # Characters of the text whose KV D holds (prompt and answer; 0: unknown): the
+    # placement estimates a next turn's new tokens from what it adds.
+    chars: int = 0
+    # An explicit-id chat turn's prompt: its message count and their keyed hash
+    # (LookupKeys.messages_key, as bytes: 4-byte count + digest). The next turn's prompt
+    # extends it when its first messages hash the same.
+    prompt_key: bytes | None = None
+    # When D kept it (Unix seconds; 0: unknown) and the moving average of the
+    # conversation's idle times between turns (bidirkv/returns.py; None: no turn came
+    # back yet): the next turn's estimate of when it returns, sent to D.
+    kept_at: float = 0.0
+    gap: float | None = None
+    reserved: bool = False
+
+    @classmethod
+    def of(cls, kept: Kept, expires_at: float, now: float) -> Entry:
+        """The entry a put stores; `now` (Unix seconds) stands for an unknown `kept_at`."""
+        return cls(kept.key, kept.params, kept.decode_url, kept.engine_id, kept.num_tokens,
+                   expires_at, kept.tenant, kept.prefix_len, kept.request_id, kept.blocks,
+                   kept.chars, kept.prompt_key,
+                   now if kept.kept_at is None else kept.kept_at, kept.gap)
+
 
 EvictHook = Callable[[str, list[Entry]], None]
 PrefixKeys = Callable[[str, list[int]], Iterator[tuple[int, bytes]]]
@@ -44,16 +125,8 @@ class Store(Protocol):
     async def lookup(self, key: bytes) -> tuple[str, Entry | None]: ...
     async def lookup_prefix(self, tenant: bytes, text: str, key_of: PrefixKeys
                             ) -> tuple[str, Entry | None]: ...
-    async def put(self, key: bytes, params: bytes, decode_url: str, engine_id: str | None,
-                  num_tokens: int, *, tenant: bytes | None = None, prefix_len: int = 0,
-                  request_id: str | None = None, blocks: int = 0, chars: int = 0,
-                  prompt_key: bytes | None = None, max_pinned: int | None = None,
-                  tenant_max_pinned: int | None = None, kept_at: float | None = None,
-                  gap: float | None = None) -> None:
-        """Store; then keep the entry bounds and, given `max_pinned` (the replica's
-        watermark) and `tenant_max_pinned` (the tenant's share of it), the block bounds.
-        `kept_at` (Unix seconds; None: now) and `gap` (the conversation's moving-average
-        idle time, None: unknown) say when it is expected back (bidirkv/returns.py)."""
+    async def put(self, kept: Kept) -> None:
+        """Store; then keep the entry bounds and the block bounds `kept` names."""
         ...
     async def release(self, entry: Entry) -> None: ...
     async def consume(self, entry: Entry) -> None: ...
@@ -70,3 +143,151 @@ class Store(Protocol):
     async def pinned(self, decode_url: str) -> int: ...
     async def count(self) -> int: ...
     async def close(self) -> None: ...
+
+
+# -- the orders the bounds take entries in ---------------------------------------------
+# The shared store keeps each as sorted sets (scripts.py); the in-process one as below.
+
+def rank_gap(entry: Entry, prior: float | None) -> float:
+    """The gap a handle is ranked by: its conversation's own, else the typical one."""
+    if entry.gap is not None:
+        return entry.gap
+    return prior or 0.0
+
+
+_SEQ = itertools.count()  # ties go to the handle stored first
+# Below this many items a heap is never rebuilt: rebuilding would cost more than it saves.
+_COMPACT_MIN = 64
+
+
+class ReturnOrder:
+    """The order the block bounds take one tenant's handles on one replica in: overdue
+    ones first (the earliest overdue first), then the one expected back last. Both are
+    fixed when a handle is stored, so two heaps serve them; removed handles stay until
+    they reach the top (lazy deletion), and a heap is rebuilt once it holds more dead
+    items than live ones."""
+
+    __slots__ = ("_due", "_back")
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, int, Entry]] = []
+        self._back: list[tuple[float, int, Entry]] = []
+
+    def add(self, entry: Entry, gap: float, expires: float = math.inf) -> None:
+        """`expires`: when the handle expires, on the clock of `kept_at` (an expired one
+        is overdue whatever its gap)."""
+        seq = next(_SEQ)
+        heapq.heappush(self._due, (overdue_at(entry.kept_at, gap, expires), seq, entry))
+        heapq.heappush(self._back, (-expected_at(entry.kept_at, gap), seq, entry))
+
+    def victim(self, now: float, live: Callable[[Entry], bool],
+               skip: Callable[[Entry], bool]) -> Entry | None:
+        """The handle to drop first among those `live` and not `skip`ped (reserved, or
+        pinning nothing); dead ones met on the way are discarded."""
+        due = self._top(self._due, live, skip)
+        if due is not None and due[0] < now:
+            return due[2]
+        back = self._top(self._back, live, skip)
+        return back[2] if back is not None else None
+
+    def compact(self, live: Callable[[Entry], bool], alive: int) -> None:
+        """Rebuild the heaps without dead items once they outnumber the `alive` ones."""
+        for heap in (self._due, self._back):
+            if len(heap) > max(_COMPACT_MIN, 2 * alive):
+                heap[:] = [item for item in heap if live(item[2])]
+                heapq.heapify(heap)
+
+    @staticmethod
+    def _top(heap: list[tuple[float, int, Entry]], live: Callable[[Entry], bool],
+             skip: Callable[[Entry], bool]) -> tuple[float, int, Entry] | None:
+        aside = []  # skipped, not dead: back on the heap after the look
+        found = None
+        while heap:
+            item = heap[0]
+            if not live(item[2]):
+                heapq.heappop(heap)
+            elif skip(item[2]):
+                aside.append(heapq.heappop(heap))
+            else:
+                found = item
+                break
+        for item in aside:
+            heapq.heappush(heap, item)
+        return found
+
+
+class Tally:
+    """Weights per tenant with the heaviest at hand: fair bounds take from whoever holds
+    the most (entries, or blocks on one replica), so a tenant that opens conversations by
+    the thousand spends its own handles; with one tenant it is plain oldest-first.
+    `heaviest()` is amortised O(log n): a max-heap whose stale items (weights changed
+    since they were pushed) are dropped at the top, rebuilt when they outnumber live
+    ones."""
+
+    __slots__ = ("_w", "_heap", "_seq")
+
+    def __init__(self) -> None:
+        self._w: dict[Hashable, int] = {}
+        self._heap: list[tuple[int, int, Any]] = []
+        self._seq = 0  # ties: the first pushed wins, and tenants need not be comparable
+
+    def __len__(self) -> int:
+        return len(self._w)
+
+    def get(self, who: Hashable) -> int:
+        return self._w.get(who, 0)
+
+    def add(self, who: Hashable, delta: int) -> int:
+        w = self._w.get(who, 0) + delta
+        if w > 0:
+            self._w[who] = w
+            self._seq += 1
+            heapq.heappush(self._heap, (-w, self._seq, who))
+            if len(self._heap) > 2 * len(self._w) + 64:
+                self._rebuild()
+        else:
+            self._w.pop(who, None)
+        return max(w, 0)
+
+    def _rebuild(self) -> None:
+        self._heap = [(-w, i, who) for i, (who, w) in enumerate(self._w.items())]
+        heapq.heapify(self._heap)
+        self._seq = len(self._heap)
+
+    def heaviest(self) -> Hashable | None:
+        while self._heap:
+            neg, _, who = self._heap[0]
+            if self._w.get(who) == -neg:
+                return who
+            heapq.heappop(self._heap)
+        return None
+
+
+class Lengths:
+    """Sorted distinct prompt lengths of one tenant's completion entries, with counts:
+    a prefix lookup hashes only lengths some entry was stored at."""
+
+    __slots__ = ("sorted", "counts")
+
+    def __init__(self) -> None:
+        self.sorted: list[int] = []
+        self.counts: dict[int, int] = {}
+
+    def add(self, n: int) -> None:
+        c = self.counts.get(n, 0)
+        if c == 0:
+            bisect.insort(self.sorted, n)
+        self.counts[n] = c + 1
+
+    def remove(self, n: int) -> None:
+        c = self.counts.get(n, 0)
+        if c <= 1:
+            self.counts.pop(n, None)
+            i = bisect.bisect_left(self.sorted, n)
+            if i < len(self.sorted) and self.sorted[i] == n:
+                del self.sorted[i]
+        else:
+            self.counts[n] = c - 1
+
+    def up_to(self, n: int) -> list[int]:
+        return self.sorted[: bisect.bisect_right(self.sorted, n)]

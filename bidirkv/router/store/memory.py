@@ -1,85 +1,335 @@
-"""The in-process handle store: `HandleStore` (handles.py) behind the async `Store`
-interface (base.py), for one router replica (the default)."""
+"""The in-process handle store (`InProcessStore`): one router replica, the default.
+
+A handle points at blocks D pins for `decoder_kv_blocks_ttl`; it is worth something only
+until then, and only once (P's read frees them on D). So the store is a TTL map bounded
+by evicting the oldest stored entry first (a conversation's entry is replaced by every
+turn, so "oldest stored" is "least recently active"; a lookup does not refresh it, as a
+hit is spent at once), with a reservation step: a reserved entry is invisible to other
+lookups, so two concurrent turns of one conversation never send the same handle twice.
+The rules it keeps are the store's (base.py); `Index` holds what they look entries up by.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 
-from bidirkv.router.store.base import EvictHook, PrefixKeys
-from bidirkv.router.store.handles import Entry, HandleStore
+from bidirkv.returns import next_gap, release_key
+from bidirkv.router.store.base import (
+    EXPIRED,
+    HIT,
+    MISS,
+    Entry,
+    EvictHook,
+    Kept,
+    Lengths,
+    PrefixKeys,
+    ReturnOrder,
+    Tally,
+    rank_gap,
+)
+
+Tenants = dict[bytes | None, OrderedDict[bytes, Entry]]
+
+
+class Index:
+    """The entries in store order and, kept in step with them, what the bounds take
+    entries by: blocks pinned per replica, per tenant its entries (oldest first), per
+    replica per tenant likewise with their blocks and return order, per tenant the prompt
+    lengths stored. An OrderedDict entry costs ~110 bytes: 100k handles are held in three
+    of them."""
+
+    def __init__(self) -> None:
+        self.entries: OrderedDict[bytes, Entry] = OrderedDict()
+        self.pinned: dict[str, int] = {}
+        self.by_tenant: Tenants = {}
+        self.by_rep: dict[str, Tenants] = {}
+        self.tenant_entries = Tally()
+        self.rep_blocks: dict[str, Tally] = {}
+        self.orders: dict[str, dict[bytes | None, ReturnOrder]] = {}
+        self.lengths: dict[bytes, Lengths] = {}
+
+    def live(self, entry: Entry) -> bool:
+        return self.entries.get(entry.key) is entry
+
+    def add(self, entry: Entry, gap: float, expires_wall: float) -> None:
+        """Index `entry`, ranked by `gap`; `expires_wall`: its expiry on the clock of
+        `kept_at`."""
+        key, url, tenant, blocks = entry.key, entry.decode_url, entry.tenant, entry.blocks
+        self.entries[key] = entry
+        self.pinned[url] = self.pinned.get(url, 0) + blocks
+        self.by_tenant.setdefault(tenant, OrderedDict())[key] = entry
+        self.by_rep.setdefault(url, {}).setdefault(tenant, OrderedDict())[key] = entry
+        self.tenant_entries.add(tenant, 1)
+        self.rep_blocks.setdefault(url, Tally()).add(tenant, blocks)
+        order = self.orders.setdefault(url, {}).setdefault(tenant, ReturnOrder())
+        order.add(entry, gap, expires_wall)
+        order.compact(self.live, len(self.by_rep[url][tenant]))
+        if tenant is not None and entry.prefix_len > 0:
+            self.lengths.setdefault(tenant, Lengths()).add(entry.prefix_len)
+
+    def remove(self, entry: Entry) -> bool:
+        """Take `entry` out of every index; False if it was no longer stored."""
+        if not self.live(entry):
+            return False
+        del self.entries[entry.key]
+        self._unindex(entry)
+        url = entry.decode_url
+        left = self.pinned.get(url, 0) - entry.blocks
+        if left > 0 or url in self.by_rep:
+            self.pinned[url] = left
+        else:
+            self.pinned.pop(url, None)
+        return True
+
+    def _unindex(self, entry: Entry) -> None:
+        key, url, tenant, blocks = entry.key, entry.decode_url, entry.tenant, entry.blocks
+        if tenant is not None and entry.prefix_len > 0:
+            lengths = self.lengths.get(tenant)
+            if lengths is not None:
+                lengths.remove(entry.prefix_len)
+                if not lengths.counts:
+                    del self.lengths[tenant]
+        tenants = self.by_rep.get(url, {})
+        for index in (self.by_tenant, tenants):
+            entries = index.get(tenant)
+            if entries is not None:
+                entries.pop(key, None)
+                if not entries:
+                    del index[tenant]
+        orders = self.orders.get(url, {})
+        if tenant not in tenants:  # its last handle there: the heaps hold only dead ones
+            orders.pop(tenant, None)
+        if not orders:
+            self.orders.pop(url, None)
+        if not tenants:
+            self.by_rep.pop(url, None)
+        self.tenant_entries.add(tenant, -1)
+        tally = self.rep_blocks.get(url)
+        if tally is not None:
+            tally.add(tenant, -blocks)
+            if not len(tally):
+                del self.rep_blocks[url]
+
+    def victim(self, url: str, tenant: bytes | None, now: float,
+               skip: Callable[[Entry], bool] = lambda e: e.reserved) -> Entry | None:
+        """The tenant's handle on the replica its block bounds take first."""
+        order = self.orders.get(url, {}).get(tenant)
+        return order.victim(now, self.live, skip) if order is not None else None
 
 
 class InProcessStore:
-    """The router process's own store: `HandleStore` behind the async interface."""
+    """The router process's own store (see base.py for the rules)."""
 
     owner: str | None = None
     available = True
 
-    def __init__(self, ttl_seconds: float, max_entries: int, on_evict: EvictHook) -> None:
-        self.local = HandleStore(ttl_seconds, max_entries, on_evict=on_evict)
+    def __init__(self, ttl_seconds: float, max_entries: int,
+                 on_evict: EvictHook | None = None, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.ix = Index()
+        self.ttl = ttl_seconds
+        self.max_entries = max_entries
+        self.max_per_tenant: int | None = None
+        self._clock = clock
+        self._wall = wall  # what Entry.kept_at is on
+        self._on_evict = on_evict
+        # The gap a handle without one is ranked by (a moving average of the gaps stored).
+        self.prior_gap: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.ix.entries)
+
+    def __iter__(self) -> Iterator[Entry]:
+        return iter(list(self.ix.entries.values()))
 
     def configure(self, ttl_seconds: float, max_entries: int,
                   max_per_tenant: int | None = None) -> None:
-        self.local.configure(ttl_seconds, max_entries, max_per_tenant)
+        # A shorter TTL applies to new entries; existing ones keep the deadline they were
+        # given (they were valid against D's TTL when stored).
+        self.ttl = ttl_seconds
+        self.max_entries = max_entries
+        self.max_per_tenant = max_per_tenant
+        self._trim()
+        for tenant in list(self.ix.by_tenant):
+            self._trim_tenant(tenant)
 
-    def __len__(self) -> int:
-        return len(self.local)
+    def _evicted(self, reason: str, entries: list[Entry]) -> None:
+        if self._on_evict is not None and entries:
+            self._on_evict(reason, entries)
 
-    def __iter__(self) -> Iterator[Entry]:
-        return iter(self.local)
+    def _drop(self, reason: str, doomed: list[Entry]) -> int:
+        for entry in doomed:
+            self.ix.remove(entry)
+        self._evicted(reason, doomed)
+        return len(doomed)
 
-    async def lookup(self, key: bytes) -> tuple[str, Entry | None]:
-        return self.local.lookup(key)
+    # -- writes and the bounds ------------------------------------------------------------
+    async def put(self, kept: Kept) -> None:
+        old = self.ix.entries.get(kept.key)
+        if old is not None:
+            self._drop("replaced", [old])
+        now = self._clock()
+        entry = Entry.of(kept, now + self.ttl, self._wall())
+        if kept.gap is not None:
+            self.prior_gap = next_gap(self.prior_gap, kept.gap)
+        self.ix.add(entry, rank_gap(entry, self.prior_gap),
+                    self._wall() + entry.expires_at - now)
+        self._trim()
+        self._trim_tenant(kept.tenant)
+        if kept.tenant_max_pinned is not None:
+            self._trim_tenant_replica(kept.decode_url, kept.tenant, kept.tenant_max_pinned)
+        if kept.max_pinned is not None:
+            await self.trim_replica(kept.decode_url, kept.max_pinned)
 
-    async def lookup_prefix(self, tenant: bytes, text: str, key_of: PrefixKeys
-                            ) -> tuple[str, Entry | None]:
-        return self.local.lookup_prefix(tenant, text, key_of)
+    def _trim(self) -> None:
+        """The entry bound: the oldest entry of the tenant holding the most."""
+        doomed = []
+        ix = self.ix
+        while len(ix.entries) > self.max_entries:
+            mine = ix.by_tenant.get(ix.tenant_entries.heaviest())
+            old = next(iter((mine or ix.entries).values()))
+            ix.remove(old)
+            doomed.append(old)
+        self._evicted("lru", doomed)
 
-    async def put(self, key: bytes, params: bytes, decode_url: str, engine_id: str | None,
-                  num_tokens: int, *, tenant: bytes | None = None, prefix_len: int = 0,
-                  request_id: str | None = None, blocks: int = 0, chars: int = 0,
-                  prompt_key: bytes | None = None, max_pinned: int | None = None,
-                  tenant_max_pinned: int | None = None, kept_at: float | None = None,
-                  gap: float | None = None) -> None:
-        self.local.put(key, params, decode_url, engine_id, num_tokens, tenant=tenant,
-                       prefix_len=prefix_len, request_id=request_id, blocks=blocks,
-                       chars=chars, prompt_key=prompt_key, kept_at=kept_at, gap=gap)
-        if tenant_max_pinned is not None:
-            self.local.trim_tenant_replica(decode_url, tenant, tenant_max_pinned)
-        if max_pinned is not None:
-            self.local.trim_replica(decode_url, max_pinned)
+    def _trim_tenant(self, tenant: bytes | None) -> None:
+        """The tenant's own entry cap: its oldest unreserved entries go first, chosen
+        before any is removed, so a put costs what it drops, not the tenant's size."""
+        if self.max_per_tenant is None:
+            return
+        excess = self.ix.tenant_entries.get(tenant) - self.max_per_tenant
+        doomed: list[Entry] = []
+        for entry in self.ix.by_tenant.get(tenant, {}).values():
+            if excess <= 0:
+                break
+            if not entry.reserved:
+                doomed.append(entry)
+                excess -= 1
+        self._drop("tenant_cap", doomed)
 
-    async def release(self, entry: Entry) -> None:
-        self.local.release(entry)
-
-    async def consume(self, entry: Entry) -> None:
-        self.local.consume(entry)
-
-    async def discard(self, entry: Entry, reason: str) -> None:
-        self.local.discard(entry, reason)
-
-    def forget(self, entry: Entry, reason: str) -> None:
-        self.local.discard(entry, reason)
-
-    async def end(self, key: bytes) -> bool:
-        return self.local.end(key)
+    def _trim_tenant_replica(self, url: str, tenant: bytes | None, max_blocks: int) -> None:
+        """The tenant's unreserved handles on the replica, expected back last first,
+        until it pins at most `max_blocks` there."""
+        tally = self.ix.rep_blocks.get(url)
+        excess = (tally.get(tenant) if tally is not None else 0) - max_blocks
+        doomed = []
+        now = self._wall()
+        while excess > 0:
+            # One that pins nothing would free nothing.
+            victim = self.ix.victim(url, tenant, now, lambda e: e.reserved or not e.blocks)
+            if victim is None:
+                break
+            self.ix.remove(victim)
+            doomed.append(victim)
+            excess -= victim.blocks
+        self._evicted("tenant_cap", doomed)
 
     async def trim_replica(self, decode_url: str, max_blocks: int,
                            reason: str = "watermark") -> int:
-        return self.local.trim_replica(decode_url, max_blocks, reason)
+        """Drop unreserved handles of the replica until it pins at most `max_blocks`: of
+        the tenant pinning the most there, the one expected back last (else, all of
+        theirs reserved, the first to go of any tenant's there)."""
+        ix, doomed, now = self.ix, [], self._wall()
+        while ix.pinned.get(decode_url, 0) > max_blocks:
+            tally = ix.rep_blocks.get(decode_url)
+            tenant = tally.heaviest() if tally is not None else None
+            victim = ix.victim(decode_url, tenant, now)
+            if victim is None:
+                free = [e for t in list(ix.orders.get(decode_url, {}))
+                        if (e := ix.victim(decode_url, t, now)) is not None]
+                victim = max(free, key=lambda e: release_key(
+                    now, e.kept_at, rank_gap(e, self.prior_gap)), default=None)
+            if victim is None:
+                break
+            ix.remove(victim)
+            doomed.append(victim)
+        self._evicted(reason, doomed)
+        return len(doomed)
 
+    # -- the reservation protocol ----------------------------------------------------------
+    async def lookup(self, key: bytes) -> tuple[str, Entry | None]:
+        """(HIT, reserved entry) or (MISS | EXPIRED, None)."""
+        entry = self.ix.entries.get(key)
+        if entry is None or entry.reserved:
+            return MISS, None
+        if entry.expires_at <= self._clock():
+            self._drop("ttl", [entry])
+            return EXPIRED, None
+        entry.reserved = True
+        return HIT, entry
+
+    async def lookup_prefix(self, tenant: bytes, text: str, key_of: PrefixKeys
+                            ) -> tuple[str, Entry | None]:
+        """Longest stored prompt prefix of `text` for `tenant`.
+
+        `key_of(text, lengths)` yields (length, key) for the candidate lengths, longest
+        first; only lengths some entry was stored at are hashed, so the cost is bounded by
+        the prompt's length, not by the number of stored conversations.
+        """
+        lengths = self.ix.lengths.get(tenant)
+        candidates = lengths.up_to(len(text)) if lengths is not None else []
+        if not candidates:
+            return MISS, None
+        outcome = MISS
+        for _, key in key_of(text, candidates):
+            status, entry = await self.lookup(key)
+            if status == HIT:
+                return HIT, entry
+            if status == EXPIRED:
+                outcome = EXPIRED
+        return outcome, None
+
+    async def release(self, entry: Entry) -> None:
+        """P was never asked: the handle is still good for the next attempt."""
+        entry.reserved = False
+
+    async def consume(self, entry: Entry) -> None:
+        """P read the blocks; D has freed them, the handle is spent."""
+        self.ix.remove(entry)
+
+    async def discard(self, entry: Entry, reason: str) -> None:
+        self.forget(entry, reason)
+
+    def forget(self, entry: Entry, reason: str) -> None:
+        if self.ix.remove(entry):
+            self._evicted(reason, [entry])
+
+    async def end(self, key: bytes) -> bool:
+        """The client ended the conversation: drop its handle (reserved or not)."""
+        entry = self.ix.entries.get(key)
+        if entry is None:
+            return False
+        self._drop("ended", [entry])
+        return True
+
+    # -- bulk drops --------------------------------------------------------------------------
     async def drop_replica(self, decode_url: str, reason: str,
                            keep_engine_id: str | None = None) -> int:
-        return self.local.drop_replica(decode_url, reason, keep_engine_id)
+        """Drop every handle of one decode replica (except those of `keep_engine_id`)."""
+        return self._drop(reason, [
+            e for entries in self.ix.by_rep.get(decode_url, {}).values()
+            for e in entries.values()
+            if keep_engine_id is None or e.engine_id != keep_engine_id])
 
     async def sweep(self) -> int:
-        return self.local.sweep()
+        """Drop expired entries. Insertion order is (nearly) expiry order, so stop early."""
+        now = self._clock()
+        doomed = []
+        for entry in self.ix.entries.values():
+            if entry.expires_at > now:
+                break
+            if not entry.reserved:
+                doomed.append(entry)
+        return self._drop("ttl", doomed)
 
     async def pinned(self, decode_url: str) -> int:
-        return self.local.pinned.get(decode_url, 0)
+        return self.ix.pinned.get(decode_url, 0)
 
     async def count(self) -> int:
-        return len(self.local)
+        return len(self.ix.entries)
 
     async def close(self) -> None:
         return None

@@ -18,19 +18,33 @@ release. Whoever removes an entry (sweep, LRU, watermark, end, replaced) hands i
 Memory: the store holds at most `maxConversations` entries (the LRU bound, enforced by
 the routers); run the server with `maxmemory-policy noeviction` so it never drops an
 index entry behind the routers' backs.
+
+`make_store` makes the store a router config names: this one at `handleStore`, else the
+in-process one (memory.py).
 """
 
 from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 from bidirkv.returns import expected_at, next_gap, overdue_at
 from bidirkv.router.codec import dumps, loads
-from bidirkv.router.store.base import EvictHook, PrefixKeys, StoreUnavailable
-from bidirkv.router.store.handles import EXPIRED, HIT, MISS, Entry
-from bidirkv.router.store.returnorder import rank_gap
+from bidirkv.router.store.base import (
+    EXPIRED,
+    HIT,
+    MISS,
+    Entry,
+    EvictHook,
+    Kept,
+    PrefixKeys,
+    Store,
+    StoreUnavailable,
+    rank_gap,
+)
+from bidirkv.router.store.memory import InProcessStore
 from bidirkv.router.store.scripts import PUT, TAKE, TRIM
 
 SAFETY_TTL_MS = 60_000
@@ -75,28 +89,67 @@ def _value(e: Entry, stored_ms: int) -> bytes:
     return dumps(d)
 
 
+class Breaker:
+    """Every call to the server goes through `call`: a failure raises StoreUnavailable
+    (the turn is served without reuse), and after BREAKER_FAILURES in a row calls fail
+    at once for BREAKER_OPEN_S, then one tries again."""
+
+    def __init__(self, on_error: Callable[[str], None] | None = None) -> None:
+        self._on_error = on_error or (lambda op: None)
+        self.answered = True  # the last call
+        self._failures = 0  # in a row
+        self._open_until = 0.0  # monotonic; calls fail at once before it
+
+    @property
+    def available(self) -> bool:
+        return self.answered and time.monotonic() >= self._open_until
+
+    async def call(self, op: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        import redis
+
+        if time.monotonic() < self._open_until:
+            self._on_error(op)
+            raise StoreUnavailable(f"handle store {op}: not tried, {self._failures} calls "
+                                   "in a row failed")
+        try:
+            out = await fn(*args, **kw)
+        except (redis.RedisError, OSError) as exc:
+            # Every error, not only a lost connection: READONLY after a failover, OOM under
+            # noeviction, NOPERM, a failing script or a slow answer leave the store as
+            # unusable, and a turn served without reuse beats a 500 or a stall.
+            self.answered = False
+            self._failures += 1
+            if self._failures >= BREAKER_FAILURES:
+                self._open_until = time.monotonic() + BREAKER_OPEN_S
+            self._on_error(op)
+            raise StoreUnavailable(f"handle store {op}: {exc}") from None
+        self.answered = True
+        self._failures = 0
+        return out
+
+
 class RedisStore:
+    """The store shared by router replicas (see base.py for the rules)."""
+
     def __init__(self, client: Any, ttl_seconds: float, max_entries: int, on_evict: EvictHook,
-                 prefix: str = "bidirkv:", clock: Any = time.time,
-                 on_error: Any = None) -> None:
+                 prefix: str = "bidirkv:", clock: Callable[[], float] = time.time,
+                 on_error: Callable[[str], None] | None = None) -> None:
         self.r = client
         self.ttl = ttl_seconds
         self.max_entries = max_entries
         self.max_per_tenant: int | None = None
         self.prefix = prefix
         self._on_evict = on_evict
-        self._on_error = on_error or (lambda op: None)
+        self.breaker = Breaker(on_error)
+        self._call = self.breaker.call
         self._clock = clock
         self._take = client.register_script(TAKE)
         self._put = client.register_script(PUT)
         self._trim_script = client.register_script(TRIM)
         self.owner: str | None = None
         # The gap a handle without one is ranked by: this router's moving average of the
-        # gaps it stored (returnorder.py).
+        # gaps it stored (base.rank_gap).
         self.prior_gap: float | None = None
-        self._available = True
-        self._failures = 0  # in a row
-        self._open_until = 0.0  # monotonic; calls fail at once before it
 
     @classmethod
     def from_url(cls, url: str, password: str | None, ttl_seconds: float, max_entries: int,
@@ -113,7 +166,7 @@ class RedisStore:
 
     @property
     def available(self) -> bool:
-        return self._available and time.monotonic() >= self._open_until
+        return self.breaker.available
 
     def configure(self, ttl_seconds: float, max_entries: int,
                   max_per_tenant: int | None = None) -> None:
@@ -123,29 +176,6 @@ class RedisStore:
     # -- plumbing ---------------------------------------------------------------------
     def _k(self, name: str) -> str:
         return self.prefix + name
-
-    async def _call(self, op: str, fn: Any, *args: Any, **kw: Any) -> Any:
-        import redis
-
-        if time.monotonic() < self._open_until:
-            self._on_error(op)
-            raise StoreUnavailable(f"handle store {op}: not tried, {self._failures} calls "
-                                   "in a row failed")
-        try:
-            out = await fn(*args, **kw)
-        except (redis.RedisError, OSError) as exc:
-            # Every error, not only a lost connection: READONLY after a failover, OOM under
-            # noeviction, NOPERM, a failing script or a slow answer leave the store as
-            # unusable, and a turn served without reuse beats a 500 or a stall.
-            self._available = False
-            self._failures += 1
-            if self._failures >= BREAKER_FAILURES:
-                self._open_until = time.monotonic() + BREAKER_OPEN_S
-            self._on_error(op)
-            raise StoreUnavailable(f"handle store {op}: {exc}") from None
-        self._available = True
-        self._failures = 0
-        return out
 
     async def start(self) -> None:
         """The shared owner id (created by the first router that asks)."""
@@ -212,33 +242,27 @@ class RedisStore:
                   repr(expected_at(entry.kept_at, gap))])
         return (_entry(old) if old else None), [int(c or 0) for c in counts]
 
-    async def put(self, key: bytes, params: bytes, decode_url: str, engine_id: str | None,
-                  num_tokens: int, *, tenant: bytes | None = None, prefix_len: int = 0,
-                  request_id: str | None = None, blocks: int = 0, chars: int = 0,
-                  prompt_key: bytes | None = None, max_pinned: int | None = None,
-                  tenant_max_pinned: int | None = None, kept_at: float | None = None,
-                  gap: float | None = None) -> None:
+    async def put(self, kept: Kept) -> None:
         now = self._clock()
-        entry = Entry(key, params, decode_url, engine_id, num_tokens, now + self.ttl, tenant,
-                      prefix_len, request_id, blocks, chars, prompt_key,
-                      now if kept_at is None else kept_at, gap)
-        if gap is not None:
-            self.prior_gap = next_gap(self.prior_gap, gap)
+        entry = Entry.of(kept, now + self.ttl, now)
+        if kept.gap is not None:
+            self.prior_gap = next_gap(self.prior_gap, kept.gap)
         old, (count, pinned, mine, mine_pinned) = await self._store(entry,
                                                                     only_if_absent=False)
         if old is not None:
             self._evicted("replaced", [old])
-        t = tenant.hex() if tenant is not None else ""
+        t = kept.tenant.hex() if kept.tenant is not None else ""
         if self.max_per_tenant is not None and mine > self.max_per_tenant:
             self._evicted("tenant_cap", await self._trim_index(
                 "tenant", "", t, self.max_per_tenant))
         if count > self.max_entries:
             await self._trim()
-        if tenant_max_pinned is not None and mine_pinned > tenant_max_pinned:
+        cap = kept.tenant_max_pinned
+        if cap is not None and mine_pinned > cap:
             self._evicted("tenant_cap", await self._trim_index(
-                "tenantpin", decode_url, t, tenant_max_pinned))
-        if max_pinned is not None and pinned > max_pinned:
-            await self.trim_replica(decode_url, max_pinned)
+                "tenantpin", kept.decode_url, t, cap))
+        if kept.max_pinned is not None and pinned > kept.max_pinned:
+            await self.trim_replica(kept.decode_url, kept.max_pinned)
 
     async def release(self, entry: Entry) -> None:
         """P was never asked: back in the store, unless a newer handle took its place."""
@@ -333,3 +357,21 @@ class RedisStore:
 
     async def count(self) -> int:
         return int(await self._call("count", self.r.zcard, self._k("order")))
+
+
+def store_mode(cfg: Any) -> str:
+    """`redis` or `memory`: the store `make_store` makes for `cfg`."""
+    return "redis" if cfg.handle_store else "memory"
+
+
+def make_store(cfg: Any, password: str | None, on_evict: EvictHook,
+               on_error: Callable[[str], None]) -> Store:
+    store: Store
+    if store_mode(cfg) == "redis":
+        store = RedisStore.from_url(cfg.handle_store, password, cfg.handle_ttl_seconds,
+                                    cfg.max_conversations, on_evict, on_error=on_error)
+    else:
+        store = InProcessStore(cfg.handle_ttl_seconds, cfg.max_conversations, on_evict)
+    store.configure(cfg.handle_ttl_seconds, cfg.max_conversations,
+                    cfg.max_conversations_per_tenant)
+    return store
