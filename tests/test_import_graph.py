@@ -26,7 +26,7 @@ LAYERS = {
 }
 # The shared modules (bidirkv/*.py) that both sides of the wire use; they import no
 # component.
-SHARED = ("bidirkv.wire", "bidirkv.proof", "bidirkv.roleconfig", "bidirkv.otlp",
+SHARED = ("bidirkv.wire", "bidirkv.proof", "bidirkv.roleconfig", "bidirkv.otlp", "bidirkv.knobs",
           "bidirkv.returns")
 
 

@@ -11,8 +11,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from bidirkv.connector.core.residency import DEFAULT_OWNER_LEASE_S
+from pydantic import TypeAdapter, ValidationError
+
+from bidirkv.knobs import OwnerLeaseSeconds, RetentionWatermark, default_of
 
 log = logging.getLogger("vllm.bidirkv")
 
@@ -41,18 +44,18 @@ def _tristate(env: Mapping[str, str], name: str) -> bool | None:
     return None
 
 
-def _number(env: Mapping[str, str], name: str, lo: float, hi: float, default: float) -> float:
+def _knob(env: Mapping[str, str], name: str, knob: Any) -> Any:
+    """A knob the operator also renders (bidirkv/knobs.py): its type, bounds and default."""
+    default = default_of(knob)
     raw = env.get(name, "").strip()
     if not raw:
         return default
     try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if lo <= value <= hi:
-        return value
-    log.warning("bidir-kv: %s=%r is not a number in %g-%g; using %g", name, raw, lo, hi,
-                default)
+        # JSON reads "45" as an integer and "0.3" as a number, as the CRD's schema does.
+        return TypeAdapter(knob).validate_json(raw)
+    except ValidationError as exc:
+        problem = exc.errors(include_url=False)[0]["msg"]
+    log.warning("bidir-kv: %s=%r: %s; using %s", name, raw, problem, default)
     return default
 
 
@@ -94,8 +97,8 @@ class Settings:
     handle_key_previous: bytes | None = None
     # Decode residency (residency.py): how long a router's handles outlive its last
     # heartbeat, and the share of decode's KV that retained blocks may pin.
-    owner_lease_s: float = DEFAULT_OWNER_LEASE_S
-    retention_watermark: float = 1.0
+    owner_lease_s: float = default_of(OwnerLeaseSeconds)
+    retention_watermark: float = default_of(RetentionWatermark)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
@@ -110,9 +113,8 @@ class Settings:
             omp_threads_bind=env.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
             handle_key=key.encode() if key else None,
             handle_key_previous=previous.encode() if previous else None,
-            owner_lease_s=_number(env, "BIDIRKV_OWNER_LEASE_SECONDS", 1, 86400,
-                                  DEFAULT_OWNER_LEASE_S),
-            retention_watermark=_number(env, "BIDIRKV_RETENTION_WATERMARK", 0.0, 1.0, 1.0),
+            owner_lease_s=_knob(env, "BIDIRKV_OWNER_LEASE_SECONDS", OwnerLeaseSeconds),
+            retention_watermark=_knob(env, "BIDIRKV_RETENTION_WATERMARK", RetentionWatermark),
         )
 
     @property

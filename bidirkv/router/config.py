@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
@@ -23,9 +23,15 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from bidirkv.knobs import (
+    LEASE_OUTLIVES_RENEWALS,
+    TTL_SAFETY_MARGIN_SECONDS,
+    KvKnobs,
+    Placement,
+    RouterKnobs,
+    Timeouts,
+)
 from bidirkv.otlp import endpoint_problem
-
-MIB = 1024 * 1024
 
 
 class ConfigError(ValueError):
@@ -42,43 +48,6 @@ class _Model(BaseModel):
         strict=True,
         frozen=True,
     )
-
-
-class Timeouts(_Model):
-    connect_seconds: float = Field(default=5.0, gt=0, le=3600)
-    # Whole prefill leg (P answers once, after computing the prompt).
-    prefill_seconds: float = Field(default=300.0, gt=0, le=86400)
-    # Longest silence allowed on the decode leg, between bytes: a streamed generation may
-    # legitimately run for minutes, a stalled one should not hold the client forever.
-    decode_seconds: float = Field(default=600.0, gt=0, le=86400)
-    # A streamed decode leg's first byte (the first token, after D's KV read): past it the
-    # turn goes to another replica, as before any byte of a failed leg.
-    decode_first_byte_seconds: float = Field(default=120.0, gt=0, le=86400)
-    # A client's whole request body: a slow sender must not hold an admission slot.
-    body_read_seconds: float = Field(default=30.0, gt=0, le=3600)
-    # A connection that has not sent a complete request head this long after it opened,
-    # or after its last response, is closed: a client trickling headers (or holding an
-    # idle connection) does not keep a socket forever. Like nginx's keepalive_timeout;
-    # read when the router starts.
-    idle_connection_seconds: float = Field(default=75.0, gt=0, le=86400)
-
-
-class Placement(_Model):
-    """Where each turn runs (bidirkv/router/pool/placement.py; spec.router.placement)."""
-
-    policy: Literal["cost", "alwaysDisaggregate", "thresholds"] = "cost"
-    max_local_prefill_tokens: int = Field(default=1024, ge=0, le=1_048_576)
-    decode_busy_requests: int = Field(default=4, ge=1, le=100_000)
-    local_prefill_tokens: int = Field(default=256, ge=0, le=1_048_576)
-    prefill_busy_requests: int = Field(default=2, ge=1, le=100_000)
-
-    @model_validator(mode="after")
-    def _thresholds_under_the_cap(self) -> Placement:
-        if self.local_prefill_tokens > self.max_local_prefill_tokens:
-            raise ValueError(
-                f"placement.localPrefillTokens {self.local_prefill_tokens} must be at most "
-                f"placement.maxLocalPrefillTokens {self.max_local_prefill_tokens}")
-        return self
 
 
 class Tracing(_Model):
@@ -147,52 +116,17 @@ def _urls(value: list[str], key: str) -> list[str]:
     return out
 
 
-class RouterConfig(_Model):
+class RouterConfig(RouterKnobs, KvKnobs, _Model):
+    """The knobs shared with the CRD (bidirkv/knobs.py: their types, bounds, defaults and
+    rules), and what the operator derives or fixes (bidirkv/operator/render/router.py)."""
+
     prefill: list[str] = Field(default_factory=list)
     decode: list[str] = Field(default_factory=list)
     model: str | None = Field(default=None, min_length=1)
-    # False: plain P/D, no decode handles are stored or sent.
-    bidirectional: bool = True
-    # With no healthy decode replica, prefill serves whole requests
-    # (bidirkv/router/datapath/prefillonly.py); False: such requests get 503.
-    prefill_only_fallback: bool = True
-    conversation_ttl_seconds: float = Field(default=420.0, gt=0, le=86400)
-    # vLLM's `decoder_kv_blocks_ttl`: how long D pins a finished request's blocks.
-    decoder_kv_blocks_ttl_seconds: float = Field(default=480.0, gt=0, le=86400)
-    safety_margin_seconds: float = Field(default=10.0, ge=0, le=3600)
-    max_conversations: int = Field(default=100_000, ge=1, le=10_000_000)
-    # Fairness between tenants (bidirkv/router/store/handles.py): the most handles one tenant may
-    # keep (None: up to maxConversations), and the share of each decode replica's retention
-    # budget (retentionWatermark x its blocks) one tenant's handles may pin.
-    max_conversations_per_tenant: int | None = Field(default=None, ge=1, le=10_000_000)
-    tenant_retention_share: float = Field(default=1.0, ge=0.01, le=1)
-    # vLLM's `kv_recompute_threshold`: P reads from D only at or above this many tokens.
-    kv_recompute_threshold: int = Field(default=64, ge=0)
-    tenant_header: str = Field(
-        default="Authorization", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9-]+$"
-    )
-    # A 100k-token agent history is ~0.4 MB of JSON in English (~4 bytes a token) and up to
-    # ~0.9 MB as JSON-escaped CJK (1.5 characters a token, 6 bytes each as \uXXXX): 4 MiB
-    # leaves room for 4x that.
-    max_body_bytes: int = Field(default=4 * MIB, ge=1024, le=1024 * MIB)
-    # Parsed, a body takes up to ~20x its size in objects (many tiny messages): 32 MiB of
-    # bodies in flight stays well inside the router pod's 1 GiB.
-    max_inflight_body_bytes: int = Field(default=32 * MIB, ge=1024, le=16 * 1024 * MIB)
-    max_inflight_requests: int = Field(default=512, ge=1, le=1_000_000)
-    # Objects and arrays in one body (bidirkv/router/request/bodycheck.py): their count, not the
-    # bytes, is what a body costs on the event loop (~12 us each). 8192 is ~2700 messages with
-    # content parts, past any 100k-token history, and at most ~0.1 s of work.
-    max_json_containers: int = Field(default=8192, ge=64, le=10_000_000)
-    timeouts: Timeouts = Field(default_factory=Timeouts)
-    placement: Placement = Field(default_factory=Placement)
+    # decoderKvBlocksTtlSeconds minus this bounds how long a handle is handed out.
+    safety_margin_seconds: float = Field(default=float(TTL_SAFETY_MARGIN_SECONDS), ge=0,
+                                         le=3600)
     tracing: Tracing = Field(default_factory=Tracing)
-    health_check_interval_seconds: float = Field(default=5.0, gt=0, le=3600)
-    # Share of each decode replica's KV blocks that this router's handles may pin; above
-    # it the least recently stored conversations are released (kvTransfer.retentionWatermark).
-    retention_watermark: float = Field(default=0.9, gt=0, le=1)
-    # Decode frees this router's retained blocks when it has not renewed its lease for
-    # this long (router gone or restarted); renewed every health check round.
-    owner_lease_seconds: float = Field(default=30.0, ge=1, le=86400)
     # Shared handle store (bidirkv/router/store/shared.py): redis://HOST:PORT/DB or rediss://...;
     # None keeps handles in this process. The password comes from the environment.
     handle_store: str | None = Field(default=None, max_length=512)
@@ -237,22 +171,11 @@ class RouterConfig(_Model):
 
     @model_validator(mode="after")
     def _lease_outlives_renewals(self) -> RouterConfig:
-        if self.owner_lease_seconds < 2 * self.health_check_interval_seconds:
-            raise ValueError(
-                f"ownerLeaseSeconds ({self.owner_lease_seconds}) must be at least twice "
-                f"healthCheckIntervalSeconds ({self.health_check_interval_seconds}): the "
-                "lease is renewed once per health check round, and one late round must not "
-                "release every conversation"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _one_body_fits_in_flight(self) -> RouterConfig:
-        if self.max_inflight_body_bytes < self.max_body_bytes:
-            raise ValueError(
-                f"maxInflightBodyBytes ({self.max_inflight_body_bytes}) must be at least "
-                f"maxBodyBytes ({self.max_body_bytes}): a body the router accepts must fit"
-            )
+        problem = LEASE_OUTLIVES_RENEWALS.problem(
+            ("ownerLeaseSeconds", "healthCheckIntervalSeconds"),
+            (self.owner_lease_seconds, self.health_check_interval_seconds))
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property

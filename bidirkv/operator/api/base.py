@@ -10,13 +10,13 @@ import kubernetes.client
 from kubernetes.utils import parse_quantity
 from pydantic import (
     AfterValidator,
-    BaseModel,
     ConfigDict,
     Strict,
     StringConstraints,
     WithJsonSchema,
 )
-from pydantic.alias_generators import to_camel
+
+from bidirkv.knobs import Section
 
 # The grammar kube-apiserver accepts (as in its OpenAPI for resource.Quantity); the value
 # itself is then read with the Kubernetes client's parser.
@@ -62,16 +62,10 @@ _LABEL_NAME = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
 
 
-class _Model(BaseModel):
-    # forbid: a misspelt field is an error, not silently ignored (the CRD prunes; the
-    # operator and local stack see the same rule through these models).
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        use_enum_values=True,
-        validate_default=True,
-    )
+class _Model(Section):
+    # The knobs' conventions (camelCase, unknown keys refused: the CRD prunes, the operator
+    # and the local stack see the same rule through these models), enums as their values.
+    model_config = ConfigDict(use_enum_values=True, validate_default=True)
 
 
 def label_key_error(key: str) -> str | None:

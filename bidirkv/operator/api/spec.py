@@ -13,11 +13,12 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from bidirkv.knobs import LEASE_OUTLIVES_RENEWALS, TTL_SAFETY_MARGIN_SECONDS
 from bidirkv.operator.api.base import _Model
 from bidirkv.operator.api.engine import EngineSpec, ModelSpec, RoleSpec
 from bidirkv.operator.api.monitoring import MonitoringSpec
 from bidirkv.operator.api.network import NetworkPolicySpec, PolicyPeer
-from bidirkv.operator.api.router import TTL_SAFETY_MARGIN_SECONDS, RouterSpec
+from bidirkv.operator.api.router import RouterSpec
 from bidirkv.operator.api.status import DisaggregatedInferenceStatus
 from bidirkv.operator.api.transfer import Backend, EfaSpec, KvTransferSpec
 
@@ -33,11 +34,13 @@ PLURAL = "disaggregatedinferences"
 SINGULAR = "disaggregatedinference"
 SHORT_NAMES = ["di"]
 
-# (rule, message, fieldPath) evaluated on `.spec` by the API server and by the operator.
+# (rule, message, fieldPath) evaluated on `.spec` by the API server; `cross_field_errors`
+# is their Python form (tests/test_knob_rules.py holds the two equal). Rules inside one
+# section of knobs sit on that section's node (bidirkv/knobs.py).
 CEL_RULES: list[tuple[str, str, str]] = [
     (
-        f"self.router.conversationTtlSeconds + {TTL_SAFETY_MARGIN_SECONDS} <= "
-        "self.kvTransfer.decoderKvBlocksTtlSeconds",
+        f"self.router.conversationTtlSeconds + double({TTL_SAFETY_MARGIN_SECONDS}) <= "
+        "double(self.kvTransfer.decoderKvBlocksTtlSeconds)",
         "router.conversationTtlSeconds must be at least "
         f"{TTL_SAFETY_MARGIN_SECONDS} s below kvTransfer.decoderKvBlocksTtlSeconds",
         ".router.conversationTtlSeconds",
@@ -63,11 +66,11 @@ CEL_RULES: list[tuple[str, str, str]] = [
         ".networkPolicy",
     ),
     (
-        "!has(self.router.placement) || self.router.placement.localPrefillTokens <= "
-        "self.router.placement.maxLocalPrefillTokens",
-        "router.placement.localPrefillTokens must be at most "
-        "router.placement.maxLocalPrefillTokens",
-        ".router.placement.localPrefillTokens",
+        LEASE_OUTLIVES_RENEWALS.cel_at("self.kvTransfer.ownerLeaseSeconds",
+                                       "self.router.healthCheckIntervalSeconds"),
+        LEASE_OUTLIVES_RENEWALS.message("kvTransfer.ownerLeaseSeconds",
+                                        "router.healthCheckIntervalSeconds"),
+        ".kvTransfer.ownerLeaseSeconds",
     ),
     (
         "!self.efa.enabled || self.kvTransfer.backend == 'LIBFABRIC'",
@@ -137,7 +140,7 @@ def cross_field_errors(spec: DisaggregatedInferenceSpec) -> list[str]:
     )
     if router_ttl + TTL_SAFETY_MARGIN_SECONDS > ttl:
         errors.append(
-            f"spec.router.conversationTtlSeconds: {router_ttl} must be at most "
+            f"spec.router.conversationTtlSeconds: {router_ttl:g} must be at most "
             f"{ttl - TTL_SAFETY_MARGIN_SECONDS} (kvTransfer.decoderKvBlocksTtlSeconds {ttl} "
             f"minus a {TTL_SAFETY_MARGIN_SECONDS} s margin)"
         )
@@ -147,14 +150,12 @@ def cross_field_errors(spec: DisaggregatedInferenceSpec) -> list[str]:
             "without a shared store, turns of one conversation reach different routers and "
             "miss their decode KV"
         )
-    placement = spec.router.placement
-    if placement.local_prefill_tokens > placement.max_local_prefill_tokens:
-        errors.append(
-            f"spec.router.placement.localPrefillTokens: {placement.local_prefill_tokens} must "
-            f"be at most spec.router.placement.maxLocalPrefillTokens "
-            f"({placement.max_local_prefill_tokens})"
-        )
     lease = spec.kv_transfer.owner_lease_seconds
+    problem = LEASE_OUTLIVES_RENEWALS.problem(
+        ("spec.kvTransfer.ownerLeaseSeconds", "spec.router.healthCheckIntervalSeconds"),
+        (lease, spec.router.health_check_interval_seconds))
+    if problem:
+        errors.append(problem)
     if lease > ttl:
         errors.append(
             f"spec.kvTransfer.ownerLeaseSeconds: {lease} must be at most "

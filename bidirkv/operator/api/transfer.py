@@ -6,6 +6,7 @@ from enum import StrEnum
 
 from pydantic import Field
 
+from bidirkv.knobs import KvKnobs
 from bidirkv.operator.api.base import Quantity, _Model
 
 
@@ -24,26 +25,10 @@ class LoadFailurePolicy(StrEnum):
     recompute = "recompute"
 
 
-class KvTransferSpec(_Model):
-    bidirectional: bool = Field(
-        default=True,
-        description="Decode keeps each finished request's KV and prefill reads it back on the "
-        "next turn (vLLM `bidirectional_kv_xfer`, set identically on both roles).",
-    )
-    decoder_kv_blocks_ttl_seconds: int = Field(
-        default=480,
-        ge=10,
-        le=86400,
-        description="How long decode pins a finished request's blocks for reuse; fixed, not "
-        "renewed (vLLM `decoder_kv_blocks_ttl`).",
-    )
-    kv_recompute_threshold: int = Field(
-        default=64,
-        ge=0,
-        le=10_000_000,
-        description="Prefill reads decode's KV only when at least this many tokens are "
-        "reusable; shorter prefixes are recomputed (vLLM `kv_recompute_threshold`).",
-    )
+class KvTransferSpec(KvKnobs, _Model):
+    """The knobs decode's retained KV shares with the router (bidirkv/knobs.py), and what
+    only the engines' kv-transfer config holds."""
+
     backend: Backend = Field(
         default=Backend.UCX,
         description="NIXL backend (vLLM `kv_connector_extra_config.backends`): UCX, or "
@@ -59,26 +44,6 @@ class KvTransferSpec(_Model):
         description="What prefill does when a KV read fails or expires (vLLM "
         "`kv_load_failure_policy`). vLLM's own default is `fail`; `recompute` serves the "
         "request from scratch instead of erroring.",
-    )
-    retention_watermark: float = Field(
-        default=0.9,
-        ge=0.05,
-        le=1,
-        description="Share of each decode replica's KV blocks that retained conversations may "
-        "pin. Above it the router releases the ones expected back last (overdue ones first), "
-        "and decode "
-        "enforces the same bound itself. Whatever the value, a request waiting for blocks "
-        "takes retained ones first: retention never makes new work wait. Lower values "
-        "release conversations that would have come back (measured: 0.5 lost most reuse "
-        "under pressure, 0.9 and 1.0 kept it).",
-    )
-    owner_lease_seconds: int = Field(
-        default=30,
-        ge=10,
-        le=3600,
-        description="Decode frees the retained blocks of a router that has not renewed its "
-        "lease for this long (the router renews every 5 s; a router that is gone or "
-        "restarted stops). Must not exceed `decoderKvBlocksTtlSeconds`.",
     )
     side_channel_port: int = Field(
         default=5600,

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from bidirkv.knobs import TTL_SAFETY_MARGIN_SECONDS, KvKnobs, RouterKnobs
 from bidirkv.operator.api import spec as api
 from bidirkv.operator.render.engine import http_probe
 from bidirkv.operator.render.handlekey import key_env
@@ -28,26 +29,43 @@ ROUTER_CONTAINER_PORT = 8000
 ROUTER_METRICS_PORT = 9090
 
 
+# Router keys the CRD does not set, and what they are instead: derived from the resource,
+# or fixed here (tests/test_knob_rules.py: every other key comes from a CRD field).
+DERIVED_ROUTER_KEYS = {
+    "prefill": "the prefill pods' addresses",
+    "decode": "the decode pods' addresses",
+    "model": "model.servedName, else model.name",
+    "kvFingerprint": "the hash of what prefill and decode share (kv_fingerprint)",
+    "handleStore": "router.handleStore.url",
+    "tracing.otlpEndpoint": "monitoring.tracing.otlpEndpoint",
+    "tracing.sampleRatio": "monitoring.tracing.sampleRatio",
+}
+FIXED_ROUTER_KEYS = {
+    "safetyMarginSeconds": f"{TTL_SAFETY_MARGIN_SECONDS} s: prefill declines a read this "
+    "close to decode's deadline, so a handle stops being handed out this much earlier",
+    "tracing.file": "unset: a pod's spans go to monitoring.tracing.otlpEndpoint (the local "
+    "stack writes them to a file)",
+    "tracing.serviceName": "bidir-kv-router, as the engines are bidir-kv-prefill and "
+    "bidir-kv-decode",
+}
+
+
+def _knobs(section: RouterKnobs | KvKnobs, knobs: type[RouterKnobs | KvKnobs]) -> dict[str, Any]:
+    """The section's shared knobs under the router's keys, which are the CRD's."""
+    return section.model_dump(mode="json", by_alias=True, include=set(knobs.model_fields),
+                              exclude_none=True)
+
+
 def router_config(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dict[str, Any]:
     """What the router reads from its ConfigMap (reloaded on change, no restart)."""
     return {
         "prefill": engine_endpoints(owner, "prefill", spec.prefill.replicas),
         "decode": engine_endpoints(owner, "decode", spec.decode.replicas),
         "model": spec.model.served_name or spec.model.name,
-        "bidirectional": spec.kv_transfer.bidirectional,
-        "conversationTtlSeconds": spec.router.conversation_ttl_seconds,
-        "decoderKvBlocksTtlSeconds": spec.kv_transfer.decoder_kv_blocks_ttl_seconds,
-        "safetyMarginSeconds": api.TTL_SAFETY_MARGIN_SECONDS,
-        "maxConversations": spec.router.max_conversations,
-        "tenantRetentionShare": spec.router.tenant_retention_share,
-        **({"maxConversationsPerTenant": spec.router.max_conversations_per_tenant}
-           if spec.router.max_conversations_per_tenant is not None else {}),
-        "kvRecomputeThreshold": spec.kv_transfer.kv_recompute_threshold,
-        "retentionWatermark": spec.kv_transfer.retention_watermark,
-        "ownerLeaseSeconds": spec.kv_transfer.owner_lease_seconds,
+        **_knobs(spec.router, RouterKnobs),
+        **_knobs(spec.kv_transfer, KvKnobs),
+        "safetyMarginSeconds": TTL_SAFETY_MARGIN_SECONDS,
         "kvFingerprint": kv_fingerprint(spec),
-        "prefillOnlyFallback": spec.router.prefill_only_fallback,
-        "placement": spec.router.placement.model_dump(mode="json", by_alias=True),
         **({"handleStore": spec.router.handle_store.url} if spec.router.handle_store else {}),
         **_tracing(spec),
     }
