@@ -174,7 +174,7 @@ class LookupKeys:
         return h.digest()
 
     def prefix_keys(self, tenant: bytes):
-        """`key_of(text, lengths)` for HandleStore.lookup_prefix: (length, key), longest
+        """`key_of(text, lengths)` for Store.lookup_prefix: (length, key), longest
         first. One incremental pass over the text: cost O(len(text) + len(lengths))."""
 
         def key_of(text: str, lengths: list[int]) -> Iterator[tuple[int, bytes]]:
