@@ -141,7 +141,6 @@ class RedisStore:
         self.prefix = prefix
         self._on_evict = on_evict
         self.breaker = Breaker(on_error)
-        self._call = self.breaker.call
         self._clock = clock
         self._take = client.register_script(TAKE)
         self._put = client.register_script(PUT)
@@ -179,9 +178,9 @@ class RedisStore:
 
     async def start(self) -> None:
         """The shared owner id (created by the first router that asks)."""
-        await self._call("owner", self.r.set, self._k("owner"),
-                         f"store-{secrets.token_hex(8)}", nx=True)
-        raw = await self._call("owner", self.r.get, self._k("owner"))
+        await self.breaker.call("owner", self.r.set, self._k("owner"),
+                                f"store-{secrets.token_hex(8)}", nx=True)
+        raw = await self.breaker.call("owner", self.r.get, self._k("owner"))
         self.owner = raw.decode() if isinstance(raw, bytes) else raw
 
     async def close(self) -> None:
@@ -189,9 +188,9 @@ class RedisStore:
         await self.r.aclose(close_connection_pool=True)
 
     async def _take_key(self, keyhex: str) -> Entry | None:
-        raw = await self._call("take", self._take, keys=[self._k("h:" + keyhex),
-                                                          self._k("order")],
-                               args=[keyhex, self.prefix])
+        raw = await self.breaker.call("take", self._take,
+                                      keys=[self._k("h:" + keyhex), self._k("order")],
+                                      args=[keyhex, self.prefix])
         return _entry(raw) if raw else None
 
     def _evicted(self, reason: str, entries: list[Entry]) -> None:
@@ -210,8 +209,9 @@ class RedisStore:
 
     async def lookup_prefix(self, tenant: bytes, text: str, key_of: PrefixKeys
                             ) -> tuple[str, Entry | None]:
-        found = await self._call("prefix", self.r.zrangebyscore, self._k("len:" + tenant.hex()),
-                                 0, len(text), withscores=True)
+        found = await self.breaker.call("prefix", self.r.zrangebyscore,
+                                        self._k("len:" + tenant.hex()), 0, len(text),
+                                        withscores=True)
         by_len: dict[int, set[str]] = {}
         for member, score in found:
             m = member.decode() if isinstance(member, bytes) else member
@@ -234,7 +234,7 @@ class RedisStore:
         left_ms = max(1, int((entry.expires_at - self._clock()) * 1000))
         keyhex = entry.key.hex()
         gap = rank_gap(entry, self.prior_gap)
-        old, *counts = await self._call(
+        old, *counts = await self.breaker.call(
             "put", self._put, keys=[self._k("h:" + keyhex), self._k("order")],
             args=[keyhex, _value(entry, now_ms), now_ms, left_ms + SAFETY_TTL_MS, self.prefix,
                   "1" if only_if_absent else "0",
@@ -299,9 +299,9 @@ class RedisStore:
         return out
 
     async def _trim_index(self, kind: str, url: str, tenant: str, bound: int) -> list[Entry]:
-        raw = await self._call("trim", self._trim_script, keys=[],
-                               args=[self.prefix, kind, url, tenant, bound, TRIM_LIMIT,
-                                     repr(self._clock())])
+        raw = await self.breaker.call("trim", self._trim_script, keys=[],
+                                      args=[self.prefix, kind, url, tenant, bound, TRIM_LIMIT,
+                                            repr(self._clock())])
         return [_entry(v) for v in raw or ()]
 
     async def _trim(self) -> None:
@@ -316,11 +316,11 @@ class RedisStore:
     async def drop_replica(self, decode_url: str, reason: str,
                            keep_engine_id: str | None = None) -> int:
         rep = self._k("rep:" + decode_url)
-        members = await self._call("drop", self.r.zrange, rep, 0, -1)
+        members = await self.breaker.call("drop", self.r.zrange, rep, 0, -1)
         doomed = []
         for m in members:
             keyhex = m.decode() if isinstance(m, bytes) else m
-            raw = await self._call("drop", self.r.get, self._k("h:" + keyhex))
+            raw = await self.breaker.call("drop", self.r.get, self._k("h:" + keyhex))
             if raw is None:  # expired by the server: TAKE still clears its indexes
                 await self._take_key(keyhex)
                 continue
@@ -337,8 +337,9 @@ class RedisStore:
         cutoff = int((self._clock() - self.ttl) * 1000)
         doomed: list[Entry] = []
         while True:
-            members = await self._call("sweep", self.r.zrangebyscore, self._k("order"),
-                                       "-inf", cutoff, start=0, num=SCAN)
+            members = await self.breaker.call("sweep", self.r.zrangebyscore,
+                                              self._k("order"), "-inf", cutoff, start=0,
+                                              num=SCAN)
             if not members:
                 break
             taken = await self._take_members(members)
@@ -352,11 +353,11 @@ class RedisStore:
         return len(doomed)
 
     async def pinned(self, decode_url: str) -> int:
-        raw = await self._call("pinned", self.r.hget, self._k("pin"), decode_url)
+        raw = await self.breaker.call("pinned", self.r.hget, self._k("pin"), decode_url)
         return max(0, int(raw)) if raw is not None else 0
 
     async def count(self) -> int:
-        return int(await self._call("count", self.r.zcard, self._k("order")))
+        return int(await self.breaker.call("count", self.r.zcard, self._k("order")))
 
 
 def store_mode(cfg: Any) -> str:
