@@ -216,7 +216,7 @@ class ReturnOrder:
         return found
 
 
-class Tally:
+class Weights:
     """Weights per tenant with the heaviest at hand: fair bounds take from whoever holds
     the most (entries, or blocks on one replica), so a tenant that opens conversations by
     the thousand spends its own handles; with one tenant it is plain oldest-first.

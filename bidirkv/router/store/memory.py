@@ -26,7 +26,7 @@ from bidirkv.router.store.base import (
     Lengths,
     PrefixKeys,
     ReturnOrder,
-    Tally,
+    Weights,
     rank_gap,
 )
 
@@ -45,8 +45,8 @@ class Index:
         self.pinned: dict[str, int] = {}
         self.by_tenant: Tenants = {}
         self.by_rep: dict[str, Tenants] = {}
-        self.tenant_entries = Tally()
-        self.rep_blocks: dict[str, Tally] = {}
+        self.tenant_entries = Weights()
+        self.rep_blocks: dict[str, Weights] = {}
         self.orders: dict[str, dict[bytes | None, ReturnOrder]] = {}
         self.lengths: dict[bytes, Lengths] = {}
 
@@ -62,7 +62,7 @@ class Index:
         self.by_tenant.setdefault(tenant, OrderedDict())[key] = entry
         self.by_rep.setdefault(url, {}).setdefault(tenant, OrderedDict())[key] = entry
         self.tenant_entries.add(tenant, 1)
-        self.rep_blocks.setdefault(url, Tally()).add(tenant, blocks)
+        self.rep_blocks.setdefault(url, Weights()).add(tenant, blocks)
         order = self.orders.setdefault(url, {}).setdefault(tenant, ReturnOrder())
         order.add(entry, gap, expires_wall)
         order.compact(self.live, len(self.by_rep[url][tenant]))
