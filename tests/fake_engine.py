@@ -70,6 +70,9 @@ class Behaviour:
     residency_status: int = 200  # decode: /bidirkv/residency answers with this status
     wire_version: int = VERSION  # the bidir-kv wire version its handles carry
     num_blocks: int = 1000  # decode: the capacity /bidirkv/residency reports
+    # decode: /bidirkv/residency says it is draining (set, as on the real engine, by a
+    # call with `"drain": true`; a call with false clears it)
+    draining: bool = False
     max_model_len: int = 4096  # what /v1/models reports, as vLLM does
 
 
@@ -172,9 +175,13 @@ class FakeEngine:
         self.released.extend(body.get("release") or [])
         if body.get("release"):
             self.released_event.set()
+        if isinstance(body.get("drain"), bool):
+            self.behaviour.draining = body["drain"]
         return web.json_response({"enabled": True, "numBlocks": self.behaviour.num_blocks,
                                   "freeBlocks": self.behaviour.num_blocks, "retainedBlocks": 0,
-                                  "releasedBlocks": 0, "released": {"router": 0}})
+                                  "releasedBlocks": 0, "released": {"router": 0},
+                                  "draining": self.behaviour.draining,
+                                  "activeRequests": 0})
 
     async def wait_released(self, request_id: str, timeout: float = 5.0) -> bool:
         """True once `request_id` was sent for release (bounded wait)."""

@@ -441,13 +441,14 @@ class Router:
         # Read, not picked: the leg's own pick keeps its replicas' rotation.
         p_load = min((b.outstanding for b in ctx.prefill.healthy()), default=0)
         others = [b.outstanding for b in ctx.decode.backends
-                  if b.healthy and b.in_pool and b is not holder]
+                  if b.healthy and b.in_pool and not b.draining and b is not holder]
         decision = place(Inputs(held, turn.new_tokens, p_load,
                                 holder.outstanding if holder else 0,
                                 extends_held=entry is not None
                                 and self.conversations.extends(turn, entry),
                                 other_inflight=min(others, default=None),
-                                sized=ctx.costs.sized),
+                                sized=ctx.costs.sized,
+                                holder_draining=holder is not None and holder.draining),
                          policy, ctx.costs.costs)
         turn.placed = decision
         ctx.metrics.placements.labels(decision.path, decision.reason).inc()

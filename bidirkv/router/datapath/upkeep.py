@@ -10,6 +10,7 @@ import logging
 from bidirkv.router.datapath.context import Context, quietly
 from bidirkv.router.datapath.health import Health
 from bidirkv.router.datapath.sessions import Clients
+from bidirkv.router.pool.drain import mark_draining
 from bidirkv.router.store.base import StoreUnavailable
 
 log = logging.getLogger("bidirkv.router")
@@ -71,15 +72,18 @@ class Upkeep:
             await quietly(self.ctx.store.trim_replica(url, limit))
 
     async def renew_residency(self) -> None:
-        """Renew this router's lease on every healthy decode; learn their capacity. No
-        store call here: a slow store must never make a renewal late (decode would free
-        every conversation of this router)."""
+        """Renew this router's lease on every healthy decode; learn their capacity and
+        which are draining. No store call here: a slow store must never make a renewal
+        late (decode would free every conversation of this router)."""
         ctx = self.ctx
         if not ctx.cfg.bidirectional:
             return
         session = self.clients.pooled
-        await asyncio.gather(*(ctx.residency.call(session, b.url)
-                               for b in ctx.decode.healthy()))
+        healthy = ctx.decode.healthy()
+        await asyncio.gather(*(ctx.residency.call(session, b.url) for b in healthy))
+        for b in mark_draining(healthy, lambda url: ctx.residency.replica(url).last):
+            log.info("decode %s %s", b.url, "is draining: no new work, its conversations "
+                     "move on their next turn" if b.draining else "no longer drains")
 
     async def store_upkeep(self) -> None:
         """What the store needs after a health round: its start (a shared store names the

@@ -9,9 +9,11 @@ DECODE = "decode"
 
 
 class Backend:
-    """One engine. `outstanding` counts legs in flight; `healthy` is the router's view."""
+    """One engine. `outstanding` counts legs in flight; `healthy` is the router's view;
+    `draining`: the engine said it is leaving (bidirkv/router/pool/drain.py)."""
 
-    __slots__ = ("url", "role", "host", "healthy", "outstanding", "engine_id", "in_pool")
+    __slots__ = ("url", "role", "host", "healthy", "outstanding", "engine_id", "in_pool",
+                 "draining")
 
     def __init__(self, url: str, role: str) -> None:
         self.url = url
@@ -27,9 +29,12 @@ class Backend:
         # remote_engine_id D last reported; a change means the engine restarted.
         self.engine_id: str | None = None
         self.in_pool = True
+        # Healthy and serving what it holds, but given no new work: no first turn, no
+        # extend, no decode leg while a replica that is not leaving can take it.
+        self.draining = False
 
     def __repr__(self) -> str:
-        state = "up" if self.healthy else "down"
+        state = ("draining" if self.draining else "up") if self.healthy else "down"
         return f"Backend({self.role} {self.url} {state} out={self.outstanding})"
 
 

@@ -13,7 +13,7 @@ the decode replica that served the last turn still holds. The paths:
     read_back   prefill reads the holder's retained blocks, prefills the new tokens,
                 decode pulls it all (the bidirectional path)
     move        as read_back, but another decode replica decodes the turn (and keeps it
-                from then on): the holder is busy
+                from then on): the holder is busy, or draining (its pod is leaving)
     prefill     prefill computes the prompt (no handle, or its own prefix cache); decode
                 pulls it
 
@@ -52,7 +52,8 @@ POLICIES = (COST, ALWAYS_DISAGGREGATE, THRESHOLDS)
 # Bounded label values of placements_total{decision,reason}.
 REASONS = ("no_handle", "policy", "prefix_unknown", "append_over_cap", "decode_busy",
            "short_append", "prefill_busy", "long_append", "cheaper_on_decode",
-           "cheaper_disaggregated", "extend_failed", "prompt_over_cap", "learning")
+           "cheaper_disaggregated", "extend_failed", "prompt_over_cap", "learning",
+           "holder_draining")
 # A leg that prefilled fewer tokens than this says more about its fixed costs than about
 # its cost per token: not learned from.
 MIN_SAMPLE_TOKENS = 64
@@ -75,6 +76,9 @@ class Inputs:
     # The router has seen a prompt's token count (prefill reports it): until then it
     # cannot size a turn against the cap, and decode is given no prefill.
     sized: bool = True
+    # The holder is leaving (its pod got SIGTERM): it takes no extend, and the turn moves
+    # to `other_inflight`'s replica, which is never a draining one.
+    holder_draining: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,8 @@ def estimate_ms(inp: Inputs, c: Costs) -> tuple[float, float]:
 def place(inp: Inputs, policy: Placement, costs: Costs) -> Decision:
     if inp.held_tokens is None:
         return _unheld(inp, policy, costs)
+    if inp.holder_draining and inp.other_inflight is not None:
+        return Decision(MOVE, "holder_draining")
     if policy.policy == ALWAYS_DISAGGREGATE:
         return Decision(READ_BACK, "policy")
     if not inp.sized:

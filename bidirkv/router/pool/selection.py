@@ -10,16 +10,24 @@ from bidirkv.router.pool.backends import Backend
 def least_outstanding(
     backends: Sequence[Backend], start: int = 0, exclude: Collection[Backend] = ()
 ) -> Backend | None:
-    """Healthy replica with the fewest legs in flight.
+    """Healthy replica with the fewest legs in flight; a draining one only when every
+    healthy replica is draining (serving the turn beats refusing it: the only decode
+    replica of a role can be the one leaving).
 
     Ties are broken by scanning from `start` (a rotating counter), so an idle cluster
     still spreads sequential requests instead of always picking the first replica.
     """
+    best = _least(backends, start, exclude, draining=False)
+    return best if best is not None else _least(backends, start, exclude, draining=True)
+
+
+def _least(backends: Sequence[Backend], start: int, exclude: Collection[Backend],
+           draining: bool) -> Backend | None:
     n = len(backends)
     best: Backend | None = None
     for i in range(n):
         b = backends[(start + i) % n]
-        if not b.healthy or b in exclude:
+        if not b.healthy or b.draining != draining or b in exclude:
             continue
         if best is None or b.outstanding < best.outstanding:
             best = b
@@ -61,10 +69,13 @@ def pick_decode(
     slack: int = HOLDER_SLACK,
 ) -> Backend | None:
     """The conversation's holder when it is usable and not much busier than the least
-    loaded replica (`slack` legs), else the least loaded replica."""
+    loaded replica (`slack` legs), else the least loaded replica. A draining holder
+    keeps the turn only when no replica that is not leaving can take it: elsewhere,
+    prefill reads the holder's blocks and the conversation moves."""
     best = least_outstanding(decodes, start, exclude)
     holder = holder_of(decodes, decode_url, remote_host)
     if holder is not None and holder.healthy and holder not in exclude and (
-            best is None or holder.outstanding <= best.outstanding + slack):
+            best is None or holder.outstanding <= best.outstanding + slack) and (
+            not holder.draining or best is None or best.draining):
         return holder
     return best
