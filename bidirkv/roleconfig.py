@@ -3,19 +3,17 @@
 The one place these are built: the operator puts them in pod templates and the local
 stack runs them as processes, so a laptop and a cluster get the same settings. Owned by
 neither side: the operator and the engine side (connector/) import it, it imports
-neither (the spec's type is only named for the type checker), so dependencies run one
-way (tests/test_import_graph.py).
+neither, so dependencies run one way (tests/test_import_graph.py). What it reads of a
+spec is declared below (`Spec`); the operator's DisaggregatedInferenceSpec is one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from bidirkv.operator.api.spec import DisaggregatedInferenceSpec
+from typing import Any, Protocol
 
 ROLES = ("prefill", "decode")
 # bidir-kv's NIXL connector: vLLM's name (its configuration checks compare it), loaded
@@ -53,6 +51,80 @@ MANAGED_ENV_PREFIXES = (
 )
 
 
+class EnvEntry(Protocol):
+    name: str
+
+    def as_env(self) -> dict[str, Any]: ...
+
+
+class Engine(Protocol):
+    image: str
+    extra_args: Sequence[str]
+    extra_env: Sequence[EnvEntry]
+
+
+class Role(Protocol):
+    extra_args: Sequence[str]
+    extra_env: Sequence[EnvEntry]
+    tensor_parallel_size: int
+    enable_prefix_caching: bool
+
+
+class Model(Protocol):
+    name: str
+    served_name: str | None
+    dtype: str
+    max_model_len: int | None
+
+
+class KvTransfer(Protocol):
+    """The knobs of bidirkv/knobs.py's KvKnobs, and what only the engines' command line
+    holds; the fingerprint hashes all of it as the CRD writes it."""
+
+    bidirectional: bool
+    decoder_kv_blocks_ttl_seconds: int
+    kv_recompute_threshold: int
+    retention_watermark: float
+    owner_lease_seconds: int
+    backend: str
+    kv_buffer_device: str | None
+    load_failure_policy: str
+    side_channel_port: int
+
+    def model_dump(self, *, by_alias: bool, mode: str) -> dict[str, Any]: ...
+
+
+class SecretKey(Protocol):
+    name: str
+    key: str
+
+
+class Tracing(Protocol):
+    otlp_endpoint: str | None
+    headers_secret_ref: SecretKey | None
+
+
+class Monitoring(Protocol):
+    tracing: Tracing
+
+
+class Efa(Protocol):
+    enabled: bool
+    hugepages_2mi: str | None
+
+
+class Spec(Protocol):
+    """What of a DisaggregatedInference's spec the roles' configuration reads."""
+
+    model: Model
+    engine: Engine
+    prefill: Role
+    decode: Role
+    kv_transfer: KvTransfer
+    monitoring: Monitoring
+    efa: Efa
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a server listens and how peers reach it. In a pod: every address, the engine
@@ -82,7 +154,7 @@ class RoleConfig:
     ports: dict[str, int] = field(default_factory=dict)
 
 
-def kv_transfer_config(spec: DisaggregatedInferenceSpec, role: str) -> dict[str, Any]:
+def kv_transfer_config(spec: Spec, role: str) -> dict[str, Any]:
     kv = spec.kv_transfer
     extra: dict[str, Any] = {
         "backends": [kv.backend],
@@ -107,7 +179,7 @@ def kv_transfer_config(spec: DisaggregatedInferenceSpec, role: str) -> dict[str,
     return cfg
 
 
-def extra_args_errors(spec: DisaggregatedInferenceSpec) -> list[str]:
+def extra_args_errors(spec: Spec) -> list[str]:
     errors = []
     arg_lists = [("engine", spec.engine.extra_args)] + [
         (role, getattr(spec, role).extra_args) for role in ROLES
@@ -145,7 +217,7 @@ def _env(name: str, value: str | dict[str, Any]) -> dict[str, Any]:
     return {"name": name, **(value if isinstance(value, dict) else {"value": value})}
 
 
-def otlp_headers_env(spec: DisaggregatedInferenceSpec) -> list[dict[str, Any]]:
+def otlp_headers_env(spec: Spec) -> list[dict[str, Any]]:
     """The collector's headers from their Secret, for every process that exports spans."""
     ref = spec.monitoring.tracing.headers_secret_ref
     if ref is None or spec.monitoring.tracing.otlp_endpoint is None:
@@ -154,7 +226,7 @@ def otlp_headers_env(spec: DisaggregatedInferenceSpec) -> list[dict[str, Any]]:
                  {"valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})]
 
 
-def build_role_config(spec: DisaggregatedInferenceSpec, role: str,
+def build_role_config(spec: Spec, role: str,
                       placement: Placement = POD) -> RoleConfig:
     if role not in ROLES:
         raise ValueError(f"role {role!r}: must be one of {', '.join(ROLES)}")
@@ -227,7 +299,7 @@ def build_role_config(spec: DisaggregatedInferenceSpec, role: str,
     )
 
 
-def kv_fingerprint(spec: DisaggregatedInferenceSpec) -> str:
+def kv_fingerprint(spec: Spec) -> str:
     """Hash of everything prefill and decode must share for their KV to be interchangeable."""
     shared = {
         "model": spec.model.name,
