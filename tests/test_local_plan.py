@@ -41,7 +41,7 @@ def kv_config(argv: list[str]) -> dict:
 
 
 def test_example_is_a_cpu_1p1d_with_emulated_eviction(raw, spec):
-    assert spec.prefill.replicas == 1 and spec.decode.replicas == 1
+    assert spec.prefill.initial_replicas() == 1 and spec.decode.initial_replicas() == 1
     assert spec.kv_transfer.kv_buffer_device == "cpu"
     assert spec.prefill.enable_prefix_caching is False
     assert spec.decode.enable_prefix_caching is True

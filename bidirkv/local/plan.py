@@ -128,7 +128,8 @@ class StackPlan:
 
 def engine_names(spec: DisaggregatedInferenceSpec) -> list[tuple[str, str]]:
     """(role, name) of every engine, in start order: prefill-0.., decode-0.."""
-    return [(role, f"{role}-{i}") for role in ROLES for i in range(getattr(spec, role).replicas)]
+    return [(role, f"{role}-{i}") for role in ROLES
+            for i in range(getattr(spec, role).initial_replicas())]
 
 
 def ports_needed(spec: DisaggregatedInferenceSpec) -> list[str]:

@@ -52,6 +52,8 @@ KINDS = {
         Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
         Kind("v1", "Secret", "secrets"),
         Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors"),
+        Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
+        Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
         Kind(f"{api.GROUP}/{api.VERSION}", api.KIND, api.PLURAL),
     ]
 }

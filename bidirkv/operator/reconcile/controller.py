@@ -19,16 +19,19 @@ from bidirkv.operator.api import spec as api
 from bidirkv.operator.kube import ApiError, KubeClient
 from bidirkv.operator.reconcile.diff import differs, owned_by, replacement
 from bidirkv.operator.reconcile.status import compute_status, same_status
+from bidirkv.operator.render.autoscaling import SCALED_OBJECT_API_VERSION
 from bidirkv.operator.render.children import Owner, child_metadata, optional_children, render
 from bidirkv.operator.render.handlekey import new_secret, secret_name
 from bidirkv.operator.render.monitoring import POD_MONITOR_API_VERSION
+from bidirkv.operator.render.naming import child_name
+from bidirkv.roleconfig import ROLES
 
 log = logging.getLogger("bidirkv.operator")
 
 Key = tuple[str, str, str]  # kind, namespace, name
 # Children the operator does not watch (their CRD may be missing, and a watch would need
 # list and watch on them): never trusted from the cache.
-UNWATCHED_KINDS = frozenset({"PodMonitor"})
+UNWATCHED_KINDS = frozenset({"PodMonitor", "HorizontalPodAutoscaler", "ScaledObject"})
 
 
 def _now() -> str:
@@ -143,7 +146,7 @@ class Controller:
         previous = body.get("status") or {}
         try:
             spec = api.parse_spec(body.get("spec") or {})
-            desired = render(owner, spec)
+            desired = render(owner, spec, await self._observed_replicas(owner, spec))
         except api.SpecError as exc:
             await self._report_invalid(body, owner, generation, previous, str(exc))
             return
@@ -170,6 +173,21 @@ class Controller:
         if problem and problem[0] == "KindMissing":
             # No event announces a CRD: retry (with backoff) until it is installed.
             raise KindMissing(problem[1])
+
+    async def _observed_replicas(self, owner: Owner, spec: api.DisaggregatedInferenceSpec
+                                 ) -> dict[str, int]:
+        """The replicas the autoscaler gave each autoscaled role's StatefulSet (watched:
+        its change reconciles, and the router's config follows)."""
+        out: dict[str, int] = {}
+        for role in ROLES:
+            if getattr(spec, role).autoscaling is None:
+                continue
+            key = ("StatefulSet", owner.namespace, child_name(owner, role))
+            sts = self.children.get(key) or await self.client.get(*key)
+            replicas = ((sts or {}).get("spec") or {}).get("replicas")
+            if sts is not None and owned_by(sts, owner.uid) and isinstance(replicas, int):
+                out[role] = replicas
+        return out
 
     async def _ensure_key(self, owner: Owner) -> None:
         """Create the resource's handle-key Secret when it is missing; never rewrite it.
@@ -215,11 +233,8 @@ class Controller:
             try:
                 created = await self.client.create(obj)
             except ApiError as exc:
-                if exc.status == 404 and obj["apiVersion"] == POD_MONITOR_API_VERSION:
-                    raise KindMissing(
-                        f"spec.monitoring.podMonitor.enabled is true but the cluster serves "
-                        f"no {obj['apiVersion']} {obj['kind']} (install prometheus-operator's "
-                        "CRDs, or turn it off)") from None
+                if exc.status == 404 and (missing := _kind_missing(obj)):
+                    raise KindMissing(missing) from None
                 if exc.status != 409:
                     raise
                 actual = await self.client.get(*key)
@@ -296,6 +311,19 @@ class ChildConflict(Exception):
 
 class KindMissing(Exception):
     """The cluster does not serve the kind of an optional child (its CRD is missing)."""
+
+
+def _kind_missing(obj: dict[str, Any]) -> str | None:
+    """What to say when the cluster does not serve an optional child's kind."""
+    served = f"the cluster serves no {obj['apiVersion']} {obj['kind']}"
+    if obj["apiVersion"] == POD_MONITOR_API_VERSION:
+        return (f"spec.monitoring.podMonitor.enabled is true but {served} (install "
+                "prometheus-operator's CRDs, or turn it off)")
+    if obj["apiVersion"] == SCALED_OBJECT_API_VERSION:
+        role = obj["metadata"]["labels"]["app.kubernetes.io/component"]
+        return (f"spec.{role}.autoscaling.engine is 'keda' but {served} (install KEDA, or "
+                "use engine hpa)")
+    return None
 
 
 def _condition_message(status: dict[str, Any]) -> str | None:

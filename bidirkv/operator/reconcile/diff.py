@@ -18,6 +18,8 @@ from kubernetes.utils import parse_quantity
 _SERVICE_ALLOCATED = ("clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy",
                       "healthCheckNodePort")
 
+# Kinds whose spec.replicas an autoscaler may own.
+_SCALED_KINDS = ("StatefulSet", "Deployment")
 
 # Fields whose values are quantities: the API server stores them canonicalised ("0.5" ->
 # "500m", "1024Mi" -> "1Gi"), so they are compared by value. Maps of quantities by their
@@ -91,6 +93,11 @@ def replacement(desired: dict[str, Any], actual: dict[str, Any]) -> dict[str, An
     annotations = {**(have.get("annotations") or {}), **(meta.get("annotations") or {})}
     if annotations:
         meta["annotations"] = annotations
+    if body["kind"] in _SCALED_KINDS and "replicas" not in body["spec"]:
+        # Left out by the renderer when an autoscaler owns it: a PUT without it would
+        # reset it to the default (1).
+        if "replicas" in actual.get("spec", {}):
+            body["spec"]["replicas"] = actual["spec"]["replicas"]
     if body["kind"] == "Service":
         spec, old = body["spec"], actual.get("spec", {})
         for key in _SERVICE_ALLOCATED:

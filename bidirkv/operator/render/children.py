@@ -7,10 +7,12 @@ children are in engine.py, the router's in router.py, names in naming.py.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from bidirkv.operator.api import spec as api
 from bidirkv.operator.crd.schema import MAX_NAME_LENGTH
+from bidirkv.operator.render.autoscaling import autoscaler_keys, autoscalers
 from bidirkv.operator.render.engine import (  # noqa: F401 - re-exported
     CONFIG_HASH_ANNOTATION,
     FINGERPRINT_LABEL,
@@ -52,8 +54,12 @@ def name_errors(owner: Owner) -> list[str]:
     return []
 
 
-def render(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> list[dict[str, Any]]:
-    """Every child object, in the order they are best created (config before users)."""
+def render(owner: Owner, spec: api.DisaggregatedInferenceSpec,
+           observed: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+    """Every child object, in the order they are best created (config before users).
+
+    `observed`: the replicas each autoscaled role's StatefulSet was last seen with (the
+    autoscaler's choice), by role; the router's config lists that many pods."""
     errors = name_errors(owner)
     if errors:
         raise api.SpecError("; ".join(errors))
@@ -64,8 +70,9 @@ def render(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> list[dict[str,
             engine_statefulset(owner, spec, role),
             pod_disruption_budget(owner, role),
         ]
+    children += autoscalers(owner, spec, ROLES)
     children += [
-        router_configmap(owner, spec),
+        router_configmap(owner, spec, observed),
         router_deployment(owner, spec),
         router_service(owner, spec),
     ]
@@ -81,7 +88,8 @@ def render(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> list[dict[str,
 def optional_children(owner: Owner) -> list[tuple[str, str]]:
     """(kind, name) of children a spec may turn off: the operator deletes the ones it owns
     once they are no longer rendered."""
-    return [("PodMonitor", child_name(owner, POD_MONITOR_COMPONENT))]
+    return [("PodMonitor", child_name(owner, POD_MONITOR_COMPONENT)),
+            *autoscaler_keys(owner, ROLES)]
 
 
 def render_resource(obj: dict[str, Any]) -> list[dict[str, Any]]:

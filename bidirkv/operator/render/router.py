@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from bidirkv.knobs import TTL_SAFETY_MARGIN_SECONDS, KvKnobs, RouterKnobs
 from bidirkv.operator.api import spec as api
+from bidirkv.operator.render.autoscaling import role_replicas
 from bidirkv.operator.render.engine import http_probe
 from bidirkv.operator.render.handlekey import key_env
 from bidirkv.operator.render.naming import (
@@ -56,11 +58,13 @@ def _knobs(section: RouterKnobs | KvKnobs, knobs: type[RouterKnobs | KvKnobs]) -
                               exclude_none=True)
 
 
-def router_config(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dict[str, Any]:
-    """What the router reads from its ConfigMap (reloaded on change, no restart)."""
+def router_config(owner: Owner, spec: api.DisaggregatedInferenceSpec,
+                  observed: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """What the router reads from its ConfigMap (reloaded on change, no restart).
+    `observed`: the autoscaled roles' current replicas (render/autoscaling.py)."""
     return {
-        "prefill": engine_endpoints(owner, "prefill", spec.prefill.replicas),
-        "decode": engine_endpoints(owner, "decode", spec.decode.replicas),
+        "prefill": engine_endpoints(owner, "prefill", role_replicas(spec, "prefill", observed)),
+        "decode": engine_endpoints(owner, "decode", role_replicas(spec, "decode", observed)),
         "model": spec.model.served_name or spec.model.name,
         **_knobs(spec.router, RouterKnobs),
         **_knobs(spec.kv_transfer, KvKnobs),
@@ -80,8 +84,9 @@ def _tracing(spec: api.DisaggregatedInferenceSpec) -> dict[str, Any]:
                         "sampleRatio": tracing.sample_ratio}}
 
 
-def router_configmap(owner: Owner, spec: api.DisaggregatedInferenceSpec) -> dict[str, Any]:
-    body = json.dumps(router_config(owner, spec), indent=2, sort_keys=True)
+def router_configmap(owner: Owner, spec: api.DisaggregatedInferenceSpec,
+                     observed: Mapping[str, int] | None = None) -> dict[str, Any]:
+    body = json.dumps(router_config(owner, spec, observed), indent=2, sort_keys=True)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",

@@ -89,6 +89,8 @@ the requests of a real operator run.
   verbs: ["patch"]
 # Children: watched (cache), read before a write, created, replaced when they drift.
 # Not deleted by the operator: owner references leave that to the garbage collector.
+# An autoscaler owns the replicas of an autoscaled role: the operator writes the
+# StatefulSet without them (and keeps the live count on a replace).
 - apiGroups: ["apps"]
   resources: ["statefulsets", "deployments"]
   verbs: ["get", "list", "watch", "create", "update"]
@@ -102,9 +104,19 @@ the requests of a real operator run.
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "update"]
 # The engines' PodMonitor (spec.monitoring.podMonitor): not watched; read before a write,
-# and deleted by the operator when the spec turns it off (the only child it deletes).
+# and deleted by the operator when the spec turns it off.
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["podmonitors"]
+  verbs: ["get", "create", "update", "delete"]
+# Autoscalers of autoscaled roles (spec.prefill/decode.autoscaling): an autoscaling/v2
+# HorizontalPodAutoscaler, or a KEDA ScaledObject with engine keda. Not watched; read
+# before a write, and deleted by the operator when autoscaling is turned off or the
+# engine changes.
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["get", "create", "update", "delete"]
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
   verbs: ["get", "create", "update", "delete"]
 # The handle-key Secret of each resource: created once (409: it exists). Never read,
 # listed or watched: the operator sees no Secret's content, its own included.
