@@ -179,9 +179,8 @@ def crd_definitions(crd: dict) -> dict[str, dict]:
             "required": ["items"],
             "properties": {
                 "apiVersion": props["apiVersion"],
-                "items": {"type": "array", "description": f"List of {spec['names']['plural']}. "
-                          "More info: https://git.k8s.io/community/contributors/devel/"
-                          "sig-architecture/api-conventions.md",
+                "items": {"type": "array",
+                          "description": f"The {spec['names'].get('plural', kind)}.",
                           "items": {"$ref": _REF + definition_name(group, version, kind)}},
                 "kind": props["kind"],
                 "metadata": {"$ref": f"{_REF}{_META}ListMeta",

@@ -37,13 +37,13 @@ Not modelled: authentication/authorization (every request is allowed), admission
 schema validation of built-in kinds (only their metadata is checked), protobuf/CBOR
 encodings of objects, ``/openapi/v3`` (kubectl 1.27+ falls back to v2), server-side
 field validation (``fieldValidation`` is not listed, so kubectl validates on the client),
-the v2 document's other operations, per-kind printers of built-in kinds, Table output of watches,
-aggregated discovery, field managers (server-side apply is a create-or-merge that never
-removes fields), resourceVersion semantics on list (always the latest state), controllers (no
-pods are made for deployments; only namespace cleanup and the optional ownerReference garbage
-collector run; ``Foreground`` propagation behaves like ``Background``), CRD conversion (served
-versions share objects, only ``apiVersion`` changes), default service accounts and
-``kube-root-ca.crt`` config maps.
+the v2 document's other operations, per-kind printers of built-in kinds, Table output of
+watches (``kubectl get -w``), aggregated discovery, field managers (server-side apply is a
+create-or-merge that never removes fields), resourceVersion semantics on list (always the
+latest state), controllers (no pods are made for deployments; only namespace cleanup and the
+optional ownerReference garbage collector run; ``Foreground`` propagation behaves like
+``Background``), CRD conversion (served versions share objects, only ``apiVersion``
+changes), default service accounts and ``kube-root-ca.crt`` config maps.
 
 CLI for manual poking (from tests/): ``python -m kubeapi.server --port 8001``.
 """
