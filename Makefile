@@ -67,12 +67,12 @@ test: $(ENGINE_STAMP) $(VLLM_NEXT_STAMP) $(PROMQL_STAMP) $(KUBECTL_STAMP)
 demo: $(ENGINE_STAMP)
 	$(PY) -m bidirkv.demo
 
-# The CRD and the README's CRD reference are both generated from bidirkv/operator/api/spec.py
-# (tools/crdref.py is a development tool, not in the package).
+# The CRD and its reference (docs/crd-reference.md) are both generated from
+# bidirkv/operator/api/spec.py (tools/crdref.py is a development tool, not in the package).
 crds: $(DEV_STAMP)
 	$(BIN)/bidir-kv crd > crds/bidirkv.io_disaggregatedinferences.yaml
 	cp crds/bidirkv.io_disaggregatedinferences.yaml charts/bidir-kv/crds/
-	$(PY) tools/crdref.py README.md
+	$(PY) tools/crdref.py docs/crd-reference.md
 
 # The chart's Grafana dashboard is generated from tools/dashboard.py (a development tool,
 # not in the package); tests/test_chart_monitoring.py fails when the two differ.

@@ -1,4 +1,4 @@
-"""The CRD reference table for the README, generated from the same schema as the CRD.
+"""The CRD reference (docs/crd-reference.md), generated from the same schema as the CRD.
 
 A development tool (`make crds` runs it), not part of the package."""
 
@@ -11,6 +11,8 @@ from typing import Any
 
 from bidirkv.operator.crd.schema import build_crd
 
+# Where the reference lives, relative to the repository root (tests/test_crd.py reads it).
+PAGE = "docs/crd-reference.md"
 START, END = "<!-- crd-reference:start -->", "<!-- crd-reference:end -->"
 
 
@@ -61,29 +63,41 @@ def _walk(node: dict[str, Any], path: str, required: set[str], out: list[list[st
         out.append([f"`{here}`", _type(child), shown, _bounds(child), desc])
 
 
+def _rules(node: dict[str, Any], path: str) -> list[str]:
+    """Every CEL rule of the schema, nested ones named by the field they sit on: a rule
+    kept beside its fields (e.g. on `spec.router.placement`) is as binding as one on spec."""
+    out = [m if path == "spec" else f"`{path}`: {m}"
+           for m in (v["message"] for v in node.get("x-kubernetes-validations", []))]
+    for name, child in node.get("properties", {}).items():
+        out += _rules(child, f"{path}.{name}")
+    if isinstance(node.get("items"), dict):
+        out += _rules(node["items"], f"{path}[]")
+    return out
+
+
 def reference_markdown() -> str:
     spec = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     rows: list[list[str]] = []
     _walk(spec, "spec", set(spec.get("required", [])), rows)
     lines = ["| field | type | default | bounds | description |", "|---|---|---|---|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
-    lines += ["", "Cross-field rules (CEL, enforced by the API server):", ""]
-    lines += [f"- {v['message']}" for v in spec.get("x-kubernetes-validations", [])]
+    lines += ["", "## Cross-field rules", "", "Enforced by the API server (CEL):", ""]
+    lines += [f"- {rule}" for rule in _rules(spec, "spec")]
     return "\n".join(lines) + "\n"
 
 
-def splice(readme: str) -> str:
-    """README text with the reference section replaced by the generated one."""
-    if START not in readme or END not in readme:
-        raise ValueError(f"README has no {START} ... {END} section")
-    head, rest = readme.split(START, 1)
+def splice(page: str) -> str:
+    """The page's text with its reference section replaced by the generated one."""
+    if START not in page or END not in page:
+        raise ValueError(f"the page has no {START} ... {END} section")
+    head, rest = page.split(START, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{START}\n{reference_markdown()}{END}{tail}"
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: tools/crdref.py README.md", file=sys.stderr)
+        print(f"usage: tools/crdref.py {PAGE}", file=sys.stderr)
         return 2
     path = pathlib.Path(argv[0])
     path.write_text(splice(path.read_text()))
