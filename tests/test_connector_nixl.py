@@ -80,12 +80,14 @@ def test_retention_follows_vllms_bookkeeping():
     r.finished(req("d1", {OWNER_KEY: "router-a", TENANT_KEY: "t1"}), True, handle)
     held = res.held["d1"]
     assert (held.blocks, held.owner, held.tenant, held.deadline) == (3, "router-a", "t1", 99.0)
+    assert held.ids == (1, 2, 3)  # what an extend's blocks are told apart by
     assert held.gap is None  # the conversation's first turn: no estimate
     for sent, kept in ((12.5, 12.5), (-1, None), ("5", None), (float("nan"), None),
                        (True, None), (1e9, 86_400.0)):
         s._reqs_need_send["g"] = 99.0
         r.finished(req("g", {RETURN_KEY: sent}), True, handle)
-        assert res.held.pop("g").gap == kept, sent
+        assert res.held["g"].gap == kept, sent
+        r.freed(["g"])
     r.finished(req("d2", {}), False, handle)  # not delayed: nothing retained
     assert "d2" not in res.held
     # A decode request that came without P's handle is tracked, so it can be freed.

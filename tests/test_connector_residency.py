@@ -341,3 +341,69 @@ def test_reclaim_order_matches_the_sorted_rule_under_random_traffic():
                                                          rv[1][2] + 10_000), -rv[1][4]))
             assert rid == want[0], (rid, want)
             del kept[rid]
+
+
+def test_an_extend_and_the_turn_it_extends_pin_their_shared_blocks_once():
+    """The extend takes the old turn's blocks by prefix caching; until the router
+    releases the old turn (after the leg), both are retained. Counted twice, decode's
+    watermark saw 22 of its 24 blocks pinned and released the conversation just extended."""
+    res, clock = make(watermark=0.5)
+    res.retain("turn1", 10, "r", clock.t + 100, gap=5.0, block_ids=range(1, 11))
+    clock.t += 5
+    res.retain("turn2", 12, "r", clock.t + 100, gap=5.0, block_ids=range(1, 13))
+    assert res.kept_blocks() == 12
+    assert res.over_watermark(24) == 0
+    # The router drops the old turn's handle: nothing is freed, the extend pins it all.
+    assert res.release(["turn1"]) == 0
+    assert (res.kept_blocks(), res.releasing_blocks()) == (12, 0)
+    res.on_freed(res.take_pending())
+    assert (res.kept_blocks(), res.releasing_blocks()) == (12, 0)
+    assert res.release(["turn2"]) == 12 and res.releasing_blocks() == 12
+
+
+def test_a_release_counts_only_the_blocks_it_frees():
+    res, clock = make()
+    res.retain("old", 4, None, clock.t + 100, block_ids=[1, 2, 3, 4])
+    res.retain("new", 6, None, clock.t + 100, block_ids=[1, 2, 3, 4, 5, 6])
+    res.retain("other", 3, None, clock.t + 100)  # ids unknown: all its own
+    assert res.kept_blocks() == 9
+    assert res.release(["new"]) == 2  # 5 and 6; the rest stays pinned by "old"
+    assert (res.kept_blocks(), res.releasing_blocks()) == (7, 2)
+    assert res.release(["old"]) == 4
+    assert (res.kept_blocks(), res.releasing_blocks()) == (3, 6)
+    res.on_freed(["new"])  # vLLM freed 5 and 6; 1-4 go with "old"
+    assert (res.kept_blocks(), res.releasing_blocks()) == (3, 4)
+    res.on_freed(["old", "other"])
+    assert (res.kept_blocks(), res.releasing_blocks()) == (0, 0)
+    assert not res._pins and not res._rel
+
+
+def test_the_block_totals_agree_with_a_recount_under_random_traffic():
+    import random
+
+    rng = random.Random(11)
+    res, clock = make()
+    for step in range(2000):
+        op, live = rng.random(), sorted(res.held)
+        if op < 0.4 or not live:
+            start, n = rng.randrange(20), rng.randrange(1, 8)
+            res.retain(f"r{step}", n, None, clock.t + 100, tenant=f"t{step % 3}",
+                       block_ids=range(start, start + n))
+        elif op < 0.55:
+            res.grant(rng.choice(live))
+        elif op < 0.7:
+            res.release([rng.choice(live)])
+        elif op < 0.8:
+            res.reclaim(rng.randrange(1, 6))
+        else:
+            res.on_freed([rng.choice(live)])
+        kept = {b for h in res.held.values() if h.state != "releasing" for b in h.ids}
+        going = {b for h in res.held.values() if h.state == "releasing" for b in h.ids}
+        assert res.kept_blocks() == len(kept), step
+        assert res.releasing_blocks() == len(going - kept), step
+
+
+def test_blocks_wanted_leaves_out_what_prefix_caching_shares():
+    # 100 tokens: 7 blocks of 16; 5 of them are held by a retained turn it extends.
+    assert blocks_wanted(100, 16, 3, shared=5) == 2 + 3
+    assert blocks_wanted(100, 16, 0, shared=99) == 0

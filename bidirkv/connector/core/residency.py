@@ -68,6 +68,9 @@ class Held:
     tenant: str | None = None
     kept_at: float = 0.0  # when it was retained, on this process's perf_counter
     gap: float | None = None  # the router's estimate of its conversation's idle time
+    # vLLM's ids of its blocks (empty: unknown, then all `blocks` count as its own). An
+    # extend shares its history's blocks with the turn it extends (prefix caching).
+    ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -85,10 +88,14 @@ class Residency:
     refusals: Counter = field(default_factory=Counter)  # reason -> grants refused
     _pending: list[str] = field(default_factory=list)
     # Running totals: the scheduler reads them before every step, so no step walks
-    # `held`. Kept = held or granted (pinned until something frees them).
+    # `held`. Kept = held or granted (pinned until something frees them). Blocks, not
+    # entries' sums: a block two entries share (an extend and the turn it extends) is
+    # counted once, and a releasing one only once no kept entry pins it (`_move`).
     _kept: int = 0
     _parked: int = 0  # entries in state HELD: retained, nothing acting on them
     _releasing: int = 0
+    _pins: dict[int, int] = field(default_factory=dict)  # block id -> kept entries
+    _rel: dict[int, int] = field(default_factory=dict)  # block id -> releasing entries
     # Entries in state HELD (the only releasable ones) per tenant, oldest first, and
     # their blocks: what fair reclaiming picks from, through two indexes (releaseorder.py):
     # the tenant holding the most, and each tenant's order of release.
@@ -103,11 +110,12 @@ class Residency:
 
     # -- engine thread: lifecycle ---------------------------------------------------------
     def retain(self, req_id: str, blocks: int, owner: str | None, deadline: float,
-               tenant: str | None = None, gap: float | None = None) -> None:
+               tenant: str | None = None, gap: float | None = None,
+               block_ids: Iterable[int] = ()) -> None:
         now = self.clock()
         with self.lock:
             h = self.held[req_id] = Held(req_id, blocks, owner, deadline, tenant=tenant,
-                                         kept_at=now, gap=gap)
+                                         kept_at=now, gap=gap, ids=tuple(block_ids))
             if gap is not None:
                 self.prior_gap = next_gap(self.prior_gap, gap)
             mine = self._free.setdefault(tenant, OrderedDict())
@@ -116,7 +124,7 @@ class Residency:
             self._heaviest.set(tenant, (self._free_blocks[tenant], len(mine)))
             rank_gap = gap if gap is not None else self.prior_gap or 0.0
             self._order.setdefault(tenant, ReleaseOrder()).add(req_id, now, rank_gap, deadline)
-            self._kept += blocks
+            self._move(h, kept=1)
             self._parked += 1
             if owner is not None and owner not in self.owners:
                 self.owners[owner] = now + self.owner_lease_s
@@ -129,10 +137,10 @@ class Residency:
                 if h is None:
                     continue
                 if h.state == RELEASING:
-                    self._releasing -= h.blocks
+                    self._move(h, releasing=-1)
                     self.freed["released"] += 1
                 else:
-                    self._kept -= h.blocks
+                    self._move(h, kept=-1)
                     if h.state == HELD:
                         self._parked -= 1
                         self._unfree(h)
@@ -145,6 +153,29 @@ class Residency:
         return out
 
     # -- decisions -----------------------------------------------------------------------
+    def _move(self, h: Held, kept: int = 0, releasing: int = 0) -> int:
+        """Caller holds the lock: `h` starts (+1) or stops (-1) pinning its blocks as kept,
+        or as releasing; the running totals follow. Returns how many blocks no kept entry
+        pins any more (what a release of `h` frees)."""
+        if not h.ids:
+            self._kept += kept * h.blocks
+            self._releasing += releasing * h.blocks
+            return h.blocks if kept < 0 else 0
+        pins, rel = self._pins, self._rel
+        unpinned = 0
+        for b in h.ids:
+            k0, r0 = pins.get(b, 0), rel.get(b, 0)
+            k1, r1 = k0 + kept, r0 + releasing
+            self._kept += (k1 > 0) - (k0 > 0)
+            self._releasing += (k1 == 0 and r1 > 0) - (k0 == 0 and r0 > 0)
+            unpinned += k0 > 0 and k1 == 0
+            for counts, n in ((pins, k1), (rel, r1)):
+                if n:
+                    counts[b] = n
+                else:
+                    counts.pop(b, None)
+        return unpinned
+
     def _unfree(self, h: Held) -> None:
         """Caller holds the lock: `h` leaves state HELD."""
         t = h.tenant
@@ -167,11 +198,9 @@ class Residency:
         self._unfree(h)
         h.state, h.cause = RELEASING, cause
         self._parked -= 1
-        self._kept -= h.blocks
-        self._releasing += h.blocks
         self.released[cause] += 1
         self._pending.append(h.req_id)
-        return h.blocks
+        return self._move(h, kept=-1, releasing=1)
 
     def release(self, req_ids: Iterable[str], cause: str = "router") -> int:
         """Free these now (the router dropped their handles); blocks released."""
@@ -196,7 +225,8 @@ class Residency:
                        if h.owner in gone)
 
     def reclaim(self, blocks: int, cause: str = "pressure") -> int:
-        """Release whole entries until `blocks` are on their way: each time, of the tenant
+        """Release whole entries until `blocks` are on their way (an entry whose blocks
+        another kept entry shares frees only the rest): each time, of the tenant
         holding the most releasable blocks, the one to go first by releaseorder.py
         (O(log n) per entry released, whatever the number of tenants)."""
         got = 0
@@ -270,10 +300,12 @@ class Residency:
             }
 
 
-def blocks_wanted(num_tokens: int, block_size: int, running: int) -> int:
-    """Blocks a waiting request needs to start (all its tokens plus the next one), plus
-    one per running request, which may cross into a new block on this step."""
-    return -(-(num_tokens + 1) // block_size) + running
+def blocks_wanted(num_tokens: int, block_size: int, running: int, shared: int = 0) -> int:
+    """Free blocks a waiting request needs to start: all its tokens plus the next one,
+    less the `shared` blocks prefix caching finds for it in blocks some request holds
+    (retained ones included: it takes them without a free block), plus one per running
+    request, which may cross into a new block on this step."""
+    return max(0, -(-(num_tokens + 1) // block_size) - shared) + running
 
 
 _current: Residency | None = None

@@ -2,9 +2,9 @@
 process); core/residency.py decides what stays and what goes.
 
 - `request_finished`: a retained request (D, delayed free) becomes a `Held` entry, with
-  the router that owns its handle (`bidirkv_owner` in the request's kv_transfer_params,
-  set by the router on the decode leg), its tenant label and the router's estimate of
-  when its conversation comes back (`bidirkv_return_s`).
+  its block ids, the router that owns its handle (`bidirkv_owner` in the request's
+  kv_transfer_params, set by the router on the decode leg), its tenant label and the
+  router's estimate of when its conversation comes back (`bidirkv_return_s`).
 - `update_state_after_alloc`: vLLM only tracks a D request for its deadline when it
   pulled from P; a request that arrived without a P handle (both flags false, or a handle
   the plugin dropped) would be retained and never freed. It is tracked like any other.
@@ -53,10 +53,12 @@ class Retention:
             tenant = None
         deadline = self.sched._reqs_need_send.get(request.request_id)
         if deadline is not None:
-            blocks = sum(len(g) for g in out.get("remote_block_ids") or ())
-            self.residency.retain(request.request_id, blocks,
+            # Ids, not only a count: an extend shares its history's blocks with the turn
+            # it extends, and those are pinned once, not twice.
+            ids = [b for g in out.get("remote_block_ids") or () for b in g]
+            self.residency.retain(request.request_id, len(ids),
                                   owner if isinstance(owner, str) else None, deadline,
-                                  tenant, gap_of(params.get(RETURN_KEY)))
+                                  tenant, gap_of(params.get(RETURN_KEY)), ids)
 
     def after_alloc(self, request: Any) -> None:
         params = request.kv_transfer_params
