@@ -84,7 +84,8 @@ def test_secrets_volumes_and_pod_settings_reach_the_engine_pods(example):
     assert spec["imagePullSecrets"] == [{"name": "ecr"}]
     assert spec["serviceAccountName"] == "vllm" and spec["automountServiceAccountToken"] is False
     assert spec["priorityClassName"] == "inference-high"
-    assert spec["terminationGracePeriodSeconds"] == 120
+    # The drain (decode's drainSeconds, 120 by default), then vLLM's own stop.
+    assert spec["terminationGracePeriodSeconds"] == 120 + 120
     assert spec["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
     assert "topologySpreadConstraints" not in pod(objs, "prefill")["spec"]
     assert template["metadata"]["labels"]["team"] == "ml"
@@ -205,3 +206,46 @@ def test_role_arguments_that_would_split_the_pool_are_refused(minimal, arg, mess
     doc["spec"]["decode"] = {"extraArgs": [arg]}
     with pytest.raises(SpecError, match=rf"spec.decode.extraArgs\[0\]: '{arg}' {message}"):
         render_resource(doc)
+
+
+def test_a_leaving_pod_drains_within_its_grace_and_rolls_one_at_a_time(minimal):
+    from bidirkv.connector.drain import DRAIN_ENV
+    from bidirkv.operator.render.drain import DRAIN_ENV as RENDERED
+
+    assert RENDERED == DRAIN_ENV  # what the operator sets is what the launcher reads
+    doc = copy.deepcopy(minimal)
+    doc["spec"]["decode"] = {**doc["spec"].get("decode", {}), "drainSeconds": 300}
+    doc["spec"]["engine"] = {**doc["spec"].get("engine", {}),
+                             "terminationGracePeriodSeconds": 20}
+    objs = render_resource(doc)
+    for role, drain in (("decode", 300), ("prefill", 120)):
+        template = pod(objs, role)
+        env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0]["env"]}
+        assert env[DRAIN_ENV] == str(drain)
+        assert template["spec"]["terminationGracePeriodSeconds"] == drain + 20
+    for obj in objs:
+        if obj["kind"] == "StatefulSet":
+            assert obj["spec"]["updateStrategy"] == {"type": "RollingUpdate",
+                                                     "rollingUpdate": {"partition": 0}}
+
+
+@pytest.mark.parametrize("drain, short", [(120, True), (479, True), (480, False), (600, False)])
+def test_a_drain_shorter_than_the_retention_is_named(minimal, drain, short):
+    from bidirkv.operator.render.drain import short_drain
+
+    spec = copy.deepcopy(minimal["spec"])
+    spec["decode"] = {**spec.get("decode", {}), "drainSeconds": drain}
+    spec["kvTransfer"] = {**spec.get("kvTransfer", {}), "decoderKvBlocksTtlSeconds": 480}
+    note = short_drain(parse_spec(spec))
+    if short:
+        assert note.startswith(f"spec.decode.drainSeconds {drain} is shorter than "
+                               "kvTransfer.decoderKvBlocksTtlSeconds 480")
+    else:
+        assert note is None
+
+
+def test_drain_seconds_out_of_range_is_refused_naming_the_field(minimal):
+    spec = copy.deepcopy(minimal["spec"])
+    spec["decode"] = {**spec.get("decode", {}), "drainSeconds": 3601}
+    with pytest.raises(SpecError, match="decode.drainSeconds"):
+        parse_spec(spec)

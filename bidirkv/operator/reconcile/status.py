@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from bidirkv.operator.api import spec as api
-from bidirkv.operator.render.autoscaling import role_replicas
 from bidirkv.operator.render.children import Owner, child_name, router_url, selector_string
+from bidirkv.operator.render.drain import short_drain
 from bidirkv.roleconfig import ROLES, kv_fingerprint
 
 # The condition that says what is wrong when the spec cannot be reconciled.
@@ -119,8 +119,7 @@ def compute_status(
     rolling: list[str] = []
     for role in ROLES:
         sts = children.get(("StatefulSet", child_name(owner, role)))
-        seen = ((sts or {}).get("spec") or {}).get("replicas")
-        desired = role_replicas(spec, role, {role: seen} if isinstance(seen, int) else None)
+        desired = getattr(spec, role).replicas
         rs = _role_status(owner, desired, sts, role)
         status[role] = rs
         ok, reason, msg = _readiness(sts, desired, rs["ready"], "pods")
@@ -142,6 +141,12 @@ def compute_status(
                             "RollingOut" if rolling else "RolloutComplete",
                             "; ".join(rolling) if rolling
                             else "every child runs its current template", generation))
+    # Allowed, but a leaving decode pod then drops what it still holds at the deadline.
+    short = short_drain(spec)
+    conds.append(_condition("DrainCoversRetention", short is None,
+                            "ShorterThanRetention" if short else "CoversRetention",
+                            short or "a leaving decode pod may wait for every conversation "
+                            "it retains", generation))
     if problem:
         conds.append(_condition(RECONCILED, False, problem[0], problem[1], generation))
     else:

@@ -8,6 +8,7 @@ from typing import Any
 
 from bidirkv.operator.api import spec as api
 from bidirkv.operator.api.pod import ModelCacheSpec
+from bidirkv.operator.render.drain import UPDATE_STRATEGY, drain_env, grace_seconds
 from bidirkv.operator.render.handlekey import key_env
 from bidirkv.operator.render.naming import (
     Owner,
@@ -162,7 +163,8 @@ def engine_pod_template(
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["bidir-kv", "serve", "--role", role, "--"],
         "args": rc.args,
-        "env": [*rc.env, *_model_cache_env(spec, role, cache), *key_env(owner.name)],
+        "env": [*rc.env, *drain_env(spec, role), *_model_cache_env(spec, role, cache),
+                *key_env(owner.name)],
         "ports": [
             {"name": name, "containerPort": port, "protocol": "TCP"}
             for name, port in rc.ports.items()
@@ -182,7 +184,8 @@ def engine_pod_template(
         container["resources"] = resources
     container["securityContext"] = engine_security_context(spec.efa.enabled)
     pod_spec: dict[str, Any] = {
-        "terminationGracePeriodSeconds": spec.engine.termination_grace_period_seconds,
+        # The launcher drains first (render/drain.py), then vLLM stops.
+        "terminationGracePeriodSeconds": grace_seconds(spec, role),
         # Engines never call the Kubernetes API: no token to steal from them.
         "automountServiceAccountToken": False,
         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
@@ -203,18 +206,17 @@ def engine_pod_template(
 def engine_statefulset(
     owner: Owner, spec: api.DisaggregatedInferenceSpec, role: str, placement: Placement = POD
 ) -> dict[str, Any]:
-    replicas = getattr(spec, role).fixed_replicas()
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": child_metadata(owner, role),
         "spec": {
             "serviceName": child_name(owner, role),
-            # Autoscaled: left out, so the operator never writes over the autoscaler's
-            # choice (reconcile/diff.py keeps the live value on a replace).
-            **({"replicas": replicas} if replicas is not None else {}),
+            "replicas": getattr(spec, role).replicas,
             # Engines load independently; ordered start would serialise model loads.
             "podManagementPolicy": "Parallel",
+            # Updates are not affected by Parallel: one pod at a time, each drained.
+            "updateStrategy": UPDATE_STRATEGY,
             "selector": {"matchLabels": selector_labels(owner, role)},
             "template": engine_pod_template(owner, spec, role, placement),
         },
