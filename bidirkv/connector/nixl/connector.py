@@ -16,7 +16,7 @@ What each hook adds (in order, around vLLM's own):
 - `request_finished[_all_groups]`: sign the handle, add digests and the reuse report,
   keep nothing for a request without the router's proof, then retain D's blocks;
 - `get_kv_connector_stats`, `build_kv_connector_stats`, `build_prom_metrics`: bidir-kv's
-  counters next to NIXL's (stats.py).
+  counters and its KV working set gauge (core/workingset.py) next to NIXL's (stats.py).
 Scheduler-side hooks run in the engine-core process, the worker's in the worker.
 """
 
@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 )
 from vllm.platforms import current_platform
 
+from bidirkv.connector.core import workingset
 from bidirkv.connector.core.residency import Residency, current, install
 from bidirkv.connector.hooks.retention import Retention
 from bidirkv.connector.hooks.reuse import Reuse
@@ -149,6 +150,9 @@ class NixlConnector(NixlPullConnector):
         if self._retention is not None:
             self._retention.count()
         data = self._tally.take()
+        share = workingset.gauge().changed(current())
+        if share is not None:
+            data = {**(data or {}), workingset.WORKING_SET: share}
         return None if data is None else stats.BidirkvStats(data=data)
 
     @classmethod

@@ -8,6 +8,7 @@ beside NIXL's, so either side's stats aggregate with the other's.
 
 Prometheus: the counters in `METRICS` (each with vLLM's `model_name` and `engine`
 labels, and `_total` added by the client library); labels are bounded (hooks/tally.py).
+One gauge beside them: the KV working set (core/workingset.py), the latest reading.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
     NixlPromMetrics,
 )
 
+from bidirkv.connector.core import workingset
 from bidirkv.connector.hooks import tally
 
 # (data key, metric name, label or None, help)
@@ -39,6 +41,9 @@ METRICS = (
      "Read grants answered by decode: granted, or the reason refused."),
 )
 
+WORKING_SET_HELP = ("Share of the KV blocks in use by live work: vLLM's KV usage less the "
+                    "blocks retained for a later turn (given up to new work or freed once "
+                    "read). What decode autoscales on.")
 
 # NIXL's own keys, each a list of observations (read once: building stats happens on
 # every engine step).
@@ -64,9 +69,11 @@ class BidirkvStats(NixlKVConnectorStats):
     def reset(self):
         super().reset()
         self.data.update(tally.empty())
+        self.data.pop(workingset.WORKING_SET, None)
 
     def is_empty(self) -> bool:
-        return super().is_empty() and tally.is_empty(self.data)
+        return (super().is_empty() and tally.is_empty(self.data)
+                and workingset.WORKING_SET not in self.data)
 
     def aggregate(self, other):
         if other.is_empty():
@@ -74,6 +81,9 @@ class BidirkvStats(NixlKVConnectorStats):
         for k in NIXL_KEYS:
             self.data.setdefault(k, []).extend(other.data.get(k) or [])
         tally.merge(self.data, other.data)
+        # A gauge: the later reading replaces the earlier one.
+        if (share := other.data.get(workingset.WORKING_SET)) is not None:
+            self.data[workingset.WORKING_SET] = share
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -83,6 +93,8 @@ class BidirkvStats(NixlKVConnectorStats):
         out["Reuse matches"] = (d.get(tally.REUSE) or {}).get("match", 0)
         out["Handles dropped"] = sum((d.get(tally.DROPPED) or {}).values())
         out["Retained released early"] = sum((d.get(tally.RELEASED) or {}).values())
+        if (share := d.get(workingset.WORKING_SET)) is not None:
+            out["KV working set"] = round(share, 4)
         return out
 
 
@@ -99,6 +111,9 @@ class BidirkvPromMetrics(NixlPromMetrics):
             names = [*labelnames, label] if label else labelnames
             self._bidirkv[key] = (self._counter_cls(name=name, documentation=doc,
                                                     labelnames=names), label is not None)
+        self._working_set = self._gauge_cls(
+            name=workingset.KV_WORKING_SET_METRIC, documentation=WORKING_SET_HELP,
+            multiprocess_mode="mostrecent", labelnames=labelnames)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         data = _with_nixl_keys(dict(transfer_stats_data))
@@ -112,3 +127,5 @@ class BidirkvPromMetrics(NixlPromMetrics):
                         counter.labels(*values, str(label)).inc(n)
             elif got:
                 counter.labels(*values).inc(got)
+        if (share := data.get(workingset.WORKING_SET)) is not None:
+            self._working_set.labels(*values).set(share)

@@ -4,7 +4,8 @@ connector's own hooks are in connector/hooks/retention.py).
 Decode, engine-core process:
 - `Scheduler.schedule`: before each step, release what must go: owners whose lease lapsed,
   retained blocks above the watermark, and, when a waiting request does not fit in the
-  free blocks, the oldest retained requests nobody was granted. The connector has no
+  free blocks (less those prefix caching lets it share), retained requests nobody was
+  granted. The connector has no
   reference to the scheduler's queues or block pool, and a release decided here becomes
   a deadline of 0 in the same step's connector metadata.
 - `EngineCore.bidirkv_residency`: the utility the `/bidirkv/residency` route calls
@@ -21,6 +22,7 @@ import logging
 import time
 from typing import Any
 
+from bidirkv.connector.core import workingset
 from bidirkv.connector.core.residency import Residency, blocks_wanted, current
 from bidirkv.connector.patches.guarded import wrap
 from bidirkv.connector.targets import Target, resolve
@@ -45,19 +47,34 @@ def _first_waiting(sched: Any) -> Any:
     return None
 
 
+def shared_blocks(kvm: Any, req: Any) -> int:
+    """Blocks of the request's prompt that prefix caching finds in blocks some request
+    holds (a retained turn it extends, most often): it takes them without a free block.
+    Cached blocks nobody holds sit in the free pool and are counted there. The lookup is
+    the one vLLM's admission makes, without its side effects (no stats, no touch)."""
+    if not kvm.prefix_cache_lookup_enabled(req):
+        return 0
+    hits, _, _ = kvm.coordinator.find_longest_cache_hit(req.block_hashes, req.num_tokens - 1)
+    # The first group's blocks: `blocks_wanted` counts the blocks of one group.
+    return sum(1 for b in hits[0] if b.ref_cnt > 0 and not b.is_null) if hits else 0
+
+
 def blocks_short(sched: Any, res: Residency) -> int:
     """Blocks the first waiting request lacks, counting those already being released."""
     req = _first_waiting(sched)
     if req is None:
         return 0
-    pool = sched.kv_cache_manager.block_pool
-    want = blocks_wanted(req.num_tokens, sched.block_size, len(sched.running))
-    return max(0, want - pool.get_num_free_blocks() - res.releasing_blocks())
+    kvm = sched.kv_cache_manager
+    want = blocks_wanted(req.num_tokens, sched.block_size, len(sched.running),
+                         shared_blocks(kvm, req))
+    return max(0, want - kvm.block_pool.get_num_free_blocks() - res.releasing_blocks())
 
 
 def _schedule(orig):
     @functools.wraps(orig)
     def schedule(self, *args, **kwargs):
+        # The connector's stats read the working set from this pool (core/workingset.py).
+        workingset.gauge().bind(self.kv_cache_manager.block_pool)
         res = current()
         if res is not None and res.held:
             try:
@@ -110,6 +127,13 @@ def residency_utility(engine: Any, body: dict) -> dict:
 
 TARGETS = [
     Target(SCHEDULER, "Scheduler.schedule", ("self",)),
+    # The pressure check's prefix-cache lookup (shared_blocks).
+    Target("vllm.v1.core.kv_cache_manager", "KVCacheManager.prefix_cache_lookup_enabled",
+           ("self", "request")),
+    Target("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.find_longest_cache_hit",
+           ("self", "block_hashes", "max_cache_hit_length")),
+    Target("vllm.v1.core.kv_cache_utils", "KVCacheBlock.ref_cnt"),
+    Target("vllm.v1.core.kv_cache_utils", "KVCacheBlock.is_null"),
     # Utility calls are looked up by name on the engine (EngineCore.bidirkv_residency).
     Target(ENGINE, "EngineCoreProc._handle_client_request", ("self", "request_type", "request")),
 ]
