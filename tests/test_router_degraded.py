@@ -48,7 +48,7 @@ async def test_prefill_closing_a_kept_alive_connection_is_retried_on_a_new_one()
         proofs = [g.kv.pop("bidirkv_proof") for g in (first, retry)]
         assert proofs[0] != proofs[1] and first.body == retry.body
         assert c.d[0].generations()[1].headers["X-Request-Id"] == "rid-2"
-        assert c.router.prefill.backends[0].healthy
+        assert c.router.ctx.prefill.backends[0].healthy
         m = await c.metrics()
         assert STALE in m and 'reason="prefill_failed"' not in m
 
@@ -66,7 +66,7 @@ async def test_stale_connection_on_a_reuse_turn_keeps_the_handle():
         m = await c.metrics()
         assert STALE in m and 'reuse_total{outcome="hit"} 1.0' in m
         assert 'reuse_total{outcome="dropped"} 0.0' in m and "reuse_failed" not in m
-        assert len(c.router.store) == 1  # turn 2's own handle
+        assert len(c.router.ctx.store) == 1  # turn 2's own handle
 
 
 async def test_a_new_connection_dropped_is_an_ordinary_prefill_failure():
@@ -76,14 +76,14 @@ async def test_a_new_connection_dropped_is_an_ordinary_prefill_failure():
         await extra.start()
         try:
             # Added now, with no health round: the router has never connected to it.
-            c.router.apply_config(c.router.cfg.model_copy(
+            c.router.apply_config(c.router.ctx.cfg.model_copy(
                 update={"prefill": [c.p[0].url, extra.url]}))
             extra.behaviour.close_next = 1
-            c.router.prefill.backends[0].outstanding += 1  # so that `extra` is tried first
+            c.router.ctx.prefill.backends[0].outstanding += 1  # so that `extra` is tried first
             r = await c.chat(U1)
-            c.router.prefill.backends[0].outstanding -= 1
+            c.router.ctx.prefill.backends[0].outstanding -= 1
             assert r["status"] == 200 and len(extra.generations()) == 1
-            assert not c.router.prefill.get(extra.url).healthy
+            assert not c.router.ctx.prefill.get(extra.url).healthy
             m = await c.metrics()
             assert "prefill_stale_connection" not in m
             assert 'retries_total{reason="prefill_failed"} 1.0' in m
@@ -111,7 +111,7 @@ async def test_no_healthy_decode_prefill_serves_whole_requests_until_decode_is_b
                              "max_tokens": 9}
         r = await c.complete("once upon", stream)
         assert r["status"] == 200 and r["text"] == "Served by prefill"
-        assert not any(d.generations() for d in c.d) and len(c.router.store) == 0
+        assert not any(d.generations() for d in c.d) and len(c.router.ctx.store) == 0
         m = await c.metrics()
         assert 'bidirkv_router_prefill_only_total{route="chat"} 1.0' in m
         assert 'bidirkv_router_prefill_only_total{route="completions"} 1.0' in m
@@ -127,21 +127,21 @@ async def test_no_healthy_decode_prefill_serves_whole_requests_until_decode_is_b
         assert r["status"] == 200 and r["text"] == "Hello from the fake."
         assert c.p[0].generations()[-1].kv is not None  # a one-token prefill leg
         assert len(c.d[1].generations()) == 1 and not c.d[0].generations()
-        assert len(c.router.store) == 1
+        assert len(c.router.ctx.store) == 1
 
 
 async def test_prefill_only_request_retries_a_stale_connection_and_another_prefill():
     async with Cluster(prefill=2) as c:
         await without_health_rounds(c)
         await decodes_down(c)
-        c.router.prefill.backends[1].outstanding += 1  # so that p0 is tried first
+        c.router.ctx.prefill.backends[1].outstanding += 1  # so that p0 is tried first
         c.p[0].behaviour.close_next = 1  # check_health left a kept-alive connection
         assert (await c.chat(U1, stream=True))["status"] == 200
-        assert len(c.p[0].generations()) == 2 and c.router.prefill.backends[0].healthy
+        assert len(c.p[0].generations()) == 2 and c.router.ctx.prefill.backends[0].healthy
         c.p[0].behaviour.fail_next = 1
         assert (await c.chat(U1, stream=True))["status"] == 200
-        c.router.prefill.backends[1].outstanding -= 1
-        assert not c.router.prefill.backends[0].healthy and len(c.p[1].generations()) == 1
+        c.router.ctx.prefill.backends[1].outstanding -= 1
+        assert not c.router.ctx.prefill.backends[0].healthy and len(c.p[1].generations()) == 1
         m = await c.metrics()
         assert STALE in m and 'retries_total{reason="prefill_only_failed"} 1.0' in m
 
@@ -168,6 +168,6 @@ async def test_fallback_off_is_503_and_a_reload_turns_it_on():
         assert "Retry-After" in r["headers"] and not c.p[0].generations()
         assert (await ready(c))[0] == 503
         assert "prefill_only_total{" not in await c.metrics()
-        c.router.apply_config(c.router.cfg.model_copy(update={"prefill_only_fallback": True}))
+        c.router.apply_config(c.router.ctx.cfg.model_copy(update={"prefill_only_fallback": True}))
         assert (await c.chat(U1, stream=True))["status"] == 200
         assert (await ready(c))[1]["mode"] == "prefill-only"

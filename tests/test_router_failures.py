@@ -23,7 +23,7 @@ async def test_prefill_failure_on_reuse_turn_is_retried_without_the_handle():
         # The retry pair uses its own request id on both legs.
         assert ps[2].headers["X-Request-Id"] == c.d[0].generations()[1].headers["X-Request-Id"]
         # P answered 5xx because of the handle: it is not taken out of rotation.
-        assert c.router.prefill.backends[0].healthy
+        assert c.router.ctx.prefill.backends[0].healthy
         m = await c.metrics()
         assert 'bidirkv_router_reuse_total{outcome="dropped"} 1.0' in m
         assert 'bidirkv_router_retries_total{reason="prefill_reuse_failed"} 1.0' in m
@@ -41,9 +41,9 @@ async def test_decode_failure_before_first_byte_retries_on_the_other_decode(stre
             c.d[0].behaviour.fail_next, c.d[0].behaviour.status_next = 1, 503
         else:
             c.d[0].behaviour.close_before_reply = True
-        c.router.decode.backends[1].outstanding += 1  # so that d0 is picked first
+        c.router.ctx.decode.backends[1].outstanding += 1  # so that d0 is picked first
         r = await c.chat(U1, stream, conversation_id="a")
-        c.router.decode.backends[1].outstanding -= 1
+        c.router.ctx.decode.backends[1].outstanding -= 1
         assert r["status"] == 200, r
         assert r["text"] == "Hello from the fake."
         assert len(c.d[0].generations()) == 1 and len(c.d[1].generations()) == 1
@@ -51,9 +51,9 @@ async def test_decode_failure_before_first_byte_retries_on_the_other_decode(stre
         ps = c.p[0].generations()
         assert len(ps) == 2 and ps[1].headers["X-Request-Id"].endswith("-retry1")
         assert c.d[1].generations()[0].headers["X-Request-Id"] == ps[1].headers["X-Request-Id"]
-        assert not c.router.decode.backends[0].healthy
-        assert len(c.router.store) == 1
-        assert next(iter(c.router.store)).decode_url == c.d[1].url
+        assert not c.router.ctx.decode.backends[0].healthy
+        assert len(c.router.ctx.store) == 1
+        assert next(iter(c.router.ctx.store)).decode_url == c.d[1].url
 
 
 async def test_decode_failing_twice_is_a_502():
@@ -78,7 +78,7 @@ async def test_mid_stream_failure_ends_with_error_event_and_done(mode):
         assert events[-1] == "[DONE]"
         assert "error" in events[-2] and events[-2]["error"]["type"] == "upstream_error"
         assert events[1]["choices"][0]["delta"]["content"] == "Hello"
-        assert len(c.router.store) == 0
+        assert len(c.router.ctx.store) == 0
         assert 'outcome="stream_error",route="chat"} 1.0' in await c.metrics()
 
 
@@ -109,10 +109,10 @@ async def test_no_healthy_backends_is_503_with_retry_after():
 async def test_failing_backend_is_taken_out_until_a_good_health_check():
     async with Cluster(prefill=2, config={"healthCheckIntervalSeconds": 0.2}) as c:
         c.p[0].behaviour.close_before_reply = True  # connection drops on every request
-        c.router.prefill.backends[1].outstanding += 1  # so that p0 is tried first
+        c.router.ctx.prefill.backends[1].outstanding += 1  # so that p0 is tried first
         assert (await c.chat(U1))["status"] == 200  # retried on p1
-        c.router.prefill.backends[1].outstanding -= 1
-        assert not c.router.prefill.backends[0].healthy
+        c.router.ctx.prefill.backends[1].outstanding -= 1
+        assert not c.router.ctx.prefill.backends[0].healthy
         for _ in range(3):
             assert (await c.chat(U1))["status"] == 200
         # Out of rotation: p0 saw only the first request (twice when the first try was
@@ -121,20 +121,20 @@ async def test_failing_backend_is_taken_out_until_a_good_health_check():
         assert len(c.p[0].generations()) == 1 + stale
         c.p[0].behaviour.close_before_reply = False
         for _ in range(100):
-            if c.router.prefill.backends[0].healthy:
+            if c.router.ctx.prefill.backends[0].healthy:
                 break
             await asyncio.sleep(0.02)
-        assert c.router.prefill.backends[0].healthy  # /health answered: back in
+        assert c.router.ctx.prefill.backends[0].healthy  # /health answered: back in
         assert 'retries_total{reason="prefill_failed"} 1.0' in await c.metrics()
 
 
 async def test_decode_turning_unhealthy_drops_its_handles():
     async with Cluster() as c:
         await c.chat(U1, conversation_id="a")
-        assert len(c.router.store) == 1
+        assert len(c.router.ctx.store) == 1
         c.d[0].behaviour.health_status = 500
         await c.router.health.check_health()
-        assert len(c.router.store) == 0
+        assert len(c.router.ctx.store) == 0
         assert 'reason="replica_unhealthy"} 1.0' in await c.metrics()
 
 
@@ -143,7 +143,7 @@ async def test_engine_4xx_is_returned_as_is():
         c.p[0].behaviour.status = 400
         r = await c.chat(U1)
         assert r["status"] == 400 and r["error"]["error"]["message"] == "injected"
-        assert c.router.prefill.backends[0].healthy
+        assert c.router.ctx.prefill.backends[0].healthy
 
 
 async def test_prefill_timeout_is_504_and_cancels_the_leg():
@@ -167,10 +167,10 @@ async def test_client_disconnect_mid_stream_cancels_decode():
             resp.close()  # the client goes away mid-stream
         await asyncio.wait_for(c.d[0].cancelled_event.wait(), 5)
         for _ in range(50):
-            if c.router.decode.backends[0].outstanding == 0:
+            if c.router.ctx.decode.backends[0].outstanding == 0:
                 break
             await asyncio.sleep(0.02)
-        assert c.router.decode.backends[0].outstanding == 0
+        assert c.router.ctx.decode.backends[0].outstanding == 0
         assert 'outcome="cancelled",route="chat"} 1.0' in await c.metrics()
 
 
@@ -202,7 +202,7 @@ async def test_stream_without_done_gets_one_appended():
         c.d[0].behaviour.no_params = True
         r = await c.chat(U1, stream=True)
         assert sse_events(r["raw"])[-1] == "[DONE]"
-        assert len(c.router.store) == 0  # no params: nothing to store
+        assert len(c.router.ctx.store) == 0  # no params: nothing to store
 
 
 async def test_single_decode_failing_is_502_and_timeout_is_504():
@@ -210,7 +210,7 @@ async def test_single_decode_failing_is_502_and_timeout_is_504():
         c.d[0].behaviour.fail_next = 1
         r = await c.chat(U1)
         assert r["status"] == 502  # not "no healthy decode": say what happened
-        c.router.health.set_health(c.router.decode.backends[0], True, "test")
+        c.router.health.set_health(c.router.ctx.decode.backends[0], True, "test")
         c.d[0].behaviour.hang = True
         r = await c.chat(U1, stream=True)
         assert r["status"] == 504 and r["error"]["error"]["type"] == "upstream_timeout"
@@ -227,7 +227,7 @@ async def test_cancel_during_prefill_with_handle_discards_it():
         await asyncio.wait_for(c.p[0].cancelled_event.wait(), 5)
         assert c.p[0].generations()[1].has_handle
         # P may have read D's blocks before the cancel: the handle is not handed out again.
-        assert len(c.router.store) == 0
+        assert len(c.router.ctx.store) == 0
 
 
 async def test_a_decode_that_never_sends_a_byte_loses_the_turn_to_another():

@@ -170,7 +170,7 @@ async def test_params_never_reach_the_client(stream, shape, kind):
                         for ch in e["choices"]]
             assert finishes[-1] == "stop"  # the chunk that carried params too survives
             assert all(e["choices"] for e in events if isinstance(e, dict))
-        assert len(c.router.store) == 1
+        assert len(c.router.ctx.store) == 1
 
 
 async def test_client_sent_kv_transfer_params_are_dropped():
@@ -201,10 +201,10 @@ async def test_leg_bodies_and_request_id():
         # (this router has no handle key).
         assert d.kv["do_remote_prefill"] is True and d.kv["remote_engine_id"] == \
             c.p[0].engine_id and d.kv["remote_host"] == c.p[0].nixl_host
-        assert d.kv["bidirkv_owner"] == c.router.residency.owner
+        assert d.kv["bidirkv_owner"] == c.router.ctx.residency.owner
         assert "bidirkv_proof" not in d.kv and "bidirkv_owner" not in p.kv
         # The tenant's label (no credential): D reclaims fairly between tenants.
-        tenant = c.router.keys.tenant_of(None)
+        tenant = c.router.ctx.keys.tenant_of(None)
         assert d.kv["bidirkv_tenant"] == tenant.hex()[:32] and "bidirkv_tenant" not in p.kv
         assert p.headers["X-Request-Id"] == d.headers["X-Request-Id"] == "client-rid"
         await c.chat(U1)
@@ -226,7 +226,7 @@ async def test_handle_is_refreshed_each_turn_and_single_use():
         assert not ps[0].has_handle
         assert ps[1].kv["remote_request_id"] == "turn-0"
         assert ps[2].kv["remote_request_id"] == "turn-1"
-        assert len(c.router.store) == 1
+        assert len(c.router.ctx.store) == 1
 
 
 async def test_a_streamed_turns_reuse_is_counted_before_its_answer_ends():
@@ -263,7 +263,7 @@ async def test_decode_hears_when_the_conversation_is_expected_back():
         # Half the newest idle time (about 0) and half the previous average.
         assert second["bidirkv_return_s"] / 2 <= third["bidirkv_return_s"] < second[
             "bidirkv_return_s"]
-        (entry,) = list(c.router.store)
+        (entry,) = list(c.router.ctx.store)
         assert entry.gap == pytest.approx(third["bidirkv_return_s"], abs=1e-3)
         assert entry.kept_at > 0
 
@@ -290,7 +290,7 @@ async def test_plain_pd_when_bidirectional_is_off():
         r1 = await c.chat(U1, conversation_id="c")
         await c.chat(U1 + [r1["message"]], conversation_id="c")
         assert not gens(c.p[0])[1].has_handle
-        assert len(c.router.store) == 0
+        assert len(c.router.ctx.store) == 0
         assert b"kv_transfer_params" not in r1["raw"]
         assert 'bidirkv_router_reuse_total{outcome="off"} 2.0' in await c.metrics()
 
@@ -299,10 +299,10 @@ async def test_handles_of_a_restarted_decode_are_dropped():
     async with Cluster() as c:
         r1 = await c.chat(U1, conversation_id="a")
         await c.chat([{"role": "user", "content": "b"}], conversation_id="b")
-        assert len(c.router.store) == 2
+        assert len(c.router.ctx.store) == 2
         c.d[0].engine_id = "decode-restarted"
         await c.chat([{"role": "user", "content": "c"}], conversation_id="c")
-        assert len(c.router.store) == 1  # only c's, from the new engine
+        assert len(c.router.ctx.store) == 1  # only c's, from the new engine
         await c.chat(U1 + [r1["message"]], conversation_id="a")
         assert not gens(c.p[0])[3].has_handle
         assert 'handle_evictions_total{reason="engine_changed"} 2.0' in await c.metrics()
@@ -320,7 +320,7 @@ async def test_configured_model_fills_a_missing_model():
 async def test_expired_handle_is_a_miss():
     async with Cluster() as c:
         r1 = await c.chat(U1, conversation_id="a")
-        for entry in c.router.store:
+        for entry in c.router.ctx.store:
             entry.expires_at = 0
         await c.chat(U1 + [r1["message"]], conversation_id="a")
         assert not gens(c.p[0])[1].has_handle

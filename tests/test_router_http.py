@@ -159,7 +159,7 @@ async def test_two_routers_in_one_process_have_separate_metrics():
 
 
 def test_a_client_request_id_is_kept_only_when_short_and_plain():
-    from bidirkv.router.datapath.proxy import request_id
+    from bidirkv.router.datapath.admission import request_id
 
     assert request_id("abc-123_x.y:z~") == "abc-123_x.y:z~"
     for bad in ("x" * 129, "has space", "quote\"", "é", "", None, "a\nb"):

@@ -32,7 +32,7 @@ async def test_reload_swaps_decodes_without_failing_a_stream_in_flight(tmp_path)
 
     async with Cluster(decode=2, config_path=tmp_path / "router.json", file_config=files) as c:
         router = c.router
-        assert [b.url for b in router.decode.backends] == [c.d[0].url]
+        assert [b.url for b in router.ctx.decode.backends] == [c.d[0].url]
         await c.chat(U1, conversation_id="old")  # a handle on d0
         c.d[0].behaviour.chunk_delay = 0.05
         c.d[0].behaviour.reply = [f" w{i}" for i in range(20)]
@@ -40,14 +40,14 @@ async def test_reload_swaps_decodes_without_failing_a_stream_in_flight(tmp_path)
         await wait_for(lambda: len(c.d[0].generations()) == 2)
         c.write_config({"prefill": [c.p[0].url], "decode": [c.d[1].url],
                         "maxConversations": 50})
-        assert await wait_for(lambda: router.cfg.max_conversations == 50)
+        assert await wait_for(lambda: router.ctx.cfg.max_conversations == 50)
         assert not in_flight.done()
         r = await in_flight
         assert r["status"] == 200 and r["events"][-1] == "[DONE]"
         assert not any(isinstance(e, dict) and "error" in e for e in r["events"])
         assert r["text"] == "".join(f" w{i}" for i in range(20))
         # d0 left: its handles are gone, new traffic goes to d1.
-        assert all(e.decode_url != c.d[0].url for e in router.store)
+        assert all(e.decode_url != c.d[0].url for e in router.ctx.store)
         await c.chat(U1, conversation_id="new")
         assert len(c.d[1].generations()) == 1
         assert 'config_reloads_total{result="applied"} 1.0' in await c.metrics()
@@ -60,12 +60,12 @@ async def test_bad_reload_keeps_the_running_config(tmp_path, caplog):
     async with Cluster(config_path=tmp_path / "router.json", file_config=files) as c:
         c.write_config({"prefill": [c.p[0].url], "decode": [c.d[0].url],
                         "maxConversations": -5})
-        reg = c.router.metrics.registry
+        reg = c.router.ctx.metrics.registry
         assert await wait_for(lambda: reg.get_sample_value(
             "bidirkv_router_config_reloads_total", {"result": "rejected"}) == 1)
         assert 'config_reloads_total{result="rejected"} 1.0' in await c.metrics()
         assert "maxConversations: value -5 not allowed" in caplog.text
-        assert c.router.cfg.max_conversations == 100_000
+        assert c.router.ctx.cfg.max_conversations == 100_000
         assert (await c.chat(U1))["status"] == 200
 
 
@@ -77,11 +77,11 @@ async def test_cli_flags_override_the_file(tmp_path):
             return {"prefill": [c.p[0].url], "decode": [other.url], "model": "from-file"}
 
         async with Cluster(config_path=tmp_path / "r.json", file_config=files) as c:
-            assert c.router.cfg.decode == [other.url]
-            assert c.router.cfg.model == "from-file"
+            assert c.router.ctx.cfg.decode == [other.url]
+            assert c.router.ctx.cfg.model == "from-file"
         async with Cluster(config_path=tmp_path / "r2.json", file_config=files,
                            config={"model": "from-cli"}) as c:
-            assert c.router.cfg.model == "from-cli"
+            assert c.router.ctx.cfg.model == "from-cli"
     finally:
         await other.stop()
 

@@ -22,7 +22,7 @@ async def test_decode_leg_names_the_owner_and_heartbeats_renew_it():
     async with Cluster(config={"healthCheckIntervalSeconds": 0.05,
                                "ownerLeaseSeconds": 7}) as c:
         await c.chat(U1, conversation_id="a")
-        owner = c.router.residency.owner
+        owner = c.router.ctx.residency.owner
         d_req = c.d[0].generations()[0]
         assert d_req.kv["bidirkv_owner"] == owner
         # The prefill leg carries no owner: P's blocks are read once, by D.
@@ -58,7 +58,7 @@ async def test_concurrent_duplicates_release_the_superseded_handle():
         await asyncio.gather(
             c.chat(U1, conversation_id="a", headers={"X-Request-Id": "dup-1"}),
             c.chat(U1, conversation_id="a", headers={"X-Request-Id": "dup-2"}))
-        assert len(c.router.store) == 1 and await c.router.store.pinned(c.d[0].url) > 0
+        assert len(c.router.ctx.store) == 1 and await c.router.ctx.store.pinned(c.d[0].url) > 0
         released = [rid for rid in ("dup-1", "dup-2") if await c.d[0].wait_released(rid, 2)]
         assert len(released) == 1
 
@@ -76,7 +76,7 @@ async def test_router_ttl_releases():
                                "healthCheckIntervalSeconds": 0.05}) as c:
         await c.chat(U1, conversation_id="a", headers={"X-Request-Id": "rid-a"})
         assert await c.d[0].wait_released("rid-a")
-        assert len(c.router.store) == 0
+        assert len(c.router.ctx.store) == 0
 
 
 async def test_failed_reuse_releases_but_a_read_does_not():
@@ -96,12 +96,12 @@ async def test_watermark_keeps_pinned_blocks_under_the_share_of_decode():
                                "healthCheckIntervalSeconds": 0.05}) as c:
         c.d[0].behaviour.num_blocks = 8
         for _ in range(100):
-            if c.router.residency.capacity(c.d[0].url) == 8:
+            if c.router.ctx.residency.capacity(c.d[0].url) == 8:
                 break
             await asyncio.sleep(0.02)
         for i in range(6):
             await c.chat(U1, conversation_id=f"c{i}", headers={"X-Request-Id": f"rid-{i}"})
-            assert await c.router.store.pinned(c.d[0].url) <= 4
+            assert await c.router.ctx.store.pinned(c.d[0].url) <= 4
         # No turn came back, so no gap is known: each handle is expected back one typical
         # gap after it was kept, and the newest goes first (bidirkv/returns.py).
         assert await c.d[0].wait_released("rid-5")
@@ -116,7 +116,7 @@ async def test_unidentifiable_turn_releases_at_once():
         # A batched prompt: no conversation can be named for it, so no handle is stored.
         await c.complete(["a", "b"], headers={"X-Request-Id": "batch"})
         assert await c.d[0].wait_released("batch")
-        assert len(c.router.store) == 0
+        assert len(c.router.ctx.store) == 0
 
 
 async def test_decode_restart_drops_handles_without_a_release():
@@ -124,7 +124,7 @@ async def test_decode_restart_drops_handles_without_a_release():
         await c.chat(U1, conversation_id="a", headers={"X-Request-Id": "rid-a"})
         c.d[0].engine_id = "decode-restarted"
         await c.chat(U1, conversation_id="b", headers={"X-Request-Id": "rid-b"})
-        assert len(c.router.store) == 1
+        assert len(c.router.ctx.store) == 1
         async with c.session.delete(c.url + "/v1/conversations/b") as r:
             assert r.status == 204
         assert await c.d[0].wait_released("rid-b")
@@ -138,10 +138,10 @@ async def test_decode_without_the_route_is_left_alone():
         r = await c.chat(U1, conversation_id="a")
         assert r["status"] == 200
         for _ in range(100):
-            if not c.router.residency.replica(c.d[0].url).supported:
+            if not c.router.ctx.residency.replica(c.d[0].url).supported:
                 break
             await asyncio.sleep(0.02)
-        assert not c.router.residency.replica(c.d[0].url).supported
+        assert not c.router.ctx.residency.replica(c.d[0].url).supported
         calls, checks = len(c.d[0].residency_calls), c.d[0].health_checks
         while c.d[0].health_checks < checks + 3:  # three more health rounds
             await asyncio.sleep(0.02)
@@ -164,13 +164,13 @@ async def test_a_refused_batch_does_not_hold_back_the_lease():
         await c.chat(U1, conversation_id="a", headers={"X-Request-Id": "rid-a"})
         c.d[0].behaviour.residency_status = 400
         calls = len(c.d[0].residency_calls)
-        c.router.residency.release_ids(c.d[0].url, ["rid-a"])
-        assert not await c.router.residency.call(c.router.clients.pooled, c.d[0].url)
+        c.router.ctx.residency.release_ids(c.d[0].url, ["rid-a"])
+        assert not await c.router.ctx.residency.call(c.router.clients.pooled, c.d[0].url)
         sent = [call["release"] for call in c.d[0].residency_calls[calls:]]
         # The batch, then the renewal alone (a health round may call too).
         at = sent.index(["rid-a"])
         assert sent[at + 1] == [] and sent.count(["rid-a"]) == 1
-        assert all(call["owner"] == c.router.residency.owner
+        assert all(call["owner"] == c.router.ctx.residency.owner
                    for call in c.d[0].residency_calls[calls:])
 
 
@@ -188,7 +188,7 @@ async def test_a_slow_store_never_makes_a_lease_renewal_late():
             await asyncio.sleep(5)  # a store that takes seconds to answer
             return 0
 
-        c.router.store.sweep = slow_sweep
+        c.router.ctx.store.sweep = slow_sweep
         await asyncio.sleep(0.1)
         before = len(c.d[0].residency_calls)
         await asyncio.sleep(1.0)

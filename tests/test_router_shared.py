@@ -54,8 +54,9 @@ async def test_turn_one_on_a_turn_two_on_b_reuses(redis_url):
         assert status == 200 and handles_sent(c) == 1
         # Both routers tell decode the same owner: the store's, not their own.
         owners = {g.kv.get("bidirkv_owner") for g in c.d[0].generations()}
-        assert owners == {c.router.store.owner} and c.router.store.owner.startswith("store-")
-        assert b.running.router.residency.owner == c.router.residency.owner
+        store = c.router.ctx.store
+        assert owners == {store.owner} and store.owner.startswith("store-")
+        assert b.running.router.ctx.residency.owner == c.router.ctx.residency.owner
 
 
 async def test_two_routers_racing_for_one_handle_one_wins(redis_url):

@@ -82,7 +82,7 @@ async def test_a_slow_store_opens_the_breaker_and_turns_stop_waiting_for_it(redi
             link.delay = 0.6  # longer than a store call may take
             for i in range(3):  # each fails on the store's timeout: served, no reuse
                 assert (await c.chat(U1, conversation_id=f"slow{i}"))["status"] == 200
-            assert not c.router.store.available  # the breaker is open
+            assert not c.router.ctx.store.available  # the breaker is open
             sent = link.chunks
             assert await two_turns(c, "open") == [200, 200]
             assert link.chunks == sent, "calls went to the store while the breaker was open"

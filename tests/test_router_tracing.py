@@ -204,9 +204,9 @@ async def test_retries_are_spans_of_their_own(tmp_path):
     async with Cluster(decode=2, config={"tracing": {"file": str(tmp_path / "s.jsonl")}}
                        ) as c:
         c.d[0].behaviour.fail_next = 1
-        c.router.decode.backends[1].outstanding += 1  # so that d0 is tried first
+        c.router.ctx.decode.backends[1].outstanding += 1  # so that d0 is tried first
         r = await c.chat(U1, True, headers={"traceparent": SAMPLED})
-        c.router.decode.backends[1].outstanding -= 1
+        c.router.ctx.decode.backends[1].outstanding -= 1
         assert r["status"] == 200
         sent = {g.headers["traceparent"].split("-")[2] for g in upstream(c)}
     spans = read_spans(tmp_path / "s.jsonl")
@@ -305,7 +305,7 @@ async def test_a_reload_applies_new_tracing_settings(tmp_path):
 async def test_a_reload_keeps_tracing_when_the_new_file_cannot_be_opened(tmp_path, caplog):
     async with with_file(tmp_path) as c:
         before = c.router.ctx.traces
-        bad = c.router.cfg.model_copy(update={"tracing": parse_config(
+        bad = c.router.ctx.cfg.model_copy(update={"tracing": parse_config(
             {"tracing": {"file": str(tmp_path / "missing" / "x.jsonl")}}).tracing})
         with caplog.at_level(logging.ERROR, logger="bidirkv.router"):
             c.router.apply_config(bad)
@@ -523,7 +523,7 @@ async def test_prefill_only_mode_gauge_follows_decode_health():
         c.d[1].behaviour.health_status = 503
         await c.router.health.check_health()
         assert await metric(c, "bidirkv_router_prefill_only_mode 1.0")
-        c.router.apply_config(c.router.cfg.model_copy(update={"prefill_only_fallback": False}))
+        c.router.apply_config(c.router.ctx.cfg.model_copy(update={"prefill_only_fallback": False}))
         assert await metric(c, "bidirkv_router_prefill_only_mode 0.0")
 
 
@@ -531,7 +531,7 @@ async def test_prefill_only_mode_gauge_when_a_failed_leg_takes_the_last_decode_o
     async with Cluster() as c:
         c.d[0].behaviour.fail_next = 2  # both attempts: the only decode is marked down
         assert (await c.chat(U1))["status"] == 502
-        assert not c.router.decode.backends[0].healthy
+        assert not c.router.ctx.decode.backends[0].healthy
         assert await metric(c, "bidirkv_router_prefill_only_mode 1.0")
 
 

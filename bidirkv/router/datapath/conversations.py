@@ -28,7 +28,12 @@ class Conversations:
         self.ctx = ctx
 
     async def identify(self, turn: Turn, conversation_id: str | None) -> None:
-        """Name the turn's conversation and take its handle from the store, if any."""
+        """Name the turn's conversation and take its handle from the store, if any. With
+        bidirectional transfer off only an explicit id names it (for the logs)."""
+        if not turn.modes.bidirectional:
+            if conversation_id is not None:
+                turn.conv = short_hash(conversation_id)
+            return
         ctx = self.ctx
         store = ctx.store
         body = turn.body
@@ -52,9 +57,8 @@ class Conversations:
                 turn.conv = "auto:" + (entry.key.hex()[:10] if entry is not None else "new")
         except StoreUnavailable:
             status, entry = MISS, None  # served without reuse (counted)
-        turn.reuse = {HIT: "hit", MISS: "miss", EXPIRED: "expired"}[status]
+        turn.handle.took(entry, {HIT: "hit", MISS: "miss", EXPIRED: "expired"}[status])
         if entry is not None:
-            turn.entry = entry
             turn.holder_url = entry.decode_url
             if entry.kept_at > 0:
                 turn.gap = next_gap(entry.gap, time.time() - entry.kept_at)
@@ -75,7 +79,7 @@ class Conversations:
         rid = params.get("remote_request_id")
         rid = rid if isinstance(rid, str) else None
         key, prefix_len = None, 0
-        if not ctx.cfg.bidirectional or not d.in_pool or not d.healthy:
+        if not turn.modes.bidirectional or not d.in_pool or not d.healthy:
             pass
         elif turn.history is not None and collector is not None:
             key = turn.history.store_key(collector.message())
@@ -120,7 +124,7 @@ class Conversations:
         ctx = self.ctx
         messages = turn.body.get("messages")
         if (turn.store_key is None or not isinstance(messages, list)
-                or ctx.cfg.placement.policy == "alwaysDisaggregate"):
+                or not turn.modes.places):
             return None
         n = len(messages) if n is None else n
         return n.to_bytes(4, "big") + ctx.keys.messages_key(turn.tenant, messages, n)

@@ -22,7 +22,7 @@ from bidirkv.router.datapath.bodies import (
     decode_body,
     prefill_body,
 )
-from bidirkv.router.datapath.context import Context, quietly
+from bidirkv.router.datapath.context import Context
 from bidirkv.router.datapath.conversations import Conversations
 from bidirkv.router.datapath.failures import (
     UPSTREAM_FAILURES,
@@ -74,7 +74,7 @@ class Legs:
                 if last is not None:
                     raise last
                 raise Unavailable(PREFILL)
-            entry = turn.entry
+            entry = turn.handle.held
             handle = loads(entry.params) if entry is not None else None
             payload = functools.partial(prefill_payload, ctx.handle_key, turn.body, handle)
             span = turn.trace.leg(PREFILL, p.url, PATHS[turn.kind])
@@ -91,8 +91,7 @@ class Legs:
                 span.end("cancelled")
                 if entry is not None:
                     # P was asked and may have read D's blocks: not safe to hand out again.
-                    ctx.store.forget(entry, "cancelled")
-                    turn.entry = None
+                    turn.handle.forget("cancelled")
                 raise
             except UpstreamFailure as f:
                 span.end(f.result, f.status)
@@ -100,9 +99,7 @@ class Legs:
                 last = f
                 if entry is not None:
                     # Spent or poisoned: see proxy.py's docstring. Retry as a miss.
-                    await quietly(ctx.store.discard(entry, "reuse_failed"))
-                    turn.entry = None
-                    turn.reuse = "dropped"
+                    await turn.handle.discard("reuse_failed")
                     if f.kind == "connect":
                         self.health.set_health(p, False, f.detail)
                         tried.append(p)
@@ -160,14 +157,11 @@ class Legs:
     async def _account_reuse(self, turn: Turn, data: dict[str, Any]) -> None:
         ctx = self.ctx
         report = reuse_report(data)
-        entry = turn.entry
+        entry = turn.handle.held
         if entry is not None:
-            await quietly(ctx.store.consume(entry))
-            turn.entry = None
+            await turn.handle.consume(report is not None and report.partial)
             if entry.num_tokens >= ctx.cfg.kv_recompute_threshold:
                 ctx.metrics.tokens_offered.inc(entry.num_tokens)
-            if report is not None and report.partial:
-                turn.reuse = "verified-partial"
             if report is not None and report.reused_tokens:
                 ctx.metrics.tokens_reused.labels(report.source).inc(report.reused_tokens)
 
@@ -176,7 +170,7 @@ class Legs:
                          ) -> tuple[web.StreamResponse, str]:
         ctx = self.ctx
         owner = proof = tenant = None
-        if ctx.cfg.bidirectional:
+        if turn.modes.bidirectional:
             owner = ctx.residency.owner
             proof = make_proof(ctx.handle_key) if ctx.handle_key else None
             tenant = turn.tenant

@@ -1,72 +1,87 @@
-"""One client request's state across its legs: `Turn`."""
+"""One client request's state across its legs: `Turn`.
+
+Each field has one writer, so a reader looking for where a value comes from finds one
+place:
+- the request as admitted (proxy.py, when the turn is built): kind, stream, body, rid,
+  auth, tenant, t0, trace, modes (placement.py's `modes_of`, once per turn), prompt_chars;
+- its conversation (conversations.py, `identify`): conv, store_key, history, prompt,
+  holder_url, gap; `handle` is built with the turn, and only reservation.py changes
+  what it holds (the entry, its end, the reuse outcome);
+- where it runs (placing.py): placed, new_tokens;
+- what its legs learnt (legs.py): asked_prefill, prompt_tokens.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+from bidirkv.router.datapath.modes import Modes
+from bidirkv.router.datapath.reservation import Reservation
 from bidirkv.router.datapath.tracing import UNTRACED, Trace
 from bidirkv.router.pool.placement import ON_DECODE, Decision
 from bidirkv.router.request.identity import ChatHistory
-from bidirkv.router.store.base import Entry
 
 
 class Turn:
-    """One client request's state across its legs."""
+    """One client request's state across its legs (see the module docstring for who
+    writes what)."""
 
     __slots__ = (
-        "kind", "stream", "body", "rid", "auth", "tenant", "conv", "entry", "reuse",
-        "holder_url", "store_key", "history", "prompt", "t0", "asked_prefill", "placed",
-        "new_tokens", "prompt_chars", "prompt_tokens", "trace", "gap", "reuse_counted",
+        "kind", "stream", "body", "rid", "auth", "tenant", "t0", "trace", "modes",
+        "prompt_chars", "conv", "store_key", "history", "prompt", "holder_url", "gap",
+        "handle", "placed", "new_tokens", "asked_prefill", "prompt_tokens",
     )
 
     def __init__(self, kind: str, stream: bool, body: dict[str, Any], rid: str,
-                 auth: str | None, tenant: bytes, t0: float, trace: Trace = UNTRACED) -> None:
+                 auth: str | None, tenant: bytes, t0: float, modes: Modes,
+                 handle: Reservation, trace: Trace = UNTRACED, prompt_chars: int = 0) -> None:
         self.kind = kind
         self.stream = stream
         self.body = body
         self.rid = rid
         self.auth = auth
         self.tenant = tenant
+        self.t0 = t0
+        # Its spans (tracing.py): the request's, under which each leg starts its own.
+        self.trace = trace
+        self.modes = modes
+        # The prompt's length, when a placement will weigh it (a pass over the body).
+        self.prompt_chars = prompt_chars
         self.conv = "-"
-        self.entry: Entry | None = None
-        self.reuse = "off"
-        self.holder_url: str | None = None
         # How to name this conversation when D returns its handle (one of three).
         self.store_key: bytes | None = None
         self.history: ChatHistory | None = None
         self.prompt: str | None = None
-        self.t0 = t0
-        # Reuse outcomes are counted only for turns that reached P or ran whole on
-        # decode, once.
-        self.asked_prefill = False
-        self.reuse_counted = False
-        # Where the turn runs and why (placement.py), and the new tokens it estimated.
-        self.placed: Decision | None = None
-        self.new_tokens = 0
-        self.prompt_chars = 0
-        # The prompt's tokens, once prefill reported them (usage.prompt_tokens).
-        self.prompt_tokens: int | None = None
-        # Its spans (tracing.py): the request's, under which each leg starts its own.
-        self.trace = trace
+        self.holder_url: str | None = None
         # The conversation's moving-average idle time with this turn's (returns.py),
         # once a stored handle said when its last answer was kept.
         self.gap: float | None = None
+        # The handle taken from the store, if any, and how it ended (reservation.py).
+        self.handle = handle
+        # Where the turn runs and why (placement.py), and the new tokens it estimated.
+        self.placed: Decision | None = None
+        self.new_tokens = 0
+        # Reuse outcomes are counted only for turns that reached P or ran whole on
+        # decode, once.
+        self.asked_prefill = False
+        # The prompt's tokens, once prefill reported them (usage.prompt_tokens).
+        self.prompt_tokens: int | None = None
 
     @property
     def collects(self) -> bool:
         return self.history is not None or self.prompt is not None
 
+    @property
+    def reuse(self) -> str:
+        return self.handle.reuse
 
 
 def count_reuse(metrics: Any, turn: Turn) -> None:
     """The turn's reuse outcome, once: at its decode leg's first byte (a client that
     reads the counter after its answer finds it there), else when the request ends."""
-    if not turn.reuse_counted and (turn.asked_prefill or turn.reuse == "extended"
-                                   or turn.placed is not None
-                                   and turn.placed.path == ON_DECODE):
-        metrics.reuse_outcome(turn.reuse)
-        turn.reuse_counted = True
-
+    if (turn.asked_prefill or turn.reuse == "extended"
+            or turn.placed is not None and turn.placed.path == ON_DECODE):
+        turn.handle.count_once(metrics)
 
 
 def trace_attributes(turn: Turn) -> dict[str, Any]:

@@ -54,7 +54,7 @@ def build_app(
     if config_path is not None:
         app[WATCHER] = ConfigWatcher(
             config_path, overrides or {}, router.apply_config,
-            lambda result: router.metrics.config_reloads.labels(result).inc(),
+            lambda result: router.ctx.metrics.config_reloads.labels(result).inc(),
             reload_interval,
         )
 
@@ -115,7 +115,7 @@ async def start_router(app: web.Application, host: str = "127.0.0.1", port: int 
                        metrics_port: int | None = None) -> RunningRouter:
     # handler_cancellation: a client that goes away cancels its handler, which closes
     # both upstream requests (the engines stop working for nobody).
-    idle = app[ROUTER].cfg.timeouts.idle_connection_seconds
+    idle = app[ROUTER].ctx.cfg.timeouts.idle_connection_seconds
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            keepalive_timeout=idle)
     url = await _listen(runner, host, port)

@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from bidirkv.router.codec import dumps, dumps_kept, loads
-from bidirkv.router.datapath.health import UNAVAILABLE
+from bidirkv.router.datapath.health import UNAVAILABLE, serving_mode
 from bidirkv.router.datapath.proxy import Router
 from bidirkv.router.datapath.replies import json_error, json_response
 from bidirkv.router.datapath.tracing import traced
@@ -81,8 +81,8 @@ async def _end(router: Router, request: web.Request) -> web.Response:
     if len(cid) > MAX_CONVERSATION_ID:
         return json_error(400, f"conversation id: {len(cid)} characters is too long; at most "
                           f"{MAX_CONVERSATION_ID} allowed", param="conversation_id")
-    tenant = router.keys.tenant_of(request.headers.get(router.cfg.tenant_header))
-    if await router.end_conversation(tenant, cid):
+    tenant = router.ctx.keys.tenant_of(request.headers.get(router.ctx.cfg.tenant_header))
+    if await router.conversations.end_conversation(tenant, cid):
         return web.Response(status=204)
     return json_error(404, "no stored conversation with this id for this tenant (never "
                       "stored, already ended, expired or released)", "not_found",
@@ -95,19 +95,19 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _ready(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
-    mode, reason = router.serving_mode()
+    mode, reason = serving_mode(router.ctx)
     body = dumps({
         "ready": mode != UNAVAILABLE,
         # prefill-only still serves: see bidirkv/router/datapath/prefillonly.py
         "mode": mode, "reason": reason,
-        "prefill": {"healthy": len(router.prefill.healthy()),
-                    "total": len(router.prefill.backends)},
-        "decode": {"healthy": len(router.decode.healthy()),
-                   "total": len(router.decode.backends)},
+        "prefill": {"healthy": len(router.ctx.prefill.healthy()),
+                    "total": len(router.ctx.prefill.backends)},
+        "decode": {"healthy": len(router.ctx.decode.healthy()),
+                   "total": len(router.ctx.decode.backends)},
         # Serving goes on without reuse while a shared store is away.
-        "handleStore": {"shared": router.store.owner is not None
-                        or router.cfg.handle_store is not None,
-                        "available": router.store.available},
+        "handleStore": {"shared": router.ctx.store.owner is not None
+                        or router.ctx.cfg.handle_store is not None,
+                        "available": router.ctx.store.available},
     })
     return json_response(503 if mode == UNAVAILABLE else 200, body)
 
@@ -115,10 +115,10 @@ async def _ready(request: web.Request) -> web.Response:
 async def _metrics(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
     with contextlib.suppress(StoreUnavailable):
-        router.metrics.handles.set(await router.store.count())
-    for b in router.backends():
-        router.metrics.backend_outstanding.labels(b.role, b.url).set(b.outstanding)
-    body, ctype = router.metrics.exposition()
+        router.ctx.metrics.handles.set(await router.ctx.store.count())
+    for b in router.ctx.backends():
+        router.ctx.metrics.backend_outstanding.labels(b.role, b.url).set(b.outstanding)
+    body, ctype = router.ctx.metrics.exposition()
     resp = web.Response(body=body)
     resp.headers["Content-Type"] = ctype
     return resp
@@ -129,8 +129,8 @@ async def _debug_fill(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
     spec = loads(await request.read() or b"{}")
     count, blocks = int(spec.get("count", 1000)), int(spec.get("blocks", 64))
-    base = await router.store.count()
-    decode = router.decode.backends[0].url if router.decode.backends else "http://decode"
+    base = await router.ctx.store.count()
+    decode = router.ctx.decode.backends[0].url if router.ctx.decode.backends else "http://decode"
     for i in range(count):
         n = base + i
         params = {
@@ -143,9 +143,9 @@ async def _debug_fill(request: web.Request) -> web.Response:
             "transfer_mode": "pull",
         }
         key = n.to_bytes(16, "big")
-        await router.store.put(Kept(key, dumps_kept(params), decode,
+        await router.ctx.store.put(Kept(key, dumps_kept(params), decode,
                                     params["remote_engine_id"], params["remote_num_tokens"]))
-    return json_response(200, dumps({"stored": await router.store.count()}))
+    return json_response(200, dumps({"stored": await router.ctx.store.count()}))
 
 
 def add_metrics_routes(app: web.Application) -> None:

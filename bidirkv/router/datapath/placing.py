@@ -1,0 +1,112 @@
+"""Where a turn runs (placement.py decides, from what this router sees of its replicas),
+and the turn that runs whole on one decode replica.
+
+The decision and the turn's placement are written here only: `turn.placed` and
+`turn.new_tokens` have no other writer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from bidirkv.router.datapath.context import Context
+from bidirkv.router.datapath.conversations import Conversations
+from bidirkv.router.datapath.failures import UpstreamFailure
+from bidirkv.router.datapath.legs import Legs
+from bidirkv.router.datapath.turn import Turn
+from bidirkv.router.pool.backends import Backend
+from bidirkv.router.pool.placement import (
+    EXTEND,
+    ON_DECODE,
+    PREFILL,
+    Decision,
+    Inputs,
+    new_tokens,
+    place,
+)
+from bidirkv.router.pool.selection import holder_of, least_outstanding
+
+log = logging.getLogger("bidirkv.router")
+
+
+class Placing:
+    """A turn's placement, and the whole turn on a decode replica."""
+
+    def __init__(self, ctx: Context, conversations: Conversations, legs: Legs) -> None:
+        self.ctx = ctx
+        self.conversations = conversations
+        self.legs = legs
+
+    def where(self, turn: Turn) -> Backend | None:
+        """Decide where the turn runs; the decode replica that takes it whole, if one
+        does. Under alwaysDisaggregate, or with bidirectional transfer off (plain P/D),
+        nothing is decided: every turn takes the prefill leg."""
+        ctx = self.ctx
+        if not turn.modes.places:
+            return None
+        holder = None
+        held: int | None = None
+        entry = turn.handle.held
+        if entry is not None:
+            found = holder_of(ctx.decode.backends, entry.decode_url, None)
+            if found is not None and found.healthy and found.in_pool:
+                holder, held = found, entry.num_tokens
+        held_chars = entry.chars if holder is not None and entry is not None else 0
+        turn.new_tokens = new_tokens(turn.prompt_chars, held or 0, ctx.costs.chars_per_token,
+                                     held_chars)
+        # Read, not picked: the leg's own pick keeps its replicas' rotation.
+        p_load = min((b.outstanding for b in ctx.prefill.healthy()), default=0)
+        others = [b.outstanding for b in ctx.decode.backends
+                  if b.healthy and b.in_pool and not b.draining and b is not holder]
+        decision = place(Inputs(held, turn.new_tokens, p_load,
+                                holder.outstanding if holder else 0,
+                                extends_held=entry is not None
+                                and self.conversations.extends(turn, entry),
+                                other_inflight=min(others, default=None),
+                                sized=ctx.costs.sized,
+                                holder_draining=holder is not None and holder.draining),
+                         turn.modes.placement, ctx.costs.costs)
+        turn.placed = decision
+        ctx.metrics.placements.labels(decision.path, decision.reason).inc()
+        if decision.path == EXTEND:
+            return holder
+        if decision.path == ON_DECODE:
+            return least_outstanding([b for b in ctx.decode.backends if b.in_pool],
+                                     ctx.decode.next_start())
+        return None
+
+    async def whole(self, request: web.Request, turn: Turn, d: Backend
+                    ) -> tuple[web.StreamResponse, str]:
+        """The whole turn on `d`: the holder extending what it keeps, or a replica that
+        holds none of it prefilling all of it (a handle whose holder cannot serve is of
+        no use there: dropped). UpstreamFailure when nothing reached the client: the
+        turn then takes the two legs, without the handle (its holder just failed)."""
+        handle = turn.handle
+        entry = handle.held  # not P's to read: never handed out again
+        if entry is not None and entry.decode_url != d.url:
+            await handle.discard("reuse_failed")
+            entry = None
+        if entry is not None:
+            handle.extending()  # counted at the first byte
+        try:
+            resp = await self.legs.extend_leg(request, turn, d, turn.rid,
+                                              entry.num_tokens if entry is not None else None)
+        except BaseException as exc:
+            if entry is not None:
+                await handle.discard("extend_failed")
+            if isinstance(exc, UpstreamFailure):
+                turn.placed = Decision(PREFILL, "extend_failed")
+                self.ctx.metrics.retries.labels("extend_failed").inc()
+                log.warning("the whole turn on decode failed (%s); taking the prefill leg "
+                            "rid=%s conv=%s decode=%s", exc.detail or exc.kind, turn.rid,
+                            turn.conv, d.url)
+            raise
+        if entry is not None:
+            # Refused by D (the client's request): dropped. Else superseded by the handle
+            # of this turn, which shares its blocks on D (its prefix cache): D frees what
+            # only the old request held.
+            await handle.discard("extend_failed" if resp[1] == "upstream_client_error"
+                                 else "extended")
+        return resp
