@@ -39,3 +39,29 @@ def test_explicit_values_win_on_every_platform():
 def test_typos_fall_back_to_auto_with_a_warning(env, caplog):
     assert Settings.from_env(env) == Settings()
     assert "using auto" in caplog.text
+
+
+def test_residency_knobs_take_the_crds_definition():
+    """The CRD, the router and decode read retentionWatermark and ownerLeaseSeconds with
+    one type, bounds and default (bidirkv/knobs.py)."""
+    from bidirkv.knobs import KvKnobs
+
+    defaults = Settings.from_env({})
+    assert (defaults.retention_watermark, defaults.owner_lease_s) == (
+        KvKnobs().retention_watermark, KvKnobs().owner_lease_seconds) == (0.9, 30)
+    s = Settings.from_env({"BIDIRKV_RETENTION_WATERMARK": "0.05",
+                           "BIDIRKV_OWNER_LEASE_SECONDS": "86400"})
+    assert (s.retention_watermark, s.owner_lease_s) == (0.05, 86400)
+
+
+@pytest.mark.parametrize(("name", "raw", "needle"), [
+    ("BIDIRKV_RETENTION_WATERMARK", "0.04", "greater than or equal to 0.05"),
+    ("BIDIRKV_RETENTION_WATERMARK", "1.01", "less than or equal to 1"),
+    ("BIDIRKV_OWNER_LEASE_SECONDS", "30.5", "valid integer"),
+    ("BIDIRKV_OWNER_LEASE_SECONDS", "0", "greater than or equal to 1"),
+    ("BIDIRKV_OWNER_LEASE_SECONDS", "soon", "Invalid JSON"),
+])
+def test_a_residency_knob_out_of_its_bounds_falls_back_with_a_warning(name, raw, needle,
+                                                                       caplog):
+    assert Settings.from_env({name: raw}) == Settings()
+    assert name in caplog.text and repr(raw) in caplog.text and needle in caplog.text

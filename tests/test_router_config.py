@@ -41,6 +41,17 @@ def test_defaults_and_ttl():
         ({"timeouts": {"read": 1}}, ["timeouts.read", "connectSeconds"]),
         ({"decoderKvBlocksTtlSeconds": 10, "safetyMarginSeconds": 10}, ["must be positive"]),
         ({"tenantHeader": "X Bad"}, ["tenantHeader", "'X Bad'"]),
+        # The knobs the CRD shares, with its types and bounds (bidirkv/knobs.py).
+        ({"ownerLeaseSeconds": 30.5}, ["ownerLeaseSeconds", "30.5", "valid integer"]),
+        ({"decoderKvBlocksTtlSeconds": 480.5}, ["decoderKvBlocksTtlSeconds", "valid integer"]),
+        ({"retentionWatermark": 0.01}, ["retentionWatermark", "greater than or equal to 0.05"]),
+        ({"kvRecomputeThreshold": 10_000_001}, ["kvRecomputeThreshold", "less than or equal"]),
+        ({"ownerLeaseSeconds": 9}, ["ownerLeaseSeconds (9) must be at least twice "
+                                    "healthCheckIntervalSeconds (5.0)"]),
+        ({"placement": {"localPrefillTokens": 9, "maxLocalPrefillTokens": 8}},
+         ["placement.localPrefillTokens (9) must be at most placement.maxLocalPrefillTokens (8)"]),
+        ({"maxBodyBytes": 4096, "maxInflightBodyBytes": 2048},
+         ["maxInflightBodyBytes (2048) must be at least maxBodyBytes (4096)"]),
     ],
 )
 def test_errors_name_key_value_and_rule(data, needles):
