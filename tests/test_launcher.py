@@ -137,6 +137,7 @@ class Launched:
         self.log = tmp_path / "child.log"
         self.set_report(report)
         port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
         child = [sys.executable, str(CHILD), str(self.report), str(self.log), str(port),
                  str(child_exit)]
         code = ("import sys; from bidirkv.connector.supervise import supervise; "

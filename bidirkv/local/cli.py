@@ -1,9 +1,10 @@
-"""`bidir-kv local up|down`: the rendered stack as processes on this machine.
+"""`bidir-kv local up|down|drain`: the rendered stack as processes on this machine.
 
 `up` returns once every server is healthy and leaves them running (each in its own
 process group and session); `down` stops them, and whatever they started, by the pids,
 groups and start times recorded in the state directory. `up` over a state directory
-whose servers died first stops what they left running.
+whose servers died first stops what they left running. `drain NAME` does to one engine
+what deleting its pod does (bidirkv/local/drain.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--no-progress", action="store_true", help="no progress bar")
     down = sub.add_parser("down", help="stop the stack recorded in the state directory")
     down.add_argument("--state-dir", type=pathlib.Path, default=DEFAULT_STATE_DIR)
+    drain = sub.add_parser("drain", help="SIGTERM one engine as a pod deletion does: it "
+                           "drains what it holds, then stops; wait until it exited")
+    drain.add_argument("name", help="the engine, as `up` lists it (e.g. decode-1)")
+    drain.add_argument("--state-dir", type=pathlib.Path, default=DEFAULT_STATE_DIR)
+    drain.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                       help="stop waiting after this long (the server keeps draining)")
 
 
 def prepare_stack(spec_file: str | os.PathLike[str], state_dir: pathlib.Path, *,
@@ -149,5 +156,17 @@ def _down(args: argparse.Namespace) -> int:
     return 0
 
 
+def _drain(args: argparse.Namespace) -> int:
+    from bidirkv.local.drain import DEFAULT_WAIT_S, drain_server
+
+    try:
+        done = drain_server(args.state_dir, args.name, args.timeout or DEFAULT_WAIT_S,
+                            say=lambda line: print(f"{PROG} drain: {line}", file=sys.stderr))
+    except ValueError as exc:
+        print(f"{PROG} drain: {exc}", file=sys.stderr)
+        return 1
+    return 0 if done else 1
+
+
 def run(args: argparse.Namespace) -> int:
-    return _up(args) if args.local_command == "up" else _down(args)
+    return {"up": _up, "down": _down, "drain": _drain}[args.local_command](args)
