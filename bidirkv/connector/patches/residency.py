@@ -5,9 +5,8 @@ Decode, engine-core process:
 - `Scheduler.schedule`: before each step, release what must go: owners whose lease lapsed,
   retained blocks above the watermark, and, when a waiting request does not fit in the
   free blocks (less those prefix caching lets it share), retained requests nobody was
-  granted. The connector has no
-  reference to the scheduler's queues or block pool, and a release decided here becomes
-  a deadline of 0 in the same step's connector metadata.
+  granted. The connector has no reference to the scheduler's queues or block pool, and a
+  release decided here becomes a deadline of 0 in the same step's connector metadata.
 - `EngineCore.bidirkv_residency`: the utility the `/bidirkv/residency` route calls
   (renew an owner's lease, release handles the router dropped, mark the engine draining,
   report capacity); utility
