@@ -169,16 +169,17 @@ def test_hpa_per_role_against_the_table(role, auto, metric, target):
         assert schema_errors(hpa, version) == []
 
 
-# (grace period, decode's scale-down period: one pod per grace period, within the HPA's
-# bounds on a policy's period)
-BEHAVIOR = [(60, 60), (0, 60), (480, 480), (3600, 1800)]
+# (decode's drain, vLLM's stop, decode's scale-down period: one pod per grace period, the
+# two together, within the HPA's bounds on a policy's period)
+BEHAVIOR = [(120, 60, 180), (0, 0, 60), (0, 30, 60), (480, 60, 540), (3600, 60, 1800)]
 
 
-@pytest.mark.parametrize(("grace", "period"), BEHAVIOR)
-def test_decode_scales_down_one_pod_per_grace_period(grace, period):
-    spec = parse_spec({**spec_with(decode={"autoscaling": {"maxReplicas": 4}},
+@pytest.mark.parametrize(("drain", "stop", "period"), BEHAVIOR)
+def test_decode_scales_down_one_pod_per_grace_period(drain, stop, period):
+    spec = parse_spec({**spec_with(decode={"autoscaling": {"maxReplicas": 4},
+                                           "drainSeconds": drain},
                                    prefill={"autoscaling": {"maxReplicas": 4}}),
-                       "engine": {"terminationGracePeriodSeconds": grace}})
+                       "engine": {"terminationGracePeriodSeconds": stop}})
     hpas = {h["metadata"]["name"]: h for h in
             autoscaling.autoscalers(OWNER, spec, ("prefill", "decode"))}
     assert hpas["tiny-decode"]["spec"]["behavior"] == {"scaleDown": {"policies": [

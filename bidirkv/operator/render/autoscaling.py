@@ -5,7 +5,7 @@ Decode scales on its KV working set (`vllm:bidirkv_kv_working_set_ratio`, export
 engines: vLLM's KV usage counts the retained blocks decode would give up to new work, and
 would scale decode up for conversations only kept for reuse). Prefill scales on its queue
 or its TTFT. A decode pod that leaves drains what it holds, so decode scales down one pod
-per termination grace period at most.
+per grace period at most.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from kubernetes.utils import parse_quantity
 
 from bidirkv.operator.api import spec as api
 from bidirkv.operator.api.autoscaling import AutoscalingEngine, AutoscalingSpec, ScaleMetric
+from bidirkv.operator.render.drain import grace_seconds
 from bidirkv.operator.render.naming import Owner, child_metadata, child_name
 
 HPA_API_VERSION = "autoscaling/v2"
@@ -70,12 +71,13 @@ def _scale_target(owner: Owner, role: str) -> dict[str, str]:
 
 
 def behavior(spec: api.DisaggregatedInferenceSpec, role: str) -> dict[str, Any] | None:
-    """Decode leaves one pod per grace period: each leaving pod drains its conversations,
-    and drains that overlap would move them onto pods that leave next."""
+    """Decode leaves one pod per grace period (its drain, then vLLM's stop: drain.py):
+    each leaving pod drains its conversations, and drains that overlap would move them
+    onto pods that leave next."""
     if role != "decode":
         return None
     period = min(MAX_SCALE_DOWN_PERIOD_S,
-                 max(MIN_SCALE_DOWN_PERIOD_S, spec.engine.termination_grace_period_seconds))
+                 max(MIN_SCALE_DOWN_PERIOD_S, grace_seconds(spec, role)))
     return {"scaleDown": {"policies": [{"type": "Pods", "value": 1, "periodSeconds": period}]}}
 
 
