@@ -13,11 +13,13 @@ tests/test_knob_rules.py holds the two equal. Imports no component.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic.fields import FieldInfo
 
@@ -237,6 +239,42 @@ class Timeouts(Section):
         86400, "A client connection that has sent no complete request head this long after "
         "it opened, or after its last response, is closed (like nginx's "
         "`keepalive_timeout`). Read when the router starts.", 75.0)
+
+
+# The API server's form of the handle store's address; `handle_store_url_problem` is the
+# same rule in Python, with the reason (tests/test_knob_rules.py holds the two equal).
+HANDLE_STORE_URL_PATTERN = r"^rediss?://[^/@\s]+(/[0-9]{1,2})?$"
+
+
+def handle_store_url_problem(value: str) -> str | None:
+    parts = urlsplit(value)
+    if parts.scheme not in ("redis", "rediss") or not parts.netloc:
+        return "expected redis://HOST:PORT/DB or rediss://HOST:PORT/DB"
+    if "@" in parts.netloc:
+        return ("no credentials in the URL: the password comes from a Secret "
+                "(router.handleStore.passwordSecretRef, BIDIRKV_HANDLE_STORE_PASSWORD)")
+    if parts.path and not re.fullmatch(r"/[0-9]{1,2}", parts.path):
+        return f"database {parts.path[1:]!r} must be a number from 0 to 99"
+    if not re.match(HANDLE_STORE_URL_PATTERN, value):
+        return ("expected redis://HOST:PORT/DB or rediss://HOST:PORT/DB, without a query, "
+                "a fragment or whitespace")
+    return None
+
+
+def _store_url(value: str) -> str:
+    problem = handle_store_url_problem(value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+HandleStoreUrl = Annotated[str, Strict(), Field(
+    max_length=512,
+    json_schema_extra={"pattern": HANDLE_STORE_URL_PATTERN},
+    description="Redis-protocol server shared by the router replicas (Valkey, Redis, "
+    "ElastiCache without cluster mode): `redis://HOST:PORT/DB`, `rediss://` for TLS. No "
+    "password here: it comes from a Secret.",
+), AfterValidator(_store_url)]
 
 
 class RouterKnobs(Section):

@@ -254,3 +254,22 @@ def test_the_router_and_the_crd_share_each_knobs_default():
                                                                    knobs.KvKnobs)):
         for name in knob_model.model_fields:
             assert getattr(cfg, name) == getattr(section, name), name
+
+
+@pytest.mark.parametrize("url", [
+    "redis://v:6379/0", "rediss://valkey.cache:6379/99", "redis://v", "redis://v:6379",
+    "redis://v:6379/", "redis://v:6379/100", "redis://v:6379/db", "redis://u:pw@v:6379/0",
+    "redis://@v/0", "http://v:6379", "redis://v:6379/0?timeout=1", "redis://v:6379/0#x",
+    "redis:///0", "redis://v 1:6379", "REDIS://v:6379", "redis://v:6379/0/1",
+])
+def test_the_handle_store_address_rule_and_its_pattern_agree(url):
+    """The CRD checks the address with a pattern; the operator and the router with the
+    same rule in Python, which also says what is wrong."""
+    import re
+
+    problem = knobs.handle_store_url_problem(url)
+    assert (re.match(knobs.HANDLE_STORE_URL_PATTERN, url) is not None) == (problem is None), \
+        problem
+    crd = ROUTER["properties"]["handleStore"]["properties"]["url"]
+    assert crd["pattern"] == knobs.HANDLE_STORE_URL_PATTERN
+    assert (_router_refuses({"handleStore": url}) is None) == (problem is None)

@@ -26,6 +26,7 @@ from pydantic.alias_generators import to_camel
 from bidirkv.knobs import (
     LEASE_OUTLIVES_RENEWALS,
     TTL_SAFETY_MARGIN_SECONDS,
+    HandleStoreUrl,
     KvKnobs,
     Placement,
     RouterKnobs,
@@ -129,7 +130,7 @@ class RouterConfig(RouterKnobs, KvKnobs, _Model):
     tracing: Tracing = Field(default_factory=Tracing)
     # Shared handle store (bidirkv/router/store/shared.py): redis://HOST:PORT/DB or rediss://...;
     # None keeps handles in this process. The password comes from the environment.
-    handle_store: str | None = Field(default=None, max_length=512)
+    handle_store: HandleStoreUrl | None = None
     # Hash of what P and D must share, as stamped on the engine pods by the operator;
     # carried so a router can refuse engines of another fingerprint.
     kv_fingerprint: str | None = Field(default=None, max_length=64)
@@ -143,21 +144,6 @@ class RouterConfig(RouterKnobs, KvKnobs, _Model):
     @classmethod
     def _decode_urls(cls, value: list[str]) -> list[str]:
         return _urls(value, "decode")
-
-    @field_validator("handle_store")
-    @classmethod
-    def _store_url(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        parts = urlsplit(value)
-        if parts.scheme not in ("redis", "rediss") or not parts.hostname:
-            raise ValueError("expected redis://HOST:PORT/DB or rediss://HOST:PORT/DB")
-        if parts.password is not None or parts.username is not None:
-            raise ValueError("no credentials in the URL: the password goes in "
-                             "BIDIRKV_HANDLE_STORE_PASSWORD")
-        if parts.path not in ("", "/") and not parts.path[1:].isdigit():
-            raise ValueError(f"database {parts.path[1:]!r} must be a number")
-        return value
 
     @model_validator(mode="after")
     def _ttl_positive(self) -> RouterConfig:

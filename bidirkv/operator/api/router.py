@@ -6,7 +6,7 @@ from enum import StrEnum
 
 from pydantic import Field
 
-from bidirkv.knobs import RouterKnobs
+from bidirkv.knobs import HandleStoreUrl, RouterKnobs
 from bidirkv.operator.api.base import _Model
 
 
@@ -22,9 +22,7 @@ class SecretKeyRef(_Model):
 
 
 class HandleStoreSpec(_Model):
-    url: str = Field(
-        pattern=r"^rediss?://[^/@\s]+(/[0-9]{1,2})?$",
-        max_length=512,
+    url: HandleStoreUrl = Field(
         description="Redis-protocol server shared by the router replicas (Valkey, Redis, "
         "ElastiCache without cluster mode): `redis://HOST:PORT/DB`, `rediss://` for TLS. "
         "No password here: use `passwordSecretRef`.",
