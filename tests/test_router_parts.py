@@ -76,3 +76,88 @@ class Router(Legs):
         self.session = None
 '''
     assert undeclared_reads(mixin) == {"Legs": {"session", "cfg"}}
+
+
+ROUTER_CODE = [*sorted(DATAPATH.glob("*.py")), *sorted((DATAPATH.parent / "server").glob("*.py"))]
+
+
+def oversized(path: Path) -> list[str]:
+    """What in `path` is past the sizes a reader holds: the module over 400 lines, a
+    class over 250, a function over 60."""
+    source = path.read_text()
+    out = [f"{path.name}: {n} lines"] if (n := source.count("\n")) > 400 else []
+    for node in ast.walk(ast.parse(source)):
+        limit = 250 if isinstance(node, ast.ClassDef) else 60 if isinstance(
+            node, ast.FunctionDef | ast.AsyncFunctionDef) else None
+        if limit is not None and (n := node.end_lineno - node.lineno + 1) > limit:
+            out.append(f"{path.name}:{node.name}: {n} lines")
+    return out
+
+
+def test_the_router_code_is_sized_for_a_reader():
+    assert [o for p in ROUTER_CODE for o in oversized(p)] == []
+
+
+def test_the_size_check_sees_a_long_function(tmp_path):
+    long = tmp_path / "long.py"
+    long.write_text("def f():\n" + "    x = 1\n" * 60)
+    assert oversized(long) == ["long.py:f: 61 lines"]
+
+
+def forwarding_properties(source: str) -> list[str]:
+    """Properties whose whole body returns an attribute of an attribute of self."""
+    out = []
+    for cls in ast.walk(ast.parse(source)):
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        for f in cls.body:
+            if (isinstance(f, ast.FunctionDef)
+                    and any(isinstance(d, ast.Name) and d.id == "property"
+                            for d in f.decorator_list)
+                    and len(f.body) == 1 and isinstance(f.body[0], ast.Return)
+                    and isinstance(v := f.body[0].value, ast.Attribute)
+                    and isinstance(v.value, ast.Attribute)
+                    and isinstance(v.value.value, ast.Name) and v.value.value.id == "self"):
+                out.append(f"{cls.name}.{f.name}")
+    return out
+
+
+def test_no_property_only_forwards():
+    found = {p.name: names for p in ROUTER_CODE
+             if (names := forwarding_properties(p.read_text()))}
+    assert found == {}
+    assert forwarding_properties(
+        "class R:\n    @property\n    def store(self):\n        return self.ctx.store\n"
+    ) == ["R.store"]
+
+
+def test_no_module_re_exports():
+    """A name is imported from the module that defines it: no `__all__` lists names a
+    module only imports."""
+    assert [p.name for p in ROUTER_CODE if "__all__" in p.read_text()] == []
+
+
+# The settings a turn's modes are made of (modes.py), read from the config nowhere else.
+MODE_SETTINGS = ("bidirectional", "placement", "prefill_only_fallback")
+
+
+def test_the_modes_are_read_from_the_config_in_one_module():
+    readers = sorted(
+        f"{p.name}:{node.lineno}" for p in ROUTER_CODE if p.name != "modes.py"
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in MODE_SETTINGS
+        and isinstance(node.value, ast.Attribute | ast.Name)
+        and (node.value.attr if isinstance(node.value, ast.Attribute)
+             else node.value.id) == "cfg")
+    assert readers == []
+
+
+def test_a_reservation_ends_only_in_its_module():
+    """The store's single-use ends of a handle are called from reservation.py only."""
+    ends = ("consume", "discard", "forget", "release")
+    callers = sorted(
+        f"{p.name}:{node.lineno}" for p in ROUTER_CODE if p.name != "reservation.py"
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in ends
+        and isinstance(node.value, ast.Attribute) and node.value.attr in ("store", "_store"))
+    assert callers == []

@@ -2,7 +2,7 @@
 
 The router is a few parts (clients, health, upkeep, conversations, legs, prefill-only),
 each a class that takes the context and the parts it calls in its constructor. What one
-request carries across them is its `Turn` (upstream.py), handed to each call. Nothing
+request carries across them is its `Turn` (turn.py), handed to each call. Nothing
 here is per request: a request that needs a value of its own puts it on its Turn.
 """
 

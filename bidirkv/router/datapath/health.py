@@ -11,6 +11,7 @@ from bidirkv.router.codec import loads
 from bidirkv.router.datapath.bodies import model_len
 from bidirkv.router.datapath.context import Context, quietly
 from bidirkv.router.datapath.failures import UPSTREAM_FAILURES, classify
+from bidirkv.router.datapath.modes import modes_of
 from bidirkv.router.datapath.sessions import Clients
 from bidirkv.router.pool.backends import DECODE, Backend
 
@@ -27,7 +28,7 @@ def serving_mode(ctx: Context) -> tuple[str, str | None]:
         return UNAVAILABLE, "no healthy prefill engine"
     if ctx.decode.healthy():
         return DISAGGREGATED, None
-    if ctx.cfg.prefill_only_fallback:
+    if modes_of(ctx.cfg).prefill_only_fallback:
         return PREFILL_ONLY, ("no healthy decode engine: prefill serves whole requests, "
                               "without KV reuse")
     return UNAVAILABLE, "no healthy decode engine (prefillOnlyFallback is off)"

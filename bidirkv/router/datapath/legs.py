@@ -4,7 +4,6 @@ client, and the handle it hands to the conversation's bookkeeping."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -17,13 +16,11 @@ from bidirkv.proof import make_proof
 from bidirkv.router.codec import dumps, loads
 from bidirkv.router.datapath.bodies import (
     LOCAL_PARAMS,
-    PARAMS_MARKER,
     PATHS,
     decode_body,
     prefill_body,
 )
 from bidirkv.router.datapath.context import Context
-from bidirkv.router.datapath.conversations import Conversations
 from bidirkv.router.datapath.failures import (
     UPSTREAM_FAILURES,
     Unavailable,
@@ -32,16 +29,15 @@ from bidirkv.router.datapath.failures import (
     rejected,
 )
 from bidirkv.router.datapath.health import Health
-from bidirkv.router.datapath.replies import json_response, placement_header
+from bidirkv.router.datapath.relay import Relay
 from bidirkv.router.datapath.reusereport import prefill_work, reuse_report
 from bidirkv.router.datapath.sessions import Clients
-from bidirkv.router.datapath.sse import DONE, PARAMS, MessageCollector, SSEFilter, error_event
+from bidirkv.router.datapath.sse import PARAMS
 from bidirkv.router.datapath.tracing import Leg
 from bidirkv.router.datapath.turn import Turn, count_reuse
 from bidirkv.router.pool.backends import DECODE, PREFILL, Backend
 from bidirkv.router.pool.placement import EXTEND
 from bidirkv.router.pool.selection import least_outstanding
-from bidirkv.router.request.validation import CHAT
 
 log = logging.getLogger("bidirkv.router")
 
@@ -57,12 +53,11 @@ def prefill_payload(handle_key: bytes | None, body: dict[str, Any],
 class Legs:
     """The prefill leg and the decode leg (or a whole request on P), with their retries."""
 
-    def __init__(self, ctx: Context, clients: Clients, health: Health,
-                 conversations: Conversations) -> None:
+    def __init__(self, ctx: Context, clients: Clients, health: Health, relay: Relay) -> None:
         self.ctx = ctx
         self.clients = clients
         self.health = health
-        self.conversations = conversations
+        self.relay = relay
 
     async def prefill_leg(self, turn: Turn, rid: str) -> tuple[Backend, dict[str, Any]]:
         ctx = self.ctx
@@ -97,25 +92,8 @@ class Legs:
                 span.end(f.result, f.status)
                 ctx.metrics.observe_leg("prefill", "error", time.perf_counter() - t)
                 last = f
-                if entry is not None:
-                    # Spent or poisoned: see proxy.py's docstring. Retry as a miss.
-                    await turn.handle.discard("reuse_failed")
-                    if f.kind == "connect":
-                        self.health.set_health(p, False, f.detail)
-                        tried.append(p)
-                    ctx.metrics.retries.labels("prefill_reuse_failed").inc()
-                    log.warning("prefill with handle failed (%s); retrying without rid=%s "
-                                "conv=%s prefill=%s", f.detail or f.kind, rid, turn.conv, p.url)
-                    continue
-                if f.client_error:
-                    raise
-                if f.backend_down:
-                    self.health.set_health(p, False, f.detail or f"HTTP {f.status}")
-                tried.append(p)
-                log.warning("prefill failed (%s) rid=%s conv=%s prefill=%s",
-                            f.detail or f"HTTP {f.status}", rid, turn.conv, p.url)
-                if attempt == 0:
-                    ctx.metrics.retries.labels("prefill_failed").inc()
+                await self._prefill_failed(turn, p, f, rid, attempt == 0, tried,
+                                           entry is not None)
                 continue
             except Exception as exc:  # a bug's exception still closes the leg's span
                 span.end(type(exc).__name__)
@@ -134,6 +112,31 @@ class Legs:
             return p, data
         assert last is not None
         raise last
+
+    async def _prefill_failed(self, turn: Turn, p: Backend, f: UpstreamFailure, rid: str,
+                              first: bool, tried: list[Backend], with_handle: bool) -> None:
+        """What a failed prefill leg means for the next attempt; raises `f` when there is
+        none (the engine refused the client's request)."""
+        ctx = self.ctx
+        if with_handle:
+            # Spent or poisoned: see proxy.py's docstring. Retry as a miss.
+            await turn.handle.discard("reuse_failed")
+            if f.kind == "connect":
+                self.health.set_health(p, False, f.detail)
+                tried.append(p)
+            ctx.metrics.retries.labels("prefill_reuse_failed").inc()
+            log.warning("prefill with handle failed (%s); retrying without rid=%s "
+                        "conv=%s prefill=%s", f.detail or f.kind, rid, turn.conv, p.url)
+            return
+        if f.client_error:
+            raise f
+        if f.backend_down:
+            self.health.set_health(p, False, f.detail or f"HTTP {f.status}")
+        tried.append(p)
+        log.warning("prefill failed (%s) rid=%s conv=%s prefill=%s",
+                    f.detail or f"HTTP {f.status}", rid, turn.conv, p.url)
+        if first:
+            ctx.metrics.retries.labels("prefill_failed").inc()
 
     def _learn_prefill(self, turn: Turn, data: dict[str, Any], seconds: float,
                        alone: bool) -> None:
@@ -209,13 +212,7 @@ class Legs:
         resp: aiohttp.ClientResponse | None = None
         try:
             try:
-                # Streamed: a replica that takes the connection and never answers would
-                # hold the turn for decodeSeconds; before the first byte the turn can
-                # still go to another replica. (Not streamed, the whole answer is the
-                # first byte: decodeSeconds alone bounds it.)
-                first_byte = self.ctx.cfg.timeouts.decode_first_byte_seconds if turn.stream \
-                    else None
-                async with asyncio.timeout(first_byte):
+                async with asyncio.timeout(self._first_byte_s(turn)):
                     resp = await self.clients.post(d, PATHS[turn.kind], payload, rid, turn.auth,
                                                    self.ctx.timeouts.decode,
                                                    retry_stale=leg not in (DECODE, EXTEND),
@@ -227,7 +224,7 @@ class Legs:
                                               f"HTTP {resp.status}")
                     if not turn.stream:
                         body = await resp.read()
-                        out = await self._finish_json(turn, d, body, t, leg)
+                        out = await self.relay.whole(turn, d, body, t, leg)
                         result = "ok"
                         return out, result
                     first = await resp.content.readany()
@@ -246,7 +243,7 @@ class Legs:
             except UpstreamFailure as f:
                 result = f.result
                 return self._leg_failed(f, t, leg)
-            out, result = await self._relay(request, turn, d, resp, first, t, leg)
+            out, result = await self.relay.stream(request, turn, d, resp, first, t, leg)
             return out, result
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError | UpstreamFailure):
@@ -257,6 +254,13 @@ class Legs:
             d.outstanding -= 1
             if resp is not None:
                 resp.close()
+
+    def _first_byte_s(self, turn: Turn) -> float | None:
+        """Streamed, a replica that takes the connection and never answers would hold the
+        turn for decodeSeconds; before the first byte the turn can still go to another
+        replica. Not streamed, the whole answer is the first byte: decodeSeconds alone
+        bounds it."""
+        return self.ctx.cfg.timeouts.decode_first_byte_seconds if turn.stream else None
 
     def _learn_first_byte(self, turn: Turn, leg: str, seconds: float) -> None:
         """A streamed leg's first token, from a leg that started alone on its replica:
@@ -276,92 +280,3 @@ class Legs:
         if f.backend_down:
             self.health.set_health(f.backend, False, f.detail or f"HTTP {f.status}")
         raise f
-
-    async def _finish_json(self, turn: Turn, d: Backend, body: bytes, t: float, leg: str
-                           ) -> web.Response:
-        keeps = leg in (DECODE, EXTEND)
-        collector = MessageCollector(turn.kind == CHAT) if turn.collects and keeps else None
-        if collector is not None or PARAMS_MARKER in body:
-            try:
-                obj = loads(body)
-            except ValueError:
-                obj = None
-            if isinstance(obj, dict):
-                params = obj.pop(PARAMS, None)
-                if collector is not None:
-                    collector.feed_response(obj)
-                if isinstance(params, dict) and keeps:
-                    await self.conversations.store_handle(turn, d, params, collector)
-                body = dumps(obj)
-        now = time.perf_counter()
-        self.ctx.metrics.observe_ttft(turn.kind, False, now - turn.t0)
-        self.ctx.metrics.observe_leg(leg, "ok", now - t)
-        return json_response(200, body, {"X-Request-Id": turn.rid, **placement_header(turn.placed)})
-
-    async def _relay(self, request: web.Request, turn: Turn, d: Backend,
-                     resp: aiohttp.ClientResponse, first: bytes, t: float, leg: str
-                     ) -> tuple[web.StreamResponse, str]:
-        keeps = leg in (DECODE, EXTEND)
-        collector = MessageCollector(turn.kind == CHAT) if turn.collects and keeps else None
-        filt = SSEFilter(collector)
-        out = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream; charset=utf-8",
-            "Cache-Control": "no-cache",
-            "X-Request-Id": turn.rid,
-            **placement_header(turn.placed),
-        })
-        done = False
-        try:
-            await out.prepare(request)
-            chunk = filt.feed(first)
-            # Only a decode leg's handle is kept; P's own params are stripped, never stored.
-            stored = await self._maybe_store(turn, d, filt, collector, not keeps)
-            if chunk:
-                await out.write(chunk)
-                done = chunk.endswith(DONE)
-            self.ctx.metrics.observe_ttft(turn.kind, True, time.perf_counter() - turn.t0)
-            while True:
-                try:
-                    data = await resp.content.readany()
-                except UPSTREAM_FAILURES as exc:
-                    kind, detail = classify(exc)
-                    self.ctx.metrics.observe_leg(leg, "error", time.perf_counter() - t)
-                    log.warning("%s stream broke (%s) rid=%s conv=%s %s=%s", d.role, detail,
-                                turn.rid, turn.conv, d.role, d.url)
-                    if kind == "connect":
-                        self.health.set_health(d, False, detail)
-                    await self._end_with_error(out, f"{d.role} engine stream {detail}")
-                    return out, "stream_error"
-                chunk = filt.feed(data) if data else filt.finish()
-                # Stored before the client can see [DONE]: its next turn may come at once.
-                stored = await self._maybe_store(turn, d, filt, collector, stored)
-                if chunk:
-                    await out.write(chunk)
-                    done = done or chunk.endswith(DONE)
-                if not data:
-                    break
-        except ConnectionError:
-            # The client left; the finally of the caller closes D's stream.
-            log.debug("client disconnected rid=%s conv=%s", turn.rid, turn.conv)
-            return out, "cancelled"
-        if not done:
-            log.warning("%s stream ended without [DONE] rid=%s conv=%s %s=%s", d.role,
-                        turn.rid, turn.conv, d.role, d.url)
-            await self._end_with_error(out, f"{d.role} engine stream ended early")
-            return out, "stream_error"
-        self.ctx.metrics.observe_leg(leg, "ok", time.perf_counter() - t)
-        with contextlib.suppress(ConnectionError):
-            await out.write_eof()
-        return out, "ok"
-
-    async def _maybe_store(self, turn: Turn, d: Backend, filt: SSEFilter,
-                     collector: MessageCollector | None, stored: bool) -> bool:
-        if stored or filt.params is None:
-            return stored
-        await self.conversations.store_handle(turn, d, filt.params, collector)
-        return True
-
-    async def _end_with_error(self, out: web.StreamResponse, message: str) -> None:
-        with contextlib.suppress(ConnectionError, RuntimeError):
-            await out.write(error_event(message) + DONE)
-            await out.write_eof()

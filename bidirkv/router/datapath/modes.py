@@ -1,4 +1,6 @@
-"""A turn's modes: how it may run, resolved from the config once per turn."""
+"""A turn's modes: how it may run, resolved from the config once per turn (and once
+per round by the loops that depend on them: health's serving mode, upkeep's renewals).
+No other data-path module reads these settings from the config."""
 
 from __future__ import annotations
 

@@ -48,6 +48,7 @@ from bidirkv.router.datapath.health import PREFILL_ONLY, Health, serving_mode
 from bidirkv.router.datapath.legs import Legs
 from bidirkv.router.datapath.placing import Placing
 from bidirkv.router.datapath.prefillonly import serve_on_prefill
+from bidirkv.router.datapath.relay import Relay
 from bidirkv.router.datapath.replies import json_response
 from bidirkv.router.datapath.sessions import Clients
 from bidirkv.router.datapath.tracing import Trace, replace, traced
@@ -75,7 +76,8 @@ class Router:
         self.health = Health(ctx, self.clients)
         self.upkeep = Upkeep(ctx, self.clients, self.health)
         self.conversations = Conversations(ctx)
-        self.legs = Legs(ctx, self.clients, self.health, self.conversations)
+        self.legs = Legs(ctx, self.clients, self.health,
+                         Relay(ctx, self.health, self.conversations))
         self.admission = Admission(ctx, self.conversations)
         self.placing = Placing(ctx, self.conversations, self.legs)
 
@@ -152,7 +154,7 @@ class Router:
                 turn.trace.update(trace_attributes(turn))
         metrics.request(turn.kind, outcome)
         log.debug("request rid=%s conv=%s kind=%s stream=%s reuse=%s outcome=%s ms=%.2f",
-                  turn.rid, turn.conv, turn.kind, turn.stream, turn.reuse, outcome,
+                  turn.rid, turn.conv, turn.kind, turn.stream, turn.handle.reuse, outcome,
                   (time.perf_counter() - turn.t0) * 1000)
         return resp, outcome
 

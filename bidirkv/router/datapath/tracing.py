@@ -192,10 +192,11 @@ class RequestTrace:
 class LegTrace:
     """The CLIENT span of one upstream request and the trace context it carries."""
 
-    __slots__ = ("request", "name", "attrs", "later", "span", "headers")
+    __slots__ = ("request", "recording", "name", "attrs", "later", "span", "headers")
 
     def __init__(self, request: RequestTrace, name: str, attrs: dict[str, Any]) -> None:
         self.request = request
+        self.recording = request.recording  # decided once, with the request's span
         self.name = name
         self.attrs = attrs  # known at the start: given to the span as it starts
         self.later: dict[str, Any] = {}  # learnt on the way: given to it as it ends
@@ -209,10 +210,6 @@ class LegTrace:
         carrier: dict[str, str] = {}
         _PROPAGATOR.inject(carrier, context=set_span_in_context(self.span))
         self.headers = carrier
-
-    @property
-    def recording(self) -> bool:
-        return self.request.recording
 
     def set(self, key: str, value: Any) -> None:
         if value is not None and self.request.recording:

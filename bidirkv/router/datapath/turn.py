@@ -3,7 +3,7 @@
 Each field has one writer, so a reader looking for where a value comes from finds one
 place:
 - the request as admitted (proxy.py, when the turn is built): kind, stream, body, rid,
-  auth, tenant, t0, trace, modes (placement.py's `modes_of`, once per turn), prompt_chars;
+  auth, tenant, t0, trace, modes (modes.py's `modes_of`, once per turn), prompt_chars;
 - its conversation (conversations.py, `identify`): conv, store_key, history, prompt,
   holder_url, gap; `handle` is built with the turn, and only reservation.py changes
   what it holds (the entry, its end, the reuse outcome);
@@ -71,15 +71,11 @@ class Turn:
     def collects(self) -> bool:
         return self.history is not None or self.prompt is not None
 
-    @property
-    def reuse(self) -> str:
-        return self.handle.reuse
-
 
 def count_reuse(metrics: Any, turn: Turn) -> None:
     """The turn's reuse outcome, once: at its decode leg's first byte (a client that
     reads the counter after its answer finds it there), else when the request ends."""
-    if (turn.asked_prefill or turn.reuse == "extended"
+    if (turn.asked_prefill or turn.handle.reuse == "extended"
             or turn.placed is not None and turn.placed.path == ON_DECODE):
         turn.handle.count_once(metrics)
 
@@ -88,7 +84,7 @@ def trace_attributes(turn: Turn) -> dict[str, Any]:
     """What the request became, for its span: its reuse outcome, placement, prompt size."""
     attrs: dict[str, Any] = {
         "bidirkv.stream": turn.stream, "bidirkv.request_id": turn.rid,
-        "bidirkv.conversation": turn.conv, "bidirkv.reuse": turn.reuse}
+        "bidirkv.conversation": turn.conv, "bidirkv.reuse": turn.handle.reuse}
     if turn.placed is not None:
         attrs["bidirkv.placement.decision"] = turn.placed.path
         attrs["bidirkv.placement.reason"] = turn.placed.reason

@@ -9,6 +9,7 @@ import logging
 
 from bidirkv.router.datapath.context import Context, quietly
 from bidirkv.router.datapath.health import Health
+from bidirkv.router.datapath.modes import modes_of
 from bidirkv.router.datapath.sessions import Clients
 from bidirkv.router.pool.drain import mark_draining
 from bidirkv.router.store.base import StoreUnavailable
@@ -76,7 +77,7 @@ class Upkeep:
         which are draining. No store call here: a slow store must never make a renewal
         late (decode would free every conversation of this router)."""
         ctx = self.ctx
-        if not ctx.cfg.bidirectional:
+        if not modes_of(ctx.cfg).bidirectional:
             return
         session = self.clients.pooled
         healthy = ctx.decode.healthy()
@@ -92,7 +93,7 @@ class Upkeep:
         await self.start_store()
         # The sweep first: what expired should not count against the watermark.
         await quietly(ctx.store.sweep())
-        if ctx.cfg.bidirectional:
+        if modes_of(ctx.cfg).bidirectional:
             for b in ctx.decode.healthy():
                 await self.keep_under_watermark(b.url)
                 pinned = await quietly(ctx.store.pinned(b.url))

@@ -1,0 +1,125 @@
+"""A decode leg's answer to the client: relayed as it streams (or whole), with decode's
+handle kept for the conversation and stripped from what the client sees."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+
+from bidirkv.router.codec import dumps, loads
+from bidirkv.router.datapath.bodies import PARAMS_MARKER
+from bidirkv.router.datapath.context import Context
+from bidirkv.router.datapath.conversations import Conversations
+from bidirkv.router.datapath.failures import UPSTREAM_FAILURES, classify
+from bidirkv.router.datapath.health import Health
+from bidirkv.router.datapath.replies import json_response, placement_header
+from bidirkv.router.datapath.sse import DONE, PARAMS, MessageCollector, SSEFilter, error_event
+from bidirkv.router.datapath.turn import Turn
+from bidirkv.router.pool.backends import DECODE, Backend
+from bidirkv.router.pool.placement import EXTEND
+from bidirkv.router.request.validation import CHAT
+
+log = logging.getLogger("bidirkv.router")
+
+
+class Relay:
+    """An engine's answer to the client; only a decode (or extend) leg's handle is kept,
+    P's own params (a request P serves whole) are stripped, never stored."""
+
+    def __init__(self, ctx: Context, health: Health, conversations: Conversations) -> None:
+        self.ctx = ctx
+        self.health = health
+        self.conversations = conversations
+
+    async def whole(self, turn: Turn, d: Backend, body: bytes, t: float, leg: str
+                           ) -> web.Response:
+        keeps = leg in (DECODE, EXTEND)
+        collector = MessageCollector(turn.kind == CHAT) if turn.collects and keeps else None
+        if collector is not None or PARAMS_MARKER in body:
+            try:
+                obj = loads(body)
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict):
+                params = obj.pop(PARAMS, None)
+                if collector is not None:
+                    collector.feed_response(obj)
+                if isinstance(params, dict) and keeps:
+                    await self.conversations.store_handle(turn, d, params, collector)
+                body = dumps(obj)
+        now = time.perf_counter()
+        self.ctx.metrics.observe_ttft(turn.kind, False, now - turn.t0)
+        self.ctx.metrics.observe_leg(leg, "ok", now - t)
+        return json_response(200, body, {"X-Request-Id": turn.rid, **placement_header(turn.placed)})
+
+    async def stream(self, request: web.Request, turn: Turn, d: Backend,
+                     resp: aiohttp.ClientResponse, first: bytes, t: float, leg: str
+                     ) -> tuple[web.StreamResponse, str]:
+        keeps = leg in (DECODE, EXTEND)
+        collector = MessageCollector(turn.kind == CHAT) if turn.collects and keeps else None
+        filt = SSEFilter(collector)
+        out = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Request-Id": turn.rid,
+            **placement_header(turn.placed),
+        })
+        done = False
+        try:
+            await out.prepare(request)
+            chunk = filt.feed(first)
+            # Only a decode leg's handle is kept; P's own params are stripped, never stored.
+            stored = await self._maybe_store(turn, d, filt, collector, not keeps)
+            if chunk:
+                await out.write(chunk)
+                done = chunk.endswith(DONE)
+            self.ctx.metrics.observe_ttft(turn.kind, True, time.perf_counter() - turn.t0)
+            while True:
+                try:
+                    data = await resp.content.readany()
+                except UPSTREAM_FAILURES as exc:
+                    kind, detail = classify(exc)
+                    self.ctx.metrics.observe_leg(leg, "error", time.perf_counter() - t)
+                    log.warning("%s stream broke (%s) rid=%s conv=%s %s=%s", d.role, detail,
+                                turn.rid, turn.conv, d.role, d.url)
+                    if kind == "connect":
+                        self.health.set_health(d, False, detail)
+                    await self._end_with_error(out, f"{d.role} engine stream {detail}")
+                    return out, "stream_error"
+                chunk = filt.feed(data) if data else filt.finish()
+                # Stored before the client can see [DONE]: its next turn may come at once.
+                stored = await self._maybe_store(turn, d, filt, collector, stored)
+                if chunk:
+                    await out.write(chunk)
+                    done = done or chunk.endswith(DONE)
+                if not data:
+                    break
+        except ConnectionError:
+            # The client left; the finally of the caller closes D's stream.
+            log.debug("client disconnected rid=%s conv=%s", turn.rid, turn.conv)
+            return out, "cancelled"
+        if not done:
+            log.warning("%s stream ended without [DONE] rid=%s conv=%s %s=%s", d.role,
+                        turn.rid, turn.conv, d.role, d.url)
+            await self._end_with_error(out, f"{d.role} engine stream ended early")
+            return out, "stream_error"
+        self.ctx.metrics.observe_leg(leg, "ok", time.perf_counter() - t)
+        with contextlib.suppress(ConnectionError):
+            await out.write_eof()
+        return out, "ok"
+
+    async def _maybe_store(self, turn: Turn, d: Backend, filt: SSEFilter,
+                     collector: MessageCollector | None, stored: bool) -> bool:
+        if stored or filt.params is None:
+            return stored
+        await self.conversations.store_handle(turn, d, filt.params, collector)
+        return True
+
+    async def _end_with_error(self, out: web.StreamResponse, message: str) -> None:
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await out.write(error_event(message) + DONE)
+            await out.write_eof()
