@@ -15,7 +15,7 @@ def skip_reason() -> str | None:
     path = os.environ.get("KUBECONFIG")
     if not path:
         return ("KUBECONFIG is not set: e2e/cluster needs a real cluster (kind or EKS) with "
-                "the bidir-kv images; see the README, 'Testing on a cluster'")
+                "the bidir-kv images; see docs/testing.md, 'Testing on a cluster'")
     if not pathlib.Path(path.split(os.pathsep)[0]).expanduser().is_file():
         return f"KUBECONFIG={path}: no such file"
     try:
