@@ -65,7 +65,7 @@ class Rule:
         return self.says.format(*(f"{n} ({v})" for n, v in zip(names, values, strict=True)))
 
 
-# The thresholds policy's bound can never apply above the cap on every policy.
+# A thresholds bound above the cap that every policy obeys could never apply.
 LOCAL_PREFILL_UNDER_CAP = Rule(
     cel="{0} <= {1}", says="{0} must be at most {1}", holds=lambda local, cap: local <= cap)
 # The lease is renewed once per health check round: one late round must not release
@@ -75,7 +75,6 @@ LEASE_OUTLIVES_RENEWALS = Rule(
     says="{0} must be at least twice {1}: the lease is renewed once per health check round, "
     "and one late round must not release every conversation",
     holds=lambda lease, interval: lease >= 2 * interval)
-# A body the router accepts must fit in what it lets in flight.
 ONE_BODY_FITS_IN_FLIGHT = Rule(
     cel="{0} >= {1}", says="{0} must be at least {1}: a body the router accepts must fit",
     holds=lambda inflight, body: inflight >= body)
