@@ -46,6 +46,12 @@ async def _gone(client, kind, name):
     return await client.get(kind, "ns1", name) is None
 
 
+async def set_pods(client, n):
+    """What the StatefulSet controller reports while `n` pods exist (none run here)."""
+    await client.call("PATCH", KINDS["StatefulSet"].path("ns1", "tiny-decode", "status"),
+                      {"status": {"replicas": n}}, MERGE)
+
+
 async def _sts_image(client, image):
     sts = await client.get("StatefulSet", "ns1", "tiny-decode")
     return sts if sts["spec"]["template"]["spec"]["containers"][0]["image"] == image else None
@@ -74,6 +80,21 @@ async def test_autoscaled_decode_is_left_to_its_autoscaler(minimal):
         await op.idle()
         di = await client.get("DisaggregatedInference", "ns1", "tiny")
         assert di["status"]["decode"]["summary"] == "0/4"
+
+        # Scaled down while the leaving pods are still there (draining): the router keeps
+        # them, and the conversations they hold, until they are gone.
+        await set_pods(client, 4)
+        await client.call("PATCH", KINDS["StatefulSet"].path("ns1", "tiny-decode", "scale"),
+                          {"spec": {"replicas": 2}}, MERGE)
+        await op.idle()
+        assert await _decode_endpoints(client, 4)
+        await set_pods(client, 3)
+        await eventually(lambda: _decode_endpoints(client, 3), what="3 decode endpoints")
+        await set_pods(client, 2)
+        await eventually(lambda: _decode_endpoints(client, 2), what="2 decode endpoints")
+        await client.call("PATCH", KINDS["StatefulSet"].path("ns1", "tiny-decode", "scale"),
+                          {"spec": {"replicas": 4}}, MERGE)
+        await eventually(lambda: _decode_endpoints(client, 4), what="4 decode endpoints")
 
         # A change of the pod template is applied; the autoscaler's count stays.
         await client.call("PATCH", di_path("ns1", "tiny"),

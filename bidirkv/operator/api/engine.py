@@ -6,8 +6,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import Field, StringConstraints, field_validator, model_validator
+from pydantic import ConfigDict, Field, StringConstraints, field_validator, model_validator
 
+from bidirkv.operator.api.autoscaling import MAX_REPLICAS, AutoscalingSpec
 from bidirkv.operator.api.base import DnsName, _Model, check_annotations, check_labels
 from bidirkv.operator.api.pod import (
     EnvFromSource,
@@ -179,12 +180,33 @@ class EngineSpec(_Model):
         return self
 
 
+# Pods of a role that sets neither `replicas` nor `autoscaling`.
+DEFAULT_REPLICAS = 1
+
+
 class RoleSpec(_Model):
-    replicas: int = Field(
-        default=1,
+    model_config = ConfigDict(
+        **_Model.model_config,
+        json_schema_extra={"x-kubernetes-validations": [{
+            "rule": "!has(self.autoscaling) || !has(self.replicas)",
+            "message": "replicas must be unset when autoscaling is set: the autoscaler "
+            "decides the number of pods", "fieldPath": ".replicas"}]},
+    )
+
+    replicas: int | None = Field(
+        default=None,
         ge=1,
-        le=1024,
-        description="Number of engine pods of this role (each one vLLM server).",
+        le=MAX_REPLICAS,
+        description=f"Number of engine pods of this role (each one vLLM server); unset: "
+        f"{DEFAULT_REPLICAS}, or what the autoscaler decides when `autoscaling` is set "
+        "(the two are refused together).",
+    )
+    autoscaling: AutoscalingSpec | None = Field(
+        default=None,
+        description="Scale this role with a HorizontalPodAutoscaler or a KEDA ScaledObject "
+        "(one per role, owned by this resource and deleted when this is removed). The "
+        "operator then leaves the StatefulSet's replicas to the autoscaler and lists the "
+        "pods it runs in the router's config.",
     )
     tensor_parallel_size: int = Field(
         default=1,
@@ -254,3 +276,24 @@ class RoleSpec(_Model):
     )
     model_cache: ModelCacheSpec | None = Field(
         default=None, description="This role's model cache, instead of `engine.modelCache`.")
+
+    @model_validator(mode="after")
+    def _fixed_or_autoscaled(self) -> RoleSpec:
+        if self.autoscaling is not None and self.replicas is not None:
+            raise ValueError(f"replicas: {self.replicas} is a fixed count; leave it unset when "
+                             "autoscaling is set (the autoscaler decides the number of pods)")
+        return self
+
+    def fixed_replicas(self) -> int | None:
+        """The pods the spec asks for; None when the autoscaler decides."""
+        if self.autoscaling is not None:
+            return None
+        return DEFAULT_REPLICAS if self.replicas is None else self.replicas
+
+    def initial_replicas(self) -> int:
+        """The pods to start with: the fixed count, or the autoscaler's minimum."""
+        fixed = self.fixed_replicas()
+        if fixed is not None:
+            return fixed
+        assert self.autoscaling is not None
+        return self.autoscaling.min_replicas

@@ -176,17 +176,22 @@ class Controller:
 
     async def _observed_replicas(self, owner: Owner, spec: api.DisaggregatedInferenceSpec
                                  ) -> dict[str, int]:
-        """The replicas the autoscaler gave each autoscaled role's StatefulSet (watched:
-        its change reconciles, and the router's config follows)."""
+        """The pods of each autoscaled role's StatefulSet: the autoscaler's count, or more
+        while a pod it scaled away is still there (draining: the router keeps its
+        conversations until it is gone). Watched: a change reconciles, and the router's
+        config follows."""
         out: dict[str, int] = {}
         for role in ROLES:
             if getattr(spec, role).autoscaling is None:
                 continue
             key = ("StatefulSet", owner.namespace, child_name(owner, role))
             sts = self.children.get(key) or await self.client.get(*key)
-            replicas = ((sts or {}).get("spec") or {}).get("replicas")
-            if sts is not None and owned_by(sts, owner.uid) and isinstance(replicas, int):
-                out[role] = replicas
+            if sts is None or not owned_by(sts, owner.uid):
+                continue
+            counts = [(sts.get(part) or {}).get("replicas") for part in ("spec", "status")]
+            counts = [n for n in counts if isinstance(n, int)]
+            if counts:
+                out[role] = max(counts)
         return out
 
     async def _ensure_key(self, owner: Owner) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from bidirkv.operator.api import spec as api
+from bidirkv.operator.render.autoscaling import role_replicas
 from bidirkv.operator.render.children import Owner, child_name, router_url, selector_string
 from bidirkv.operator.render.drain import short_drain
 from bidirkv.roleconfig import ROLES, kv_fingerprint
@@ -119,7 +120,8 @@ def compute_status(
     rolling: list[str] = []
     for role in ROLES:
         sts = children.get(("StatefulSet", child_name(owner, role)))
-        desired = getattr(spec, role).replicas
+        seen = ((sts or {}).get("spec") or {}).get("replicas")
+        desired = role_replicas(spec, role, {role: seen} if isinstance(seen, int) else None)
         rs = _role_status(owner, desired, sts, role)
         status[role] = rs
         ok, reason, msg = _readiness(sts, desired, rs["ready"], "pods")

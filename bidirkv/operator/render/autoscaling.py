@@ -52,18 +52,17 @@ def target_of(auto: AutoscalingSpec, role: str) -> str:
 
 def role_replicas(spec: api.DisaggregatedInferenceSpec, role: str,
                   observed: Mapping[str, int] | None = None) -> int:
-    """Pods the role runs: the fixed count, or, when autoscaled, what its StatefulSet was
-    last seen scaled to (`observed`, by role) within the autoscaler's bounds (its minimum
-    before the StatefulSet was seen)."""
+    """Pods the role runs: the fixed count, or, when autoscaled, the pods its StatefulSet
+    was last seen with (`observed`, by role: controller.py counts a leaving pod until it
+    is gone), at least the autoscaler's minimum (all of it before the StatefulSet was
+    seen)."""
     role_spec = getattr(spec, role)
     fixed = role_spec.fixed_replicas()
     if fixed is not None:
         return fixed
     auto = role_spec.autoscaling
-    seen = (observed or {}).get(role)
-    if seen is None:
-        return auto.min_replicas
-    return max(auto.min_replicas, min(seen, auto.max_replicas))
+    assert auto is not None
+    return max(auto.min_replicas, (observed or {}).get(role, 0))
 
 
 def _scale_target(owner: Owner, role: str) -> dict[str, str]:

@@ -206,13 +206,16 @@ def engine_pod_template(
 def engine_statefulset(
     owner: Owner, spec: api.DisaggregatedInferenceSpec, role: str, placement: Placement = POD
 ) -> dict[str, Any]:
+    replicas = getattr(spec, role).fixed_replicas()
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": child_metadata(owner, role),
         "spec": {
             "serviceName": child_name(owner, role),
-            "replicas": getattr(spec, role).replicas,
+            # Autoscaled: left out, so the operator never writes over the autoscaler's
+            # choice (reconcile/diff.py keeps the live value on a replace).
+            **({"replicas": replicas} if replicas is not None else {}),
             # Engines load independently; ordered start would serialise model loads.
             "podManagementPolicy": "Parallel",
             # Updates are not affected by Parallel: one pod at a time, each drained.
