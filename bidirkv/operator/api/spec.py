@@ -2,9 +2,11 @@
 
 Field names are the CRD's (camelCase); where a field maps to a vLLM knob its description
 names the vLLM setting, so the CRD reference and vLLM's docs can be read side by side.
-Cross-field rules live here too (as CEL, see `CEL_RULES`), so the CRD and the operator
-enforce the same invariants. The parts live in spec*.py modules by subject; this module
-is the whole and what the rest of the code imports.
+The knobs the router and the engines read too are defined once in bidirkv/knobs.py (the
+`router` and `kvTransfer` sections build on them). Rules across sections live here, as
+CEL (`CEL_RULES`) and in Python (`cross_field_errors`), so the CRD and the operator
+enforce the same invariants. The parts live in the modules beside this one by subject;
+this module is the whole and what the rest of the code imports.
 """
 
 from __future__ import annotations
