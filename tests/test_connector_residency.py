@@ -401,9 +401,53 @@ def test_the_block_totals_agree_with_a_recount_under_random_traffic():
         going = {b for h in res.held.values() if h.state == "releasing" for b in h.ids}
         assert res.kept_blocks() == len(kept), step
         assert res.releasing_blocks() == len(going - kept), step
+        st = res.stats()
+        assert st["retainedBlocks"] == len(kept | going), step
+        assert st["grantedBlocks"] == sum(h.blocks for h in res.held.values()
+                                          if h.state == "granted"), step
 
 
 def test_blocks_wanted_leaves_out_what_prefix_caching_shares():
     # 100 tokens: 7 blocks of 16; 5 of them are held by a retained turn it extends.
     assert blocks_wanted(100, 16, 3, shared=5) == 2 + 3
     assert blocks_wanted(100, 16, 0, shared=99) == 0
+
+
+def test_owners_are_bounded_and_a_refused_owner_changes_nothing():
+    res, clock = make(max_owners=2)
+    assert res.renew("a", 30) is None and res.renew("b", 30) is None
+    refused = res.renew("c", 30)
+    assert "refused" in refused and "2 owners" in refused
+    assert res.renew("a", 60) is None  # a known owner still renews
+    assert sorted(res.owners) == ["a", "b"]
+    # A request retained for an owner decode has no room for keeps no lease to lapse.
+    res.retain("x", 1, "c", clock.t + 100)
+    assert res.held["x"].owner is None and "c" not in res.owners
+    clock.t += 45
+    assert res.expire_owners() == 0 and res.take_pending() == []
+
+
+class NoWalk(dict):
+    """`held` that refuses to be walked: the report and the lease check must not."""
+
+    def _walk(self, *a):
+        raise AssertionError("walked every retained request")
+
+    __iter__ = values = items = keys = _walk
+
+
+def test_the_report_and_lapsed_leases_walk_no_retained_requests():
+    res, clock = make(owner_lease_s=10)
+    for i in range(50):
+        res.retain(f"r{i}", 2, "gone" if i % 10 == 0 else "alive", clock.t + 100,
+                   block_ids=range(i, i + 2))
+    res.grant("r1")
+    res.release(["r2"])
+    res.held = NoWalk(res.held)
+    st = res.stats()
+    assert (st["retainedRequests"], st["grantedBlocks"], st["releasingBlocks"]) == (50, 2, 0)
+    assert st["retainedBlocks"] == 51  # ids 0..50: neighbours share one block
+    res.renew("alive", 100)
+    clock.t += 11
+    assert res.expire_owners() > 0
+    assert sorted(res.take_pending()) == sorted(["r2"] + [f"r{i}" for i in range(0, 50, 10)])

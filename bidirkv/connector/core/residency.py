@@ -55,6 +55,10 @@ CAUSES = ("router", "owner_gone", "pressure", "watermark")
 GRANT_MARGIN_S = 10.0
 # A request retained before its owner's first heartbeat gets this long to be renewed.
 DEFAULT_OWNER_LEASE_S = 30.0
+# Owners (router processes) decode tracks at once: the routers of one resource and their
+# restarts within a lease. Past it a new owner is refused (its requests are then kept
+# for vLLM's TTL and pressure only), so no caller grows the table the scheduler scans.
+MAX_OWNERS = 256
 
 
 @dataclass
@@ -82,6 +86,7 @@ class Residency:
     # Retention order: the first entry is the oldest, the first to yield.
     held: OrderedDict[str, Held] = field(default_factory=OrderedDict)
     owners: dict[str, float] = field(default_factory=dict)  # owner -> lease deadline
+    max_owners: int = MAX_OWNERS
     released: Counter = field(default_factory=Counter)  # cause -> requests
     freed: Counter = field(default_factory=Counter)  # read | expired | released
     grants: int = 0
@@ -94,8 +99,11 @@ class Residency:
     _kept: int = 0
     _parked: int = 0  # entries in state HELD: retained, nothing acting on them
     _releasing: int = 0
+    _granted: int = 0  # entries' blocks in state GRANTED (each entry's own count)
     _pins: dict[int, int] = field(default_factory=dict)  # block id -> kept entries
     _rel: dict[int, int] = field(default_factory=dict)  # block id -> releasing entries
+    # Entries in state HELD per owner: what a lapsed lease releases, without a walk.
+    _owned: dict[str, dict[str, Held]] = field(default_factory=dict)
     # Entries in state HELD (the only releasable ones) per tenant, oldest first, and
     # their blocks: what fair reclaiming picks from, through two indexes (releaseorder.py):
     # the tenant holding the most, and each tenant's order of release.
@@ -127,7 +135,12 @@ class Residency:
             self._move(h, kept=1)
             self._parked += 1
             if owner is not None and owner not in self.owners:
-                self.owners[owner] = now + self.owner_lease_s
+                if len(self.owners) < self.max_owners:
+                    self.owners[owner] = now + self.owner_lease_s
+                else:
+                    h.owner = None  # no lease to lapse: vLLM's TTL and pressure free it
+            if h.owner is not None:
+                self._owned.setdefault(h.owner, {})[req_id] = h
 
     def on_freed(self, req_ids: Iterable[str]) -> None:
         """vLLM freed these requests' blocks (read, TTL, or a release we asked for)."""
@@ -141,6 +154,8 @@ class Residency:
                     self.freed["released"] += 1
                 else:
                     self._move(h, kept=-1)
+                    if h.state == GRANTED:
+                        self._granted -= h.blocks
                     if h.state == HELD:
                         self._parked -= 1
                         self._unfree(h)
@@ -178,6 +193,9 @@ class Residency:
 
     def _unfree(self, h: Held) -> None:
         """Caller holds the lock: `h` leaves state HELD."""
+        owned = self._owned.get(h.owner) if h.owner is not None else None
+        if owned is not None and owned.pop(h.req_id, None) is not None and not owned:
+            del self._owned[h.owner]
         t = h.tenant
         mine = self._free.get(t)
         if mine is not None and mine.pop(h.req_id, None) is not None:
@@ -208,21 +226,28 @@ class Residency:
             return sum(self._release(h, cause) for rid in req_ids
                        if (h := self.held.get(rid)) is not None)
 
-    def renew(self, owner: str, lease_s: float) -> None:
+    def renew(self, owner: str, lease_s: float) -> str | None:
+        """Extend `owner`'s lease to `lease_s` from now; why not (None: done)."""
         with self.lock:
+            if owner not in self.owners and len(self.owners) >= self.max_owners:
+                return (f"owner {owner[:64]!r} refused: decode already tracks "
+                        f"{len(self.owners)} owners, the most it keeps (MAX_OWNERS "
+                        f"{self.max_owners}); others' leases must lapse first")
             self.owners[owner] = self.clock() + lease_s
+            return None
 
     def expire_owners(self) -> int:
-        """Release what belongs to owners whose lease lapsed; blocks released."""
+        """Release what belongs to owners whose lease lapsed; blocks released. Costs the
+        owners (bounded) and the lapsed owners' own entries, not a walk of `held`."""
         now = self.clock()
         with self.lock:
-            gone = {o for o, t in self.owners.items() if t <= now}
-            if not gone:
-                return 0
+            gone = [o for o, t in self.owners.items() if t <= now]
+            got = 0
             for o in gone:
                 del self.owners[o]
-            return sum(self._release(h, "owner_gone") for h in list(self.held.values())
-                       if h.owner in gone)
+                for h in list(self._owned.pop(o, {}).values()):
+                    got += self._release(h, "owner_gone")
+            return got
 
     def reclaim(self, blocks: int, cause: str = "pressure") -> int:
         """Release whole entries until `blocks` are on their way (an entry whose blocks
@@ -262,6 +287,7 @@ class Residency:
                 self._unfree(h)
                 h.state = GRANTED
                 self._parked -= 1
+                self._granted += h.blocks
                 self.grants += 1
                 return True, "granted"
             # released_<cause>: a read refused after pressure differs from one after the
@@ -283,15 +309,15 @@ class Residency:
         return self._parked
 
     def stats(self) -> dict:
+        """The report of the residency route: running totals and counters of bounded
+        labels, never a walk of `held` (the route is called every few seconds)."""
         with self.lock:
-            by_state = Counter()
-            for h in self.held.values():
-                by_state[h.state] += h.blocks
             return {
                 "retainedRequests": len(self.held),
-                "retainedBlocks": sum(by_state.values()),
-                "grantedBlocks": by_state[GRANTED],
-                "releasingBlocks": by_state[RELEASING],
+                # Blocks as vLLM holds them: one a shared prefix, once.
+                "retainedBlocks": self._kept + self._releasing,
+                "grantedBlocks": self._granted,
+                "releasingBlocks": self._releasing,
                 "owners": len(self.owners),
                 "released": dict(self.released),
                 "freed": dict(self.freed),

@@ -118,7 +118,9 @@ def residency_utility(engine: Any, body: dict) -> dict:
         return out
     owner, lease_s = body.get("owner"), body.get("leaseSeconds")
     if isinstance(owner, str) and isinstance(lease_s, int | float):
-        res.renew(owner, float(lease_s))
+        if refused := res.renew(owner, float(lease_s)):
+            # Nothing of the call is done: the router keeps its releases for the retry.
+            return {**out, "refused": refused}
     out["releasedBlocks"] = res.release(body.get("release") or (), "router")
     out.update(res.stats())
     return out
