@@ -5,6 +5,10 @@ plugin (checks it), and owned by neither.
 wall-clock expiry. Decode keeps a request's KV and hands out a handle only when the
 request carries a valid proof it has not seen before, so only the router, which holds
 the key, can obtain handles (bidirkv/connector/core/handles.py).
+
+The same key signs every call to the engines' residency route (`sign_residency`, checked
+by bidirkv/connector/endpoint.py): only its holders renew leases, release retained KV or
+read decode's report.
 """
 
 from __future__ import annotations
@@ -49,4 +53,57 @@ def proof_problem(proof: Any, keys: Sequence[bytes],
         return "router proof does not match"
     if first_use is not None and not first_use(nonce):
         return "router proof already used"
+    return None
+
+
+# -- the residency route's signature ---------------------------------------------------------
+# `POST /bidirkv/residency` on the engines renews leases, releases retained KV and reports
+# it, so only holders of the handle key may call it. Each call carries
+# `X-Bidirkv-Auth: <unix seconds>.<mac>`, an HMAC with the handle key over the method,
+# the path, the time and the body's SHA-256: the key never goes on the wire, a captured
+# header is good for that one body for AUTH_SKEW_S only (replaying it repeats the same
+# renewal and releases), and a MAC of another purpose (a proof, a handle) never fits it.
+RESIDENCY_AUTH_HEADER = "X-Bidirkv-Auth"
+AUTH_SKEW_S = 60  # allowed clock skew between the pods, either way
+RESIDENCY_AUTH_SCHEME = "Bidirkv-HMAC-SHA256"  # named in a refusal's WWW-Authenticate
+
+
+def residency_mac(key: bytes, method: str, path: str, stamp: int, body: bytes) -> str:
+    digest = hashlib.sha256(body).hexdigest()
+    msg = f"bidirkv-residency/1|{method.upper()}|{path}|{stamp}|{digest}".encode()
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
+def sign_residency(key: bytes, path: str, body: bytes, now: float | None = None,
+                   method: str = "POST") -> str:
+    """The `X-Bidirkv-Auth` value for this call."""
+    stamp = int(time.time() if now is None else now)
+    return f"{stamp}.{residency_mac(key, method, path, stamp, body)}"
+
+
+def residency_stamp_problem(header: Any, now: float | None = None) -> str | None:
+    """What is wrong with the header before its body is read (None: its form and time
+    are fine): a caller without the key costs no body read."""
+    if header is None:
+        return f"missing {RESIDENCY_AUTH_HEADER} header (an HMAC with the handle key)"
+    parts = header.split(".") if isinstance(header, str) and len(header) <= 128 else []
+    if len(parts) != 2 or not parts[0].isdigit() or len(parts[1]) != 64:
+        return f"malformed {RESIDENCY_AUTH_HEADER} header: expected <unix seconds>.<64 hex>"
+    t = time.time() if now is None else now
+    if abs(int(parts[0]) - t) > AUTH_SKEW_S:
+        return (f"{RESIDENCY_AUTH_HEADER} time {parts[0]} is more than {AUTH_SKEW_S} s from "
+                f"this engine's clock ({int(t)})")
+    return None
+
+
+def residency_auth_problem(header: Any, keys: Sequence[bytes], path: str, body: bytes,
+                           now: float | None = None, method: str = "POST") -> str | None:
+    """Why this call does not show a holder of one of `keys` made it (None: it does)."""
+    if problem := residency_stamp_problem(header, now):
+        return problem
+    stamp, mac = header.split(".")
+    if not any(hmac.compare_digest(mac, residency_mac(k, method, path, int(stamp), body))
+               for k in keys if k):
+        return (f"{RESIDENCY_AUTH_HEADER} does not match this body under the handle key "
+                "(another key, or the body changed on the way)")
     return None

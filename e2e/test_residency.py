@@ -9,6 +9,7 @@ request waits on blocks that are only kept for reuse.
 from __future__ import annotations
 
 import importlib.util
+import json
 import time
 import urllib.error
 import urllib.request
@@ -21,10 +22,12 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
 
 from bidirkv.connector.core import lease  # noqa: E402
 from bidirkv.local.model import build_model, random_text  # noqa: E402
+from bidirkv.proof import RESIDENCY_AUTH_HEADER, sign_residency  # noqa: E402
 from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION, VERSION_KEY
 
 from .vllm_stack import (  # noqa: E402
     BLOCK,
+    KEY,
     chat,
     decode_leg,
     metric,
@@ -57,8 +60,22 @@ def stack(tmp_path_factory):
         yield s
 
 
+def signed_post(url: str, body: dict, key: str = KEY) -> tuple[int, dict]:
+    """POST to the residency route as the router does: signed with the handle key."""
+    raw = json.dumps(body).encode()
+    req = urllib.request.Request(url, raw, {
+        "Content-Type": "application/json",
+        RESIDENCY_AUTH_HEADER: sign_residency(key.encode(), RESIDENCY_PATH, raw)})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
 def residency(s, **body) -> dict:
-    status, out = post(s.d_url + RESIDENCY_PATH, {**body, RESIDENCY_VERSION_FIELD: VERSION})
+    status, out = signed_post(s.d_url + RESIDENCY_PATH,
+                              {**body, RESIDENCY_VERSION_FIELD: VERSION})
     assert status == 200, out
     return out
 
@@ -96,13 +113,18 @@ def reference(s, body: dict) -> str:
 def test_residency_route_reports_capacity(stack):
     out = residency(stack)
     assert out["enabled"] and out["numBlocks"] == DECODE_BLOCKS
-    status, err = post(stack.d_url + RESIDENCY_PATH,
-                       {"release": "all", RESIDENCY_VERSION_FIELD: VERSION})
+    status, err = signed_post(stack.d_url + RESIDENCY_PATH,
+                              {"release": "all", RESIDENCY_VERSION_FIELD: VERSION})
     assert status == 400 and "release must be a list" in err["error"]["message"]
     # A caller of another wire version (or none) is refused as a whole, and told which.
-    status, err = post(stack.d_url + RESIDENCY_PATH, {"release": []})
+    status, err = signed_post(stack.d_url + RESIDENCY_PATH, {"release": []})
     assert status == 409 and err["error"]["type"] == "wire_version", err
     assert err["error"]["version"] == VERSION
+    # Only holders of the handle key may call: unsigned, or signed with another key.
+    for status, err in (post(stack.d_url + RESIDENCY_PATH, {RESIDENCY_VERSION_FIELD: VERSION}),
+                        signed_post(stack.d_url + RESIDENCY_PATH,
+                                    {RESIDENCY_VERSION_FIELD: VERSION}, key="not the key")):
+        assert status == 401 and err["error"]["type"] == "unauthorized", err
 
 
 def test_release_on_the_routers_word_then_prefill_recomputes(stack):

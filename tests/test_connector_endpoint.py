@@ -14,7 +14,130 @@ def test_a_batch_with_bad_ids_is_taken_and_the_bad_ones_skipped():
 
 @pytest.mark.parametrize("body, word", [
     ([], "JSON object"), ({"owner": "r"}, "go together"), ({"nope": 1}, "unknown keys"),
-    ({"release": "a"}, "list"), ({"owner": "r", "leaseSeconds": 0}, "1-86400"),
+    ({"release": "a"}, "list"), ({"owner": "r", "leaseSeconds": 0}, "1-3600"),
+    # A day-long lease (what anyone on the port could ask for) names the field, the
+    # value and the most decode grants.
+    ({"owner": "r", "leaseSeconds": 86400}, "leaseSeconds 86400: must be a number in 1-3600"),
 ])
 def test_what_is_still_refused(body, word):
     assert word in body_problem(body)
+
+
+# -- authentication: only holders of the handle key call the route ----------------------------
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+from bidirkv.connector.endpoint import (  # noqa: E402
+    MAX_BODY,
+    ResidencyEndpoint,
+    answer,
+)
+from bidirkv.proof import (  # noqa: E402
+    AUTH_SKEW_S,
+    RESIDENCY_AUTH_HEADER,
+    sign_residency,
+)
+from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION  # noqa: E402
+
+KEY = b"k" * 32
+
+
+def signed(body: dict, key: bytes = KEY, now: float | None = None) -> tuple[str, bytes]:
+    raw = json.dumps(body).encode()
+    return sign_residency(key, RESIDENCY_PATH, raw, now), raw
+
+
+class Engine:
+    def __init__(self, out: dict | None = None) -> None:
+        self.calls: list[dict] = []
+        self.out = out
+
+    async def __call__(self, body: dict) -> dict:
+        self.calls.append(body)
+        return dict(self.out or {"enabled": True, "releasedBlocks": 0})
+
+
+def run(auth, raw, call, keys=(KEY,)):
+    return asyncio.run(answer(auth, raw, keys, call))
+
+
+BODY = {"owner": "router-a", "leaseSeconds": 30, "release": ["r1"],
+        RESIDENCY_VERSION_FIELD: VERSION}
+
+
+def test_a_signed_call_reaches_the_engine():
+    engine = Engine()
+    auth, raw = signed(BODY)
+    status, out = run(auth, raw, engine)
+    assert status == 200, out
+    assert engine.calls == [{"owner": "router-a", "leaseSeconds": 30, "release": ["r1"]}]
+    # The previous key is accepted while a rotation rolls out.
+    auth, raw = signed(BODY, key=b"old" * 11)
+    assert run(auth, raw, engine, keys=(KEY, b"old" * 11))[0] == 200
+
+
+@pytest.mark.parametrize("make_auth, word", [
+    (lambda raw: None, f"missing {RESIDENCY_AUTH_HEADER}"),
+    (lambda raw: "garbage", "malformed"),
+    (lambda raw: sign_residency(b"another key" * 3, RESIDENCY_PATH, raw), "does not match"),
+    (lambda raw: sign_residency(KEY, RESIDENCY_PATH, raw, time.time() - AUTH_SKEW_S - 5),
+     "more than 60 s"),
+    (lambda raw: sign_residency(KEY, RESIDENCY_PATH, raw + b" "), "does not match"),
+    (lambda raw: sign_residency(KEY, "/v1/chat/completions", raw), "does not match"),
+])
+def test_a_call_without_a_valid_signature_is_refused_and_does_nothing(make_auth, word):
+    engine = Engine()
+    raw = json.dumps(BODY).encode()
+    status, out = run(make_auth(raw), raw, engine)
+    assert status == 401 and out["error"]["type"] == "unauthorized"
+    assert word in out["error"]["message"], out
+    assert engine.calls == []
+
+
+def test_an_engine_without_a_key_trusts_no_caller():
+    auth, raw = signed(BODY)
+    status, out = run(auth, raw, Engine(), keys=())
+    assert status == 401 and "BIDIRKV_HANDLE_KEY" in out["error"]["message"]
+
+
+def test_a_signed_call_of_another_version_or_a_bad_body_is_still_refused():
+    auth, raw = signed({"release": []})
+    assert run(auth, raw, Engine())[0] == 409
+    auth, raw = signed({"owner": "r", "leaseSeconds": 86400, RESIDENCY_VERSION_FIELD: VERSION})
+    status, out = run(auth, raw, Engine())
+    assert status == 400 and "1-3600" in out["error"]["message"]
+
+
+def test_an_owner_decode_has_no_room_for_is_answered_429():
+    refused = "owner 'x' refused: decode already tracks 256 owners"
+    auth, raw = signed(BODY)
+    status, out = run(auth, raw, Engine({"enabled": True, "refused": refused}))
+    assert status == 429 and out["error"] == {"message": refused, "type": "too_many_owners"}
+
+
+def test_the_route_checks_the_signature_before_reading_the_body(monkeypatch):
+    """Through FastAPI, as vLLM mounts it: 401 with a challenge, 413 past the size bound."""
+    fastapi = pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    monkeypatch.setenv("BIDIRKV_HANDLE_KEY", KEY.decode())
+    monkeypatch.delenv("BIDIRKV_HANDLE_KEY_PREVIOUS", raising=False)
+    app = fastapi.FastAPI()
+    ResidencyEndpoint().attach_router(app)
+    engine = Engine()
+    app.state.bidirkv_engine = type("Client", (), {"engine_core": type(
+        "Core", (), {"call_utility_async": staticmethod(
+            lambda name, body: engine(body))})()})()
+    client = TestClient(app)
+    raw = json.dumps(BODY).encode()
+    r = client.post(RESIDENCY_PATH, content=raw)
+    assert r.status_code == 401 and "WWW-Authenticate" in r.headers
+    assert f"missing {RESIDENCY_AUTH_HEADER}" in r.json()["error"]["message"]
+    r = client.post(RESIDENCY_PATH, content=raw,
+                    headers={RESIDENCY_AUTH_HEADER: sign_residency(KEY, RESIDENCY_PATH, raw)})
+    assert r.status_code == 200 and len(engine.calls) == 1
+    big = b"x" * (MAX_BODY + 1)
+    r = client.post(RESIDENCY_PATH, content=big,
+                    headers={RESIDENCY_AUTH_HEADER: sign_residency(KEY, RESIDENCY_PATH, big)})
+    assert r.status_code == 413 and len(engine.calls) == 1

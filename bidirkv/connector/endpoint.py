@@ -9,22 +9,44 @@ The router calls it on each decode replica (residency.py has the semantics):
 It renews the owner's lease (its handles survive only while it calls), frees the blocks of
 handles the router dropped, and reports decode's capacity. `"drain": true` (sent by the
 launcher on SIGTERM, bidirkv/connector/supervise.py) marks the engine draining: the report
-then says `"draining": true`, and the router places nothing new there. Loaded through vLLM's
+then says `"draining": true`, and the router places nothing new there.
+
+Only holders of the resource's handle key may call it: each call is signed
+(`X-Bidirkv-Auth`, bidirkv/proof.py: an HMAC over the method, the path, a time and the
+body's digest), so the key never travels and a captured signature fits one body for a
+minute. vLLM's API key guards only its own routes, and the engine port is open to
+whoever the NetworkPolicy lets scrape metrics. What a caller can make decode keep is
+bounded: owners (core/residency.py MAX_OWNERS), a lease's length (MAX_LEASE_S), a body's
+size and its releases; the report is running totals, never a walk of what is retained.
+Loaded through vLLM's
 `vllm.endpoint_plugins` entry point, which vLLM loads only when `VLLM_PLUGINS` names it
 (the operator sets `VLLM_PLUGINS=bidirkv` on engine pods). The work runs in the engine
 core as a utility call (`EngineCore.bidirkv_residency`, patches/residency.py), between steps,
 where the scheduler owns the blocks.
 """
 
-
+import json
 import math
+import os
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from bidirkv.connector.settings import Settings
+from bidirkv.proof import (
+    RESIDENCY_AUTH_HEADER,
+    RESIDENCY_AUTH_SCHEME,
+    residency_auth_problem,
+    residency_stamp_problem,
+)
 from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION, version_problem
 
 MAX_RELEASE = 10_000
 MAX_OWNER = 128
 MAX_ID = 512
+# The longest owner lease decode grants: the CRD's bound on kvTransfer.ownerLeaseSeconds.
+MAX_LEASE_S = 3600
+# The largest body read: a full release batch of the longest ids, and the rest.
+MAX_BODY = MAX_RELEASE * (MAX_ID + 4) + 4096
 
 
 def body_problem(body: Any) -> str | None:
@@ -45,9 +67,10 @@ def body_problem(body: Any) -> str | None:
         return f"owner must be a string of 1-{MAX_OWNER} characters"
     if lease_s is not None and not (
         isinstance(lease_s, int | float) and not isinstance(lease_s, bool)
-        and math.isfinite(lease_s) and 1 <= lease_s <= 86400
+        and math.isfinite(lease_s) and 1 <= lease_s <= MAX_LEASE_S
     ):
-        return f"leaseSeconds {lease_s!r}: must be a number in 1-86400"
+        return (f"leaseSeconds {lease_s!r}: must be a number in 1-{MAX_LEASE_S} (the longest "
+                "owner lease decode grants)")
     release = body.get("release", [])
     if not isinstance(release, list) or len(release) > MAX_RELEASE:
         return f"release must be a list of at most {MAX_RELEASE} request ids"
@@ -63,6 +86,62 @@ def valid_ids(release: list) -> tuple[list[str], int]:
     return ok, len(release) - len(ok)
 
 
+def _error(status: int, kind: str, message: str, **extra: Any) -> tuple[int, dict]:
+    return status, {"error": {"message": message, "type": kind, **extra}}
+
+
+def unauthorized(auth: Any, keys: Sequence[bytes], raw: bytes | None) -> str | None:
+    """Why the call is refused with 401 (None: a holder of the key made it). `raw`
+    None: the body is not read yet, only the header's form and time are checked."""
+    if not keys:
+        return "this engine has no handle key (BIDIRKV_HANDLE_KEY): no caller can be trusted"
+    if raw is None:
+        return residency_stamp_problem(auth)
+    return residency_auth_problem(auth, keys, RESIDENCY_PATH, raw)
+
+
+async def answer(auth: Any, raw: bytes, keys: Sequence[bytes],
+                 call: Callable[[dict], Awaitable[Any]] | None) -> tuple[int, dict]:
+    """(status, JSON) of one call; `call` runs the engine's utility (None: no engine)."""
+    if problem := unauthorized(auth, keys, raw):
+        return _error(401, "unauthorized", problem)
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and (problem := version_problem(
+            body.get(RESIDENCY_VERSION_FIELD), "the residency call")):
+        return _error(409, "wire_version", problem, version=VERSION)
+    if (problem := body_problem(body)) is not None:
+        return _error(400, "invalid_request", problem)
+    if call is None:
+        return _error(503, "unavailable", "no engine")
+    release, skipped = valid_ids(body.get("release") or [])
+    body = {k: v for k, v in body.items() if k != RESIDENCY_VERSION_FIELD}
+    if "release" in body:
+        body = {**body, "release": release}
+    out = await call(body)
+    if isinstance(out, dict) and isinstance(out.get("refused"), str):
+        return _error(429, "too_many_owners", out["refused"])
+    if skipped and isinstance(out, dict):
+        out["skippedIds"] = skipped
+    return 200, out
+
+
+async def read_bounded(request: Any, limit: int = MAX_BODY) -> bytes | None:
+    """The request's body, or None when it is longer than `limit` (not read further)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class ResidencyEndpoint:
     """vLLM EndpointPlugin (vllm/plugins/endpoint_plugins/interface.py)."""
 
@@ -73,32 +152,28 @@ class ResidencyEndpoint:
         from fastapi import Request
         from fastapi.responses import JSONResponse
 
+        keys = Settings.from_env(os.environ).handle_keys
+        challenge = {"WWW-Authenticate":
+                     f'{RESIDENCY_AUTH_SCHEME} header="{RESIDENCY_AUTH_HEADER}"'}
+
+        def reply(status: int, out: Any) -> JSONResponse:
+            return JSONResponse(out, status_code=status,
+                                headers=challenge if status == 401 else None)
+
         # No postponed annotations in this module: FastAPI reads `Request` at runtime.
         async def residency(request: Request) -> JSONResponse:
-            try:
-                body = await request.json()
-            except ValueError:
-                body = None
-            if isinstance(body, dict) and (problem := version_problem(
-                    body.get(RESIDENCY_VERSION_FIELD), "the residency call")):
-                return JSONResponse({"error": {"message": problem, "type": "wire_version",
-                                               "version": VERSION}}, status_code=409)
-            problem = body_problem(body)
-            if problem is not None:
-                return JSONResponse({"error": {"message": problem, "type": "invalid_request"}},
-                                    status_code=400)
+            auth = request.headers.get(RESIDENCY_AUTH_HEADER)
+            # A caller without a fresh signature costs no body read.
+            if problem := unauthorized(auth, keys, None):
+                return reply(*_error(401, "unauthorized", problem))
+            raw = await read_bounded(request)
+            if raw is None:
+                return reply(*_error(413, "invalid_request",
+                                     f"the body is longer than {MAX_BODY} bytes"))
             engine = getattr(request.app.state, "bidirkv_engine", None)
-            if engine is None:
-                return JSONResponse({"error": {"message": "no engine", "type": "unavailable"}},
-                                    status_code=503)
-            release, skipped = valid_ids(body.get("release") or [])
-            body = {k: v for k, v in body.items() if k != RESIDENCY_VERSION_FIELD}
-            if "release" in body:
-                body = {**body, "release": release}
-            out = await engine.engine_core.call_utility_async("bidirkv_residency", body)
-            if skipped and isinstance(out, dict):
-                out["skippedIds"] = skipped
-            return JSONResponse(out)
+            call = None if engine is None else (
+                lambda body: engine.engine_core.call_utility_async("bidirkv_residency", body))
+            return reply(*await answer(auth, raw, keys, call))
 
         app.add_api_route(RESIDENCY_PATH, residency, methods=["POST"], include_in_schema=False)
 

@@ -10,6 +10,7 @@ when a signal ended it, as a shell reports it).
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 from bidirkv.connector.drain import FORWARD, decide, readable_blocks
+from bidirkv.connector.settings import Settings
+from bidirkv.proof import RESIDENCY_AUTH_HEADER, sign_residency
 from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION
 
 POLL_S = 0.5
@@ -53,8 +56,13 @@ def ask_drain(url: str, timeout: float = CALL_TIMEOUT_S) -> dict[str, Any] | Non
     """Tell the engine it is draining; its residency report, or None when it did not
     answer with one."""
     body = json.dumps({"drain": True, RESIDENCY_VERSION_FIELD: VERSION}).encode()
+    headers = {"Content-Type": "application/json"}
+    # The route answers only holders of the handle key (connector/endpoint.py), which
+    # the launcher has: it is the engine's own environment.
+    if key := Settings.from_env(os.environ).handle_key:
+        headers[RESIDENCY_AUTH_HEADER] = sign_residency(key, RESIDENCY_PATH, body)
     req = urllib.request.Request(url + RESIDENCY_PATH, data=body, method="POST",
-                                 headers={"Content-Type": "application/json"})
+                                 headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             report = json.loads(resp.read())

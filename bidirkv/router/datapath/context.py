@@ -75,7 +75,8 @@ class Context:
         self.prefill = Pool(PREFILL, cfg.prefill)
         self.decode = Pool(DECODE, cfg.decode)
         self.residency = ResidencyClient(cfg.owner_lease_seconds, self.timeouts.probe,
-                                         on_result=self._on_residency_call)
+                                         on_result=self._on_residency_call,
+                                         handle_key=handle_key)
         # The request spans and their exporters (tracing.py); a reload may replace them.
         # First: a span file that cannot be opened stops the start before anything else.
         self.traces = Traces(cfg.tracing)

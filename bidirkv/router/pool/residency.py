@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 
+from bidirkv.proof import RESIDENCY_AUTH_HEADER, sign_residency
 from bidirkv.router.codec import dumps, loads
 from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION
 
@@ -57,12 +58,14 @@ class ResidencyClient:
 
     def __init__(self, lease_seconds: float, timeout: aiohttp.ClientTimeout,
                  on_result: Callable[[str, str, int], None] | None = None,
-                 owner: str | None = None) -> None:
+                 owner: str | None = None, handle_key: bytes | None = None) -> None:
         # A new id per process: a restarted router is a new owner, and decode frees the
         # old one's blocks when its lease lapses.
         self.owner = owner or f"router-{uuid.uuid4().hex[:16]}"
         self.lease_seconds = lease_seconds
         self.timeout = timeout
+        # Signs every call (bidirkv/proof.py): the engines answer 401 to anyone else.
+        self.handle_key = handle_key
         self.replicas: dict[str, Replica] = {}
         self._on_result = on_result or (lambda url, result, n: None)
         self._wake = asyncio.Event()
@@ -129,9 +132,14 @@ class ResidencyClient:
         batch, r.pending = r.pending[:BATCH], r.pending[BATCH:]
         body = {"owner": self.owner, "leaseSeconds": self.lease_seconds, "release": batch,
                 RESIDENCY_VERSION_FIELD: VERSION}
+        data = dumps(body)
+        headers = {"Content-Type": "application/json"}
+        if self.handle_key:
+            headers[RESIDENCY_AUTH_HEADER] = sign_residency(self.handle_key, RESIDENCY_PATH,
+                                                            data)
         try:
-            async with session.post(url + RESIDENCY_PATH, data=dumps(body), timeout=self.timeout,
-                                    headers={"Content-Type": "application/json"}) as resp:
+            async with session.post(url + RESIDENCY_PATH, data=data, timeout=self.timeout,
+                                    headers=headers) as resp:
                 raw, status = await resp.read(), resp.status
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             # Kept for the next round (bounded): a replica that was briefly away still
@@ -149,6 +157,15 @@ class ResidencyClient:
                         raw[:200])
             self._on_result(url, "refused", len(batch))
             return await self.call(session, url)
+        if status in (401, 429):
+            # 401: decode holds another handle key (a rotation half done) or this router
+            # none; 429: decode tracks as many owners as it keeps. Either way nothing was
+            # done: the releases wait for the next round.
+            self._requeue(r, batch)
+            self._on_result(url, "refused", len(batch))
+            log.warning("decode %s refused the residency call (%d): %s", url, status,
+                        raw[:200])
+            return False
         if status == 409:
             # Decode speaks another wire version: nothing it would do with the call is
             # what this router means. Keep the releases for after the upgrade settles.

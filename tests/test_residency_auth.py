@@ -1,0 +1,115 @@
+"""The router's residency client against the engines' check of it: every call is signed
+with the handle key, and a router holding another key (or none) is refused and keeps its
+releases. The engine side is bidirkv/connector/endpoint.py's `answer`, served by aiohttp
+in place of vLLM's FastAPI app (tests/test_connector_endpoint.py covers that mounting)."""
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from bidirkv.connector.endpoint import answer
+from bidirkv.proof import RESIDENCY_AUTH_HEADER
+from bidirkv.router.pool.residency import ResidencyClient
+from bidirkv.wire import RESIDENCY_PATH
+
+pytestmark = pytest.mark.timeout(30)
+
+KEY = b"k" * 32
+
+
+class Decode:
+    def __init__(self) -> None:
+        self.done: list[dict] = []
+        self.statuses: list[int] = []
+        self.url = ""
+
+    async def utility(self, body: dict) -> dict:
+        self.done.append(body)
+        return {"enabled": True, "numBlocks": 64, "releasedBlocks": len(body["release"])}
+
+    async def route(self, request: web.Request) -> web.Response:
+        status, out = await answer(request.headers.get(RESIDENCY_AUTH_HEADER),
+                                   await request.read(), (KEY,), self.utility)
+        self.statuses.append(status)
+        return web.json_response(out, status=status)
+
+
+@pytest.fixture
+async def decode():
+    d = Decode()
+    app = web.Application()
+    app.router.add_post(RESIDENCY_PATH, d.route)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    d.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    yield d
+    await runner.cleanup()
+
+
+async def call(client: ResidencyClient, url: str) -> bool:
+    async with aiohttp.ClientSession() as session:
+        return await client.call(session, url)
+
+
+async def test_a_router_with_the_key_renews_and_releases(decode):
+    client = ResidencyClient(30, aiohttp.ClientTimeout(total=5), handle_key=KEY)
+    client.release_ids(decode.url, ["r1", "r2"])
+    assert await call(client, decode.url)
+    assert decode.statuses == [200]
+    assert decode.done == [{"owner": client.owner, "leaseSeconds": 30,
+                            "release": ["r1", "r2"]}]
+    assert client.capacity(decode.url) == 64
+
+
+@pytest.mark.parametrize("key", [None, b"another key, another resource"])
+async def test_a_router_without_the_key_is_refused_and_keeps_its_releases(decode, key):
+    seen = []
+    client = ResidencyClient(30, aiohttp.ClientTimeout(total=5), handle_key=key,
+                             on_result=lambda url, result, n: seen.append((result, n)))
+    client.release_ids(decode.url, ["r1"])
+    assert not await call(client, decode.url)
+    assert decode.statuses == [401] and decode.done == []
+    assert seen == [("refused", 1)]
+    assert client.replicas[decode.url].pending == ["r1"]  # sent again next round
+
+
+def test_the_launchers_drain_call_is_signed_with_the_engines_key(monkeypatch):
+    """`bidir-kv serve` marks its engine draining on the same route: with the key of
+    the engine's environment, or the drain would never see the engine's report."""
+    import http.server
+    import json
+    import threading
+
+    from bidirkv.connector.supervise import ask_drain
+    from bidirkv.proof import residency_auth_problem
+
+    problems = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            raw = self.rfile.read(int(self.headers["Content-Length"]))
+            problem = residency_auth_problem(self.headers.get(RESIDENCY_AUTH_HEADER),
+                                             (KEY,), self.path, raw)
+            problems.append(problem)
+            out = json.dumps({"draining": True} if problem is None else {}).encode()
+            self.send_response(200 if problem is None else 401)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        monkeypatch.setenv("BIDIRKV_HANDLE_KEY", KEY.decode())
+        assert ask_drain(url) == {"draining": True} and problems == [None]
+        monkeypatch.setenv("BIDIRKV_HANDLE_KEY", "another key")
+        assert ask_drain(url) is None and "does not match" in problems[-1]
+    finally:
+        server.shutdown()
+        server.server_close()
