@@ -30,7 +30,7 @@ from bidirkv.router.request.validation import ClientError, parse_request
 
 log = logging.getLogger("bidirkv.router")
 
-# Bodies above this take their parse and hashing steps one at a time (Admission._turn).
+# Bodies above this take their parse and hashing steps one at a time (Intake._turn).
 BIG_BODY_BYTES = 256 * 1024
 # A body refused before it was read is still on its way, and the client may read the
 # answer only once it has sent it all (httpx does): it is read and dropped, but every
@@ -108,9 +108,10 @@ def request_id(client_id: str | None) -> str:
 Served = tuple[web.StreamResponse, str]
 
 
-class Admission:
-    """The router's admission: requests and body bytes in flight, the body read and
-    parsed, the turn built with its modes and its conversation named."""
+class Intake:
+    """The router's admission of client requests (the connector's `Admission` is of a
+    handle): requests and body bytes in flight, the body read and parsed, the turn built
+    with its modes and its conversation named."""
 
     def __init__(self, ctx: Context, conversations: Conversations) -> None:
         self.ctx = ctx

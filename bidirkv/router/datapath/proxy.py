@@ -30,7 +30,7 @@ import uuid
 from aiohttp import web
 
 from bidirkv.router.config import RouterConfig
-from bidirkv.router.datapath.admission import Admission
+from bidirkv.router.datapath.admission import Intake
 from bidirkv.router.datapath.bodies import PATHS, upstream_headers
 from bidirkv.router.datapath.context import Context, quietly, timeouts_of
 from bidirkv.router.datapath.conversations import Conversations
@@ -78,7 +78,7 @@ class Router:
         self.conversations = Conversations(ctx)
         self.legs = Legs(ctx, self.clients, self.health,
                          Relay(ctx, self.health, self.conversations))
-        self.admission = Admission(ctx, self.conversations)
+        self.intake = Intake(ctx, self.conversations)
         self.placing = Placing(ctx, self.conversations, self.legs)
 
     # -- lifecycle -----------------------------------------------------------------
@@ -133,7 +133,7 @@ class Router:
         is written (a refused body once it is drained)."""
         t0 = time.perf_counter()
         trace = self.ctx.traces.request(request.method, PATHS[kind], request.headers)
-        resp, _ = await traced(trace, lambda: self.admission.admit(request, kind, trace, t0,
+        resp, _ = await traced(trace, lambda: self.intake.admit(request, kind, trace, t0,
                                                              self._serve))
         return resp
 
