@@ -1,8 +1,25 @@
-"""Decode's /bidirkv/residency body: what is refused, and ids it skips (pure)."""
+"""Decode's /bidirkv/residency: who may call it (the handle key's signature), what body
+is refused, and ids it skips."""
+
+import asyncio
+import json
+import time
+from types import SimpleNamespace
 
 import pytest
 
-from bidirkv.connector.endpoint import MAX_ID, body_problem, valid_ids
+from bidirkv.connector.endpoint import (
+    MAX_BODY,
+    MAX_ID,
+    ResidencyEndpoint,
+    answer,
+    body_problem,
+    lease_bound,
+    retention_ttl,
+    valid_ids,
+)
+from bidirkv.proof import AUTH_SKEW_S, RESIDENCY_AUTH_HEADER, sign_residency
+from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION
 
 
 def test_a_batch_with_bad_ids_is_taken_and_the_bad_ones_skipped():
@@ -14,32 +31,14 @@ def test_a_batch_with_bad_ids_is_taken_and_the_bad_ones_skipped():
 
 @pytest.mark.parametrize("body, word", [
     ([], "JSON object"), ({"owner": "r"}, "go together"), ({"nope": 1}, "unknown keys"),
-    ({"release": "a"}, "list"), ({"owner": "r", "leaseSeconds": 0}, "1-3600"),
-    # A day-long lease (what anyone on the port could ask for) names the field, the
-    # value and the most decode grants.
-    ({"owner": "r", "leaseSeconds": 86400}, "leaseSeconds 86400: must be a number in 1-3600"),
+    ({"release": "a"}, "list"), ({"owner": "r", "leaseSeconds": 0}, "1-86400"),
+    ({"owner": "r", "leaseSeconds": 86401}, "leaseSeconds 86401: must be a number in 1-86400"),
 ])
 def test_what_is_still_refused(body, word):
     assert word in body_problem(body)
 
 
 # -- authentication: only holders of the handle key call the route ----------------------------
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
-
-from bidirkv.connector.endpoint import (  # noqa: E402
-    MAX_BODY,
-    ResidencyEndpoint,
-    answer,
-)
-from bidirkv.proof import (  # noqa: E402
-    AUTH_SKEW_S,
-    RESIDENCY_AUTH_HEADER,
-    sign_residency,
-)
-from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION  # noqa: E402
-
 KEY = b"k" * 32
 
 
@@ -105,8 +104,27 @@ def test_a_signed_call_of_another_version_or_a_bad_body_is_still_refused():
     auth, raw = signed({"release": []})
     assert run(auth, raw, Engine())[0] == 409
     auth, raw = signed({"owner": "r", "leaseSeconds": 86400, RESIDENCY_VERSION_FIELD: VERSION})
-    status, out = run(auth, raw, Engine())
-    assert status == 400 and "1-3600" in out["error"]["message"]
+    status, out = asyncio.run(answer(auth, raw, (KEY,), Engine(), lease_bound(480)))
+    assert status == 400 and "1-480" in out["error"]["message"]
+
+
+def test_a_lease_is_no_longer_than_decode_keeps_the_blocks():
+    """A day-long lease on a decode that keeps blocks 480 s keeps nothing longer, only
+    the owner's entry: refused, naming the field, the value and the most it grants."""
+    kv = {"kv_connector": "NixlConnector",
+          "kv_connector_extra_config": {"decoder_kv_blocks_ttl": 480}}
+    for args in (SimpleNamespace(kv_transfer_config=kv),
+                 SimpleNamespace(kv_transfer_config=json.dumps(kv)),
+                 SimpleNamespace(kv_transfer_config=SimpleNamespace(**kv))):
+        assert retention_ttl(args) == 480
+    for args in (SimpleNamespace(), SimpleNamespace(kv_transfer_config=None),
+                 SimpleNamespace(kv_transfer_config={"kv_connector_extra_config": {
+                     "decoder_kv_blocks_ttl": "soon"}})):
+        assert retention_ttl(args) is None
+    problem = body_problem({"owner": "r", "leaseSeconds": 86400}, lease_bound(480))
+    assert problem.startswith("leaseSeconds 86400: must be a number in 1-480 (")
+    assert "decoder_kv_blocks_ttl" in problem
+    assert body_problem({"owner": "r", "leaseSeconds": 480}, lease_bound(480)) is None
 
 
 def test_an_owner_decode_has_no_room_for_is_answered_429():

@@ -16,13 +16,14 @@ Only holders of the resource's handle key may call it: each call is signed
 body's digest), so the key never travels and a captured signature fits one body for a
 minute. vLLM's API key guards only its own routes, and the engine port is open to
 whoever the NetworkPolicy lets scrape metrics. What a caller can make decode keep is
-bounded: owners (core/residency.py MAX_OWNERS), a lease's length (MAX_LEASE_S), a body's
-size and its releases; the report is running totals, never a walk of what is retained.
-Loaded through vLLM's
-`vllm.endpoint_plugins` entry point, which vLLM loads only when `VLLM_PLUGINS` names it
-(the operator sets `VLLM_PLUGINS=bidirkv` on engine pods). The work runs in the engine
-core as a utility call (`EngineCore.bidirkv_residency`, patches/residency.py), between steps,
-where the scheduler owns the blocks.
+bounded: owners (core/residency.py MAX_OWNERS), a lease's length (this decode's
+`decoder_kv_blocks_ttl`, as the CRD holds the router to), a body's size and its releases;
+the report is running totals, never a walk of what is retained.
+
+Loaded through vLLM's `vllm.endpoint_plugins` entry point, which vLLM loads only when
+`VLLM_PLUGINS` names it (the operator sets `VLLM_PLUGINS=bidirkv` on engine pods). The
+work runs in the engine core as a utility call (`EngineCore.bidirkv_residency`,
+patches/residency.py), between steps, where the scheduler owns the blocks.
 """
 
 import json
@@ -32,6 +33,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from bidirkv.connector.settings import Settings
+from bidirkv.knobs import OwnerLeaseSeconds
 from bidirkv.proof import (
     RESIDENCY_AUTH_HEADER,
     RESIDENCY_AUTH_SCHEME,
@@ -43,13 +45,40 @@ from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION, versi
 MAX_RELEASE = 10_000
 MAX_OWNER = 128
 MAX_ID = 512
-# The longest owner lease decode grants: the CRD's bound on kvTransfer.ownerLeaseSeconds.
-MAX_LEASE_S = 3600
+# The longest owner lease any decode grants: the bound of kvTransfer.ownerLeaseSeconds.
+MAX_LEASE_S = next(m.le for f in OwnerLeaseSeconds.__metadata__
+                   for m in getattr(f, "metadata", ()) if hasattr(m, "le"))
 # The largest body read: a full release batch of the longest ids, and the rest.
 MAX_BODY = MAX_RELEASE * (MAX_ID + 4) + 4096
 
 
-def body_problem(body: Any) -> str | None:
+def retention_ttl(args: Any) -> int | None:
+    """How long this decode keeps a finished request's blocks: `decoder_kv_blocks_ttl` of
+    vLLM's --kv-transfer-config (None: not set there)."""
+    cfg = getattr(args, "kv_transfer_config", None)
+    if isinstance(cfg, str):
+        try:
+            cfg = json.loads(cfg)
+        except ValueError:
+            return None
+    extra = (cfg.get("kv_connector_extra_config") if isinstance(cfg, dict)
+             else getattr(cfg, "kv_connector_extra_config", None))
+    ttl = extra.get("decoder_kv_blocks_ttl") if isinstance(extra, dict) else None
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 1 <= ttl <= MAX_LEASE_S:
+        return None
+    return int(ttl)
+
+
+def lease_bound(ttl: int | None) -> tuple[int, str]:
+    """The longest lease this decode grants, and why: a lease past its blocks' TTL keeps
+    nothing longer, only the owner's entry (the operator holds the router to it too)."""
+    if ttl is None:
+        return MAX_LEASE_S, "the longest owner lease decode grants"
+    return ttl, "no longer than this decode keeps a finished request's blocks, " \
+        "decoder_kv_blocks_ttl"
+
+
+def body_problem(body: Any, max_lease: tuple[int, str] = lease_bound(None)) -> str | None:
     """Why a residency request is refused (None: it is fine)."""
     if not isinstance(body, dict):
         return "the body must be a JSON object"
@@ -67,10 +96,9 @@ def body_problem(body: Any) -> str | None:
         return f"owner must be a string of 1-{MAX_OWNER} characters"
     if lease_s is not None and not (
         isinstance(lease_s, int | float) and not isinstance(lease_s, bool)
-        and math.isfinite(lease_s) and 1 <= lease_s <= MAX_LEASE_S
+        and math.isfinite(lease_s) and 1 <= lease_s <= max_lease[0]
     ):
-        return (f"leaseSeconds {lease_s!r}: must be a number in 1-{MAX_LEASE_S} (the longest "
-                "owner lease decode grants)")
+        return f"leaseSeconds {lease_s!r}: must be a number in 1-{max_lease[0]} ({max_lease[1]})"
     release = body.get("release", [])
     if not isinstance(release, list) or len(release) > MAX_RELEASE:
         return f"release must be a list of at most {MAX_RELEASE} request ids"
@@ -101,7 +129,8 @@ def unauthorized(auth: Any, keys: Sequence[bytes], raw: bytes | None) -> str | N
 
 
 async def answer(auth: Any, raw: bytes, keys: Sequence[bytes],
-                 call: Callable[[dict], Awaitable[Any]] | None) -> tuple[int, dict]:
+                 call: Callable[[dict], Awaitable[Any]] | None,
+                 max_lease: tuple[int, str] = lease_bound(None)) -> tuple[int, dict]:
     """(status, JSON) of one call; `call` runs the engine's utility (None: no engine)."""
     if problem := unauthorized(auth, keys, raw):
         return _error(401, "unauthorized", problem)
@@ -112,7 +141,7 @@ async def answer(auth: Any, raw: bytes, keys: Sequence[bytes],
     if isinstance(body, dict) and (problem := version_problem(
             body.get(RESIDENCY_VERSION_FIELD), "the residency call")):
         return _error(409, "wire_version", problem, version=VERSION)
-    if (problem := body_problem(body)) is not None:
+    if (problem := body_problem(body, max_lease)) is not None:
         return _error(400, "invalid_request", problem)
     if call is None:
         return _error(503, "unavailable", "no engine")
@@ -173,9 +202,11 @@ class ResidencyEndpoint:
             engine = getattr(request.app.state, "bidirkv_engine", None)
             call = None if engine is None else (
                 lambda body: engine.engine_core.call_utility_async("bidirkv_residency", body))
-            return reply(*await answer(auth, raw, keys, call))
+            max_lease = getattr(request.app.state, "bidirkv_max_lease", lease_bound(None))
+            return reply(*await answer(auth, raw, keys, call, max_lease))
 
         app.add_api_route(RESIDENCY_PATH, residency, methods=["POST"], include_in_schema=False)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         state.bidirkv_engine = engine_client
+        state.bidirkv_max_lease = lease_bound(retention_ttl(args))
