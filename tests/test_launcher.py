@@ -143,8 +143,11 @@ class Launched:
         code = ("import sys; from bidirkv.connector.supervise import supervise; "
                 f"sys.exit(supervise({child!r}, 'http://127.0.0.1:{port}', {drain_s}, "
                 "poll_s=0.05))")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE,
-                                     text=True)
+        # The launcher's own lines, as a server's log holds them (bidirkv/local/drain.py
+        # follows them there).
+        self.launcher_log = tmp_path / "launcher.log"
+        with open(self.launcher_log, "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, "-c", code], stderr=err)
         _wait_for(lambda: "ready" in self.lines_text(), "the child to start")
 
     def set_report(self, report):
@@ -165,8 +168,8 @@ class Launched:
         return [ln.split()[1] for ln in self.lines() if ln.startswith("signal ")]
 
     def finish(self):
-        _, err = self.proc.communicate(timeout=30)
-        return self.proc.returncode, err
+        self.proc.wait(timeout=30)
+        return self.proc.returncode, self.launcher_log.read_text()
 
 
 def test_sigterm_drains_until_nothing_is_held_then_forwards(tmp_path):

@@ -12,9 +12,9 @@ from bidirkv.local.family import process_start_time
 from bidirkv.local.state import ProcRecord, StackState, write_state
 
 
-def record(tmp_path, name, role, pid, url):
+def record(tmp_path, name, role, pid, url, log="log"):
     state = StackState(spec_file="x.yaml", router_url="http://127.0.0.1:1", procs=[
-        ProcRecord(name, role, pid, process_start_time(pid), url, str(tmp_path / "log")),
+        ProcRecord(name, role, pid, process_start_time(pid), url, str(tmp_path / log)),
         ProcRecord("router", "router", 1, None, "http://127.0.0.1:1", "log"),
     ])
     write_state(tmp_path, state)
@@ -23,7 +23,7 @@ def record(tmp_path, name, role, pid, url):
 def test_drain_signals_the_launcher_and_waits_for_it_to_exit(tmp_path):
     run = Launched(tmp_path, HOLDING, drain_s=600)
     url = run.url
-    record(tmp_path, "decode-1", "decode", run.proc.pid, url)
+    record(tmp_path, "decode-1", "decode", run.proc.pid, url, run.launcher_log.name)
 
     def come_back():  # the held conversation returns once the drain has been seen
         _wait_for(lambda: len(run.calls()) >= 2, "the drain to poll")
@@ -35,7 +35,9 @@ def test_drain_signals_the_launcher_and_waits_for_it_to_exit(tmp_path):
     assert drain_server(tmp_path, "decode-1", poll_s=0.05, say=lines.append) is True
     helper.join()
     assert lines[0].startswith(f"decode-1: SIGTERM to pid {run.proc.pid}")
-    assert any("draining, 1 conversations held" in ln for ln in lines)
+    # The launcher's own progress, from the server's log.
+    assert any("s  draining: 1 conversations held (16 blocks readable)" in ln for ln in lines)
+    assert any("drain ended (drained)" in ln for ln in lines)
     assert lines[-1].startswith("decode-1: exited after")
     assert run.signals() == ["SIGTERM"]  # vLLM heard of it from the launcher
     run.proc.wait(timeout=10)

@@ -3,49 +3,52 @@ server of the local stack: SIGTERM to its launcher (`bidir-kv serve`, the proces
 state file records), which drains before vLLM stops (bidirkv/connector/supervise.py).
 
 Only the launcher is signalled, never its process group: vLLM must hear of it from the
-launcher, after the drain, as in a pod. Progress is read from the server's residency
-report while it still answers.
+launcher, after the drain, as in a pod. The progress shown is the launcher's own
+(its `bidir-kv serve:` lines in the server's log): the residency route answers only
+holders of the handle key.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import signal
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
-from typing import Any
 
 from bidirkv.local.procs import same_process
 from bidirkv.local.state import read_state
-from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION
 
 ENGINE_ROLES = ("prefill", "decode")
 DEFAULT_WAIT_S = 900.0
 
 
-def residency_report(url: str, timeout: float = 2.0) -> dict[str, Any] | None:
-    """The server's residency report, asking for nothing (no lease, no release)."""
-    body = json.dumps({RESIDENCY_VERSION_FIELD: VERSION}).encode()
-    req = urllib.request.Request(url + RESIDENCY_PATH, data=body, method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            report = json.loads(resp.read())
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
-    return report if isinstance(report, dict) else None
+LAUNCHER_PREFIX = "bidir-kv serve: "
 
 
-def describe(report: dict[str, Any] | None) -> str:
-    if report is None:
-        return "not answering (stopping)"
-    state = "draining" if report.get("draining") else "not draining yet"
-    return (f"{state}, {report.get('retainedRequests', 0)} conversations held, "
-            f"{report.get('activeRequests', 0)} requests in flight")
+class LogFollower:
+    """The launcher's lines appended to a log since it was opened."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = pathlib.Path(path)
+        try:
+            self.offset = self.path.stat().st_size
+        except OSError:
+            self.offset = 0
+
+    def new_lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        # Only whole lines: a half-written one is read next time.
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        return [ln[len(LAUNCHER_PREFIX):] for ln in
+                data[:end].decode(errors="replace").splitlines()
+                if ln.startswith(LAUNCHER_PREFIX)]
 
 
 def drain_server(state_dir: str | os.PathLike[str], name: str,
@@ -65,18 +68,18 @@ def drain_server(state_dir: str | os.PathLike[str], name: str,
         say(f"{name}: pid {rec.pid} is not running")
         return True
     t0 = time.monotonic()
+    follow = LogFollower(rec.log)
     say(f"{name}: SIGTERM to pid {rec.pid} (bidir-kv serve); it drains, then vLLM stops")
     os.kill(rec.pid, signal.SIGTERM)
-    last = ""
     while same_process(rec.pid, rec.started_at):
         elapsed = time.monotonic() - t0
+        for line in follow.new_lines():
+            say(f"{name}: {elapsed:5.1f} s  {line}")
         if elapsed > wait_s:
             say(f"{name}: still running after {elapsed:.0f} s; left draining")
             return False
-        line = describe(residency_report(rec.url))
-        if line != last:
-            say(f"{name}: {elapsed:5.1f} s  {line}")
-            last = line
         time.sleep(poll_s)
+    for line in follow.new_lines():
+        say(f"{name}: {time.monotonic() - t0:5.1f} s  {line}")
     say(f"{name}: exited after {time.monotonic() - t0:.1f} s")
     return True
