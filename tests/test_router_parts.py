@@ -161,3 +161,35 @@ def test_a_reservation_ends_only_in_its_module():
         if isinstance(node, ast.Attribute) and node.attr in ends
         and isinstance(node.value, ast.Attribute) and node.value.attr in ("store", "_store"))
     assert callers == []
+
+
+def turn_writers() -> dict[str, set[str]]:
+    """Each field of a `turn` assigned in the data path -> the modules that assign it."""
+    out: dict[str, set[str]] = {}
+    for p in sorted(DATAPATH.glob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign)
+                       else [])
+            for t in targets:
+                for e in t.elts if isinstance(t, ast.Tuple) else [t]:
+                    if (isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name)
+                            and e.value.id == "turn"):
+                        out.setdefault(e.attr, set()).add(p.name)
+    return out
+
+
+def test_each_field_of_a_turn_has_one_writer():
+    """Past its constructor, a turn's field is written by one module (turn.py says
+    which); what its handle holds is changed by reservation.py alone."""
+    assert {f: sorted(m) for f, m in turn_writers().items() if len(m) > 1} == {}
+    assert turn_writers()["placed"] == {"placing.py"}
+    handle_writes = sorted(
+        f"{p.name}:{node.lineno}" for p in sorted(DATAPATH.glob("*.py"))
+        if p.name != "reservation.py"
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.Assign | ast.AugAssign) for t in (
+            node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Attribute)
+        and t.value.attr == "handle")
+    assert handle_writes == []
