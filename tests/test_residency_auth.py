@@ -75,17 +75,16 @@ async def test_a_router_without_the_key_is_refused_and_keeps_its_releases(decode
     assert client.replicas[decode.url].pending == ["r1"]  # sent again next round
 
 
-def test_the_launchers_drain_call_is_signed_with_the_engines_key(monkeypatch):
-    """`bidir-kv serve` marks its engine draining on the same route: with the key of
-    the engine's environment, or the drain would never see the engine's report."""
+@pytest.fixture
+def checking_server():
+    """A stand-in engine route that checks the signature as decode does (sync callers)."""
     import http.server
     import json
     import threading
 
-    from bidirkv.connector.supervise import ask_drain
     from bidirkv.proof import residency_auth_problem
 
-    problems = []
+    problems: list = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 - http.server's name
@@ -93,7 +92,8 @@ def test_the_launchers_drain_call_is_signed_with_the_engines_key(monkeypatch):
             problem = residency_auth_problem(self.headers.get(RESIDENCY_AUTH_HEADER),
                                              (KEY,), self.path, raw)
             problems.append(problem)
-            out = json.dumps({"draining": True} if problem is None else {}).encode()
+            out = json.dumps({"draining": True, "refusals": {}} if problem is None
+                             else {}).encode()
             self.send_response(200 if problem is None else 401)
             self.send_header("Content-Length", str(len(out)))
             self.end_headers()
@@ -104,12 +104,33 @@ def test_the_launchers_drain_call_is_signed_with_the_engines_key(monkeypatch):
 
     server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        monkeypatch.setenv("BIDIRKV_HANDLE_KEY", KEY.decode())
-        assert ask_drain(url) == {"draining": True} and problems == [None]
-        monkeypatch.setenv("BIDIRKV_HANDLE_KEY", "another key")
-        assert ask_drain(url) is None and "does not match" in problems[-1]
+        yield f"http://127.0.0.1:{server.server_address[1]}", problems
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_launchers_drain_call_is_signed_with_the_engines_key(monkeypatch, checking_server):
+    """`bidir-kv serve` marks its engine draining on the same route: with the key of
+    the engine's environment, or the drain would never see the engine's report."""
+    from bidirkv.connector.supervise import ask_drain
+
+    url, problems = checking_server
+    monkeypatch.setenv("BIDIRKV_HANDLE_KEY", KEY.decode())
+    assert ask_drain(url)["draining"] is True and problems == [None]
+    monkeypatch.setenv("BIDIRKV_HANDLE_KEY", "another key")
+    assert ask_drain(url) is None and "does not match" in problems[-1]
+
+
+def test_the_benchmarks_residency_report_is_signed_when_it_has_the_key(monkeypatch,
+                                                                       checking_server):
+    from bidirkv.bench.runner import BenchConfig, Runner
+
+    url, problems = checking_server
+    runner = Runner(BenchConfig(url="http://127.0.0.1:1", decode_residency=url + RESIDENCY_PATH),
+                    progress=False)
+    monkeypatch.setenv("BIDIRKV_HANDLE_KEY", KEY.decode())
+    assert runner._residency() == {"draining": True, "refusals": {}} and problems == [None]
+    monkeypatch.delenv("BIDIRKV_HANDLE_KEY")
+    assert runner._residency() is None and "missing" in problems[-1]

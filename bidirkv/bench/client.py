@@ -10,6 +10,7 @@ import http.client
 import json
 import time
 import urllib.parse
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,16 +135,20 @@ def first_model(base_url: str, timeout: float = 10.0) -> str:
     return str(models[0]["id"])
 
 
-def post_json(url: str | None, body: dict[str, Any], timeout: float = 5.0
+def post_json(url: str | None, body: dict[str, Any], timeout: float = 5.0,
+              sign: Callable[[bytes], Mapping[str, str]] | None = None
               ) -> dict[str, Any] | None:
     """POST a JSON body, the JSON object answered; None when there is no URL, or on any
-    failure (an optional side read, such as decode's residency report)."""
+    failure (an optional side read, such as decode's residency report). `sign`: headers
+    that authenticate these exact bytes."""
     if not url:
         return None
     conn, path = _connection(url, timeout)
+    raw = json.dumps(body).encode()
     try:
-        conn.request("POST", path or "/", body=json.dumps(body).encode(),
-                     headers={"Content-Type": "application/json"})
+        conn.request("POST", path or "/", body=raw,
+                     headers={"Content-Type": "application/json",
+                              **(sign(raw) if sign else {})})
         resp = conn.getresponse()
         data = resp.read()
         if resp.status != 200:

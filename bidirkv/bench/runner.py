@@ -35,7 +35,8 @@ from bidirkv.bench.conversation import (
 )
 from bidirkv.bench.turns import Think, refusals_delta
 from bidirkv.bench.turns import reason as turn_reason
-from bidirkv.wire import RESIDENCY_VERSION_FIELD, VERSION
+from bidirkv.proof import RESIDENCY_AUTH_HEADER, sign_residency
+from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION
 
 # The router's reuse outcomes (bidirkv/router/metrics.py; a client of any router, so not
 # imported from it, and held equal by tests/test_bench_stats.py). "extended" first: such
@@ -149,8 +150,14 @@ class Runner:
         self._answered: dict[int, float] = {}  # conversation -> when its last answer came
 
     def _residency(self) -> dict[str, Any] | None:
-        # An empty body only reads the report: no lease, no release.
-        return post_json(self.cfg.decode_residency, {RESIDENCY_VERSION_FIELD: VERSION})
+        # An empty body only reads the report: no lease, no release. Decode answers only
+        # holders of the handle key (the resource's Secret, in BIDIRKV_HANDLE_KEY here);
+        # without it the report, and the refusals by reason, are left out.
+        key = os.environ.get("BIDIRKV_HANDLE_KEY", "").strip().encode()
+        sign = (lambda raw: {RESIDENCY_AUTH_HEADER: sign_residency(key, RESIDENCY_PATH, raw)}
+                ) if key else None
+        return post_json(self.cfg.decode_residency, {RESIDENCY_VERSION_FIELD: VERSION},
+                         sign=sign)
 
     def _scrape(self) -> tuple[Any, Any, Any]:
         c = self.cfg
