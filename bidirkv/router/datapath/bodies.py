@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bidirkv.proof import make_proof
+from bidirkv.router.codec import dumps
 from bidirkv.router.datapath.replies import JSON_TYPE
 from bidirkv.router.datapath.sse import PARAMS
 from bidirkv.router.request.validation import CHAT
@@ -113,3 +115,11 @@ def upstream_headers(rid: str, auth: str | None,
     if trace:
         h.update(trace)
     return h
+
+
+def prefill_payload(handle_key: bytes | None, body: dict[str, Any],
+                    handle: dict[str, Any] | None) -> bytes:
+    """The prefill leg's body, with a fresh single-use proof each time it is built
+    (a stale-connection retry builds it again: P may have seen the first proof)."""
+    proof = make_proof(handle_key) if handle_key else None
+    return dumps(prefill_body(body, handle, proof))

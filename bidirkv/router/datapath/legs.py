@@ -18,7 +18,7 @@ from bidirkv.router.datapath.bodies import (
     LOCAL_PARAMS,
     PATHS,
     decode_body,
-    prefill_body,
+    prefill_payload,
 )
 from bidirkv.router.datapath.context import Context
 from bidirkv.router.datapath.failures import (
@@ -40,14 +40,6 @@ from bidirkv.router.pool.placement import EXTEND
 from bidirkv.router.pool.selection import least_outstanding
 
 log = logging.getLogger("bidirkv.router")
-
-
-def prefill_payload(handle_key: bytes | None, body: dict[str, Any],
-                    handle: dict[str, Any] | None) -> bytes:
-    """The prefill leg's body, with a fresh single-use proof each time it is built
-    (a stale-connection retry builds it again: P may have seen the first proof)."""
-    proof = make_proof(handle_key) if handle_key else None
-    return dumps(prefill_body(body, handle, proof))
 
 
 class Legs:

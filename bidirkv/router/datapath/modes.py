@@ -19,13 +19,11 @@ class Modes:
     bidirectional: bool
     placement: Placement
     prefill_only_fallback: bool
-
-    @property
-    def places(self) -> bool:
-        """A decision is made per turn: bidirectional transfer on, a policy that may keep
-        a turn on decode. Otherwise every turn takes the prefill leg (plain P/D)."""
-        return self.bidirectional and self.placement.policy != ALWAYS_DISAGGREGATE
+    # A decision is made per turn: bidirectional transfer on, a policy that may keep a
+    # turn on decode. Otherwise every turn takes the prefill leg (plain P/D).
+    places: bool
 
 
 def modes_of(cfg: RouterConfig) -> Modes:
-    return Modes(cfg.bidirectional, cfg.placement, cfg.prefill_only_fallback)
+    return Modes(cfg.bidirectional, cfg.placement, cfg.prefill_only_fallback,
+                 cfg.bidirectional and cfg.placement.policy != ALWAYS_DISAGGREGATE)
