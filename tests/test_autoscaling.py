@@ -13,6 +13,7 @@ import yaml
 
 from bidirkv.operator.api.spec import SpecError, parse_spec
 from bidirkv.operator.crd.schema import build_crd
+from bidirkv.operator.kube import ApiError
 from bidirkv.operator.reconcile import diff
 from bidirkv.operator.reconcile.status import compute_status
 from bidirkv.operator.render import autoscaling
@@ -377,3 +378,53 @@ def test_the_operators_role_manages_autoscalers(values):
         # Read before a write, created, replaced, deleted when turned off; not watched.
         assert {v for g, r, v in granted if (g, r) == (group, resource)} == {
             "get", "create", "update", "delete"}
+
+
+# -- switching engines ---------------------------------------------------------------------
+
+class KedaCluster:
+    """A client double of a cluster with KEDA: its admission refuses a ScaledObject on a
+    workload another HorizontalPodAutoscaler already scales."""
+
+    def __init__(self) -> None:
+        from test_operator_controller import Client
+
+        self.api = Client()
+        self.order: list[tuple[str, str]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.api, name)
+
+    async def create(self, obj):
+        meta = obj["metadata"]
+        if obj["kind"] == "ScaledObject" and \
+                ("HorizontalPodAutoscaler", meta["namespace"], meta["name"]) in self.api.objects:
+            raise ApiError(400, "BadRequest", "the workload is already managed by the hpa")
+        self.order.append(("POST", obj["kind"]))
+        obj = copy.deepcopy(obj)
+        obj["metadata"]["uid"] = f"uid-{obj['kind']}-{meta['name']}"
+        return await self.api.create(obj)
+
+    async def delete(self, kind, namespace, name, uid):
+        self.order.append(("DELETE", kind))
+        self.api.objects.pop((kind, namespace, name), None)
+
+
+async def test_switching_engines_deletes_the_old_autoscaler_before_creating_the_new(minimal):
+    from bidirkv.operator.reconcile.controller import Controller
+
+    cluster = KedaCluster()
+    controller = Controller(cluster)
+    body = copy.deepcopy(minimal)
+    body["metadata"]["generation"] = 1
+    body["spec"]["decode"] = {"autoscaling": {"maxReplicas": 4}}
+    await controller.reconcile(body)
+    assert ("HorizontalPodAutoscaler", "ns1", "tiny-decode") in cluster.api.objects
+    body["spec"]["decode"]["autoscaling"].update(engine="keda", keda={"serverAddress": PROM})
+    await controller.reconcile(body)
+    assert ("ScaledObject", "ns1", "tiny-decode") in cluster.api.objects
+    assert ("HorizontalPodAutoscaler", "ns1", "tiny-decode") not in cluster.api.objects
+    # And back: the ScaledObject goes before the HPA comes.
+    body["spec"]["decode"]["autoscaling"] = {"maxReplicas": 4}
+    await controller.reconcile(body)
+    assert cluster.order[-2:] == [("DELETE", "ScaledObject"), ("POST", "HorizontalPodAutoscaler")]

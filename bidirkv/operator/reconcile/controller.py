@@ -19,7 +19,7 @@ from bidirkv.operator.api import spec as api
 from bidirkv.operator.kube import ApiError, KubeClient
 from bidirkv.operator.reconcile.diff import differs, owned_by, replacement
 from bidirkv.operator.reconcile.status import compute_status, same_status
-from bidirkv.operator.render.autoscaling import SCALED_OBJECT_API_VERSION
+from bidirkv.operator.render.autoscaling import AUTOSCALER_KINDS, SCALED_OBJECT_API_VERSION
 from bidirkv.operator.render.children import Owner, child_metadata, optional_children, render
 from bidirkv.operator.render.handlekey import new_secret, secret_name
 from bidirkv.operator.render.monitoring import POD_MONITOR_API_VERSION
@@ -155,6 +155,13 @@ class Controller:
         seen: dict[tuple[str, str], dict[str, Any] | None] = {}
         problem = None
         for obj in desired:
+            if obj["kind"] in AUTOSCALER_KINDS:
+                # The other engine's autoscaler of the role goes first: KEDA refuses a
+                # ScaledObject on a workload an HPA still scales, and the pass would stop.
+                for kind in AUTOSCALER_KINDS:
+                    if kind != obj["kind"]:
+                        await self._remove((kind, owner.namespace, obj["metadata"]["name"]),
+                                           owner)
             try:
                 seen[(obj["kind"], obj["metadata"]["name"])] = await self._apply(obj, owner)
             except ChildConflict as exc:

@@ -22,6 +22,8 @@ from bidirkv.operator.render.drain import grace_seconds
 from bidirkv.operator.render.naming import Owner, child_metadata, child_name
 
 HPA_API_VERSION = "autoscaling/v2"
+# A role has at most one of them, both named after the role's StatefulSet.
+AUTOSCALER_KINDS = ("HorizontalPodAutoscaler", "ScaledObject")
 SCALED_OBJECT_API_VERSION = "keda.sh/v1alpha1"
 # The engines' gauge (bidirkv/connector/core/workingset.py; the operator may not import
 # the connector, tests/test_autoscaling.py checks the two names agree).
@@ -167,5 +169,4 @@ def autoscalers(owner: Owner, spec: api.DisaggregatedInferenceSpec,
 def autoscaler_keys(owner: Owner, roles: tuple[str, ...]) -> list[tuple[str, str]]:
     """(kind, name) of every autoscaler a role may have: the ones not rendered are
     deleted (autoscaling turned off, or the engine changed)."""
-    return [(kind, child_name(owner, role)) for role in roles
-            for kind in ("HorizontalPodAutoscaler", "ScaledObject")]
+    return [(kind, child_name(owner, role)) for role in roles for kind in AUTOSCALER_KINDS]
