@@ -332,6 +332,17 @@ def test_the_autoscalers_replicas_are_neither_a_difference_nor_overwritten():
     assert diff.replacement(fixed, _sts_as_stored(fixed, 3))["spec"]["replicas"] == 1
 
 
+def test_the_hpa_target_is_compared_as_the_api_server_stores_it():
+    spec = parse_spec(spec_with(decode={"autoscaling": {"maxReplicas": 4, "averageValue": "0.9"}}))
+    (want,) = autoscaling.autoscalers(OWNER, spec, ("decode",))
+    stored = copy.deepcopy(want)
+    target = stored["spec"]["metrics"][0]["pods"]["target"]
+    target["averageValue"] = "900m"  # kube-apiserver writes quantities canonically
+    assert not diff.differs(want, stored)
+    target["averageValue"] = "800m"  # a hand edit is put right
+    assert diff.differs(want, stored)
+
+
 def test_status_counts_against_what_the_autoscaler_chose(minimal):
     minimal["spec"]["decode"] = {"autoscaling": {"minReplicas": 1, "maxReplicas": 4}}
     spec = parse_spec(minimal["spec"])

@@ -25,7 +25,7 @@ _SCALED_KINDS = ("StatefulSet", "Deployment")
 # "500m", "1024Mi" -> "1Gi"), so they are compared by value. Maps of quantities by their
 # field name, single quantities by theirs.
 _QUANTITY_MAPS = ("requests", "limits", "overhead")
-_QUANTITY_FIELDS = ("sizeLimit",)
+_QUANTITY_FIELDS = ("sizeLimit", "averageValue")
 
 
 def _quantity_equal(want: Any, have: Any) -> bool:
