@@ -1,8 +1,8 @@
 """JSON encode/decode for the hot path: orjson when installed, the standard library if not.
 
-orjson is a dependency of the router (measured faster on the hot path, see the README's
-router benchmark); the fallback keeps a source checkout without it working. Both paths
-produce compact UTF-8 bytes.
+orjson is a dependency of the router (measured faster on the hot path: the router
+benchmark, docs/benchmarks.md#router-overhead); the fallback keeps a source checkout
+without it working. Both paths produce compact UTF-8 bytes.
 """
 
 from __future__ import annotations
