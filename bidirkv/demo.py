@@ -245,7 +245,7 @@ def run_phase(label: str, patch: dict[str, Any] | None, bench_kw: dict[str, Any]
         cfg = BenchConfig(
             url=stack.router_url, label=label, prefill_metrics=stack.urls("prefill")[0] +
             "/metrics", decode_metrics=d_url + "/metrics",
-            decode_residency=d_url + RESIDENCY_PATH,
+            decode_residency=d_url + RESIDENCY_PATH, handle_key=stack.handle_key(),
             lower_bound_url=d_url if lower_bound else None, **bench_kw)
         t = time.monotonic()
         runner = Runner(cfg, progress=progress)

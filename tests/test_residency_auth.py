@@ -3,6 +3,8 @@ with the handle key, and a router holding another key (or none) is refused and k
 releases. The engine side is bidirkv/connector/endpoint.py's `answer`, served by aiohttp
 in place of vLLM's FastAPI app (tests/test_connector_endpoint.py covers that mounting)."""
 
+import pathlib
+
 import aiohttp
 import pytest
 from aiohttp import web
@@ -134,3 +136,26 @@ def test_the_benchmarks_residency_report_is_signed_when_it_has_the_key(monkeypat
     assert runner._residency() == {"draining": True, "refusals": {}} and problems == [None]
     monkeypatch.delenv("BIDIRKV_HANDLE_KEY")
     assert runner._residency() is None and "missing" in problems[-1]
+
+
+def test_the_demos_benchmark_signs_with_the_stacks_key(monkeypatch, checking_server):
+    """`make demo` runs the benchmark against a local stack whose key is fresh per stack
+    and in no environment of the demo's: the config carries it."""
+    from bidirkv.bench.runner import BenchConfig, Runner
+
+    url, problems = checking_server
+    monkeypatch.delenv("BIDIRKV_HANDLE_KEY", raising=False)
+    runner = Runner(BenchConfig(url="http://127.0.0.1:1", decode_residency=url + RESIDENCY_PATH,
+                                handle_key=KEY), progress=False)
+    assert runner._residency() == {"draining": True, "refusals": {}} and problems == [None]
+
+
+def test_a_local_stack_names_its_handle_key(tmp_path):
+    from bidirkv.local.cli import prepare_stack
+
+    (tmp_path / "out" / "models" / "tiny-llama").mkdir(parents=True)  # the spec's model
+    stack = prepare_stack(pathlib.Path(__file__).parent.parent / "examples" / "local.yaml",
+                          tmp_path / "stack", cwd=tmp_path)
+    key = stack.handle_key()
+    assert key and all(key == s.env["BIDIRKV_HANDLE_KEY"].encode()
+                       for s in stack.plan.servers if s.role != "router")

@@ -82,6 +82,9 @@ class BenchConfig:
     decode_metrics: str | None = None
     lower_bound_url: str | None = None
     decode_residency: str | None = None  # D's /bidirkv/residency: refusals by reason
+    # The resource's handle key, which decode asks of every residency call (a local stack's
+    # is fresh per stack); None: BIDIRKV_HANDLE_KEY from the environment, if any.
+    handle_key: bytes | None = field(default=None, repr=False)
     think: Think = field(default_factory=Think)
     # Variable appends (an agent's trace) instead of new_tokens every turn.
     appends: Appends | None = None
@@ -151,9 +154,9 @@ class Runner:
 
     def _residency(self) -> dict[str, Any] | None:
         # An empty body only reads the report: no lease, no release. Decode answers only
-        # holders of the handle key (the resource's Secret, in BIDIRKV_HANDLE_KEY here);
-        # without it the report, and the refusals by reason, are left out.
-        key = os.environ.get("BIDIRKV_HANDLE_KEY", "").strip().encode()
+        # holders of the handle key; without it the report, and the refusals by reason,
+        # are left out.
+        key = self.cfg.handle_key or os.environ.get("BIDIRKV_HANDLE_KEY", "").strip().encode()
         sign = (lambda raw: {RESIDENCY_AUTH_HEADER: sign_residency(key, RESIDENCY_PATH, raw)}
                 ) if key else None
         return post_json(self.cfg.decode_residency, {RESIDENCY_VERSION_FIELD: VERSION},

@@ -22,6 +22,7 @@ from bidirkv.local.plan import ServerPlan, StackPlan, process_env
 from bidirkv.local.ports import PortInUse, check_ports
 from bidirkv.local.procs import Proc, StartError, same_process, wait_all_healthy
 from bidirkv.local.state import ProcRecord, StackState, read_state, remove_state, write_state
+from bidirkv.operator.render.handlekey import ENV_CURRENT
 
 # Cold start of a CPU vLLM server on 2 busy cores was seen at ~60 s; leave ample room.
 DEFAULT_START_TIMEOUT = 420.0
@@ -94,6 +95,13 @@ class LocalStack:
 
     def urls(self, role: str) -> list[str]:
         return [s.url for s in self.plan.servers if s.role == role]
+
+    def handle_key(self) -> bytes | None:
+        """The stack's handle key (fresh per stack, in every engine's environment): what a
+        client of the engines' residency route signs with."""
+        engines = [s for s in self.plan.servers if s.role != "router"]
+        key = engines[0].env.get(ENV_CURRENT, "").strip() if engines else ""
+        return key.encode() or None
 
     def cpu_seconds(self, roles: tuple[str, ...]) -> float:
         """CPU time used so far by the servers of these roles and everything they started
