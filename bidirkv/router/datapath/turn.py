@@ -2,7 +2,7 @@
 
 Each field has one writer, so a reader looking for where a value comes from finds one
 place:
-- the request as admitted (proxy.py, when the turn is built): kind, stream, body, rid,
+- the request as admitted (admission.py, `Intake`, when the turn is built): kind, stream, body, rid,
   auth, tenant, t0, trace, modes (modes.py's `modes_of`, once per turn), prompt_chars;
 - its conversation (conversations.py, `identify`): conv, store_key, history, prompt,
   holder_url, gap; `handle` is built with the turn, and only reservation.py changes
