@@ -35,11 +35,22 @@ REPORT_KEY = "bidirkv"
 # HTTP, router -> each decode engine: leases and releases of retained KV
 RESIDENCY_PATH = "/bidirkv/residency"
 RESIDENCY_VERSION_FIELD = "wire"  # in the JSON body; VERSION
+# In the same body: notes the router leaves beside retained requests (request id ->
+# note), and the cursor it recalls them from; the answer's notes and next cursor.
+RESIDENCY_KEEP_FIELD = "keep"
+RECALL_FIELD = "recall"
+RECALL_NOTES_FIELD = "notes"
+RECALL_NEXT_FIELD = "recallNext"
+RECALL_MORE_FIELD = "recallMore"
 
 # Decode keeps at most this much of a tenant label: a direct caller cannot grow its
 # memory with it; the router sends TENANT_LABEL_LEN.
 MAX_TENANT_LEN = 64
 TENANT_LABEL_LEN = 32
+# A router's note beside a retained request, and the notes one residency call keeps: what
+# decode takes, and what the router sends (a longer note is not sent).
+MAX_NOTE_LEN = 65_536
+MAX_KEEP = 256
 
 KEYS = {name: value for name, value in dict(globals()).items()
         if name.endswith(("_KEY", "_PATH", "_FIELD")) and isinstance(value, str)}

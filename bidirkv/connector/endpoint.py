@@ -2,12 +2,16 @@
 
 The router calls it on each decode replica (residency.py has the semantics):
 
-    {"owner": "<router id>", "leaseSeconds": 15, "release": ["<decode request id>", ...]}
+    {"owner": "<router id>", "leaseSeconds": 15, "release": ["<decode request id>", ...],
+     "keep": {"<decode request id>": "<note>", ...}, "recall": <cursor>}
     -> {"numBlocks": 1024, "freeBlocks": 700, "retainedBlocks": 120, "releasedBlocks": 8,
-        "released": {"router": 3, ...}, "refusals": {...}, ...}
+        "released": {"router": 3, ...}, "refusals": {...},
+        "notes": {"<decode request id>": "<note>"}, "recallNext": 42, "recallMore": false, ...}
 
 It renews the owner's lease (its handles survive only while it calls), frees the blocks of
-handles the router dropped, and reports decode's capacity. `"drain": true` (sent by the
+handles the router dropped, and reports decode's capacity. `keep` leaves a note beside
+retained requests of the owner and `recall` pages them back (core/notes.py: how a router
+with the in-process store survives its restart). `"drain": true` (sent by the
 launcher on SIGTERM, bidirkv/connector/supervise.py) marks the engine draining: the report
 then says `"draining": true`, and the router places nothing new there.
 
@@ -32,6 +36,7 @@ import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from bidirkv.connector.core.notes import MAX_KEEP, MAX_NOTE
 from bidirkv.connector.settings import Settings
 from bidirkv.knobs import OwnerLeaseSeconds
 from bidirkv.proof import (
@@ -40,7 +45,14 @@ from bidirkv.proof import (
     residency_auth_problem,
     residency_stamp_problem,
 )
-from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION, version_problem
+from bidirkv.wire import (
+    RECALL_FIELD,
+    RESIDENCY_KEEP_FIELD,
+    RESIDENCY_PATH,
+    RESIDENCY_VERSION_FIELD,
+    VERSION,
+    version_problem,
+)
 
 MAX_RELEASE = 10_000
 MAX_OWNER = 128
@@ -48,8 +60,9 @@ MAX_ID = 512
 # The longest owner lease any decode grants: the bound of kvTransfer.ownerLeaseSeconds.
 MAX_LEASE_S = next(m.le for f in OwnerLeaseSeconds.__metadata__
                    for m in getattr(f, "metadata", ()) if hasattr(m, "le"))
-# The largest body read: a full release batch of the longest ids, and the rest.
-MAX_BODY = MAX_RELEASE * (MAX_ID + 4) + 4096
+# The largest body read: a full release batch of the longest ids, a full batch of notes,
+# and the rest.
+MAX_BODY = MAX_RELEASE * (MAX_ID + 4) + MAX_KEEP * (MAX_ID + MAX_NOTE + 8) + 4096
 
 
 def retention_ttl(args: Any) -> int | None:
@@ -83,10 +96,10 @@ def body_problem(body: Any, max_lease: tuple[int, str] = lease_bound(None)) -> s
     if not isinstance(body, dict):
         return "the body must be a JSON object"
     unknown = set(body) - {"owner", "leaseSeconds", "release", "drain",
-                           RESIDENCY_VERSION_FIELD}
+                           RESIDENCY_KEEP_FIELD, RECALL_FIELD, RESIDENCY_VERSION_FIELD}
     if unknown:
         return (f"unknown keys {sorted(unknown)}; allowed: owner, leaseSeconds, release, "
-                f"drain, {RESIDENCY_VERSION_FIELD}")
+                f"drain, {RESIDENCY_KEEP_FIELD}, {RECALL_FIELD}, {RESIDENCY_VERSION_FIELD}")
     if "drain" in body and not isinstance(body["drain"], bool):
         return f"drain {body['drain']!r}: must be true or false"
     owner, lease_s = body.get("owner"), body.get("leaseSeconds")
@@ -102,6 +115,19 @@ def body_problem(body: Any, max_lease: tuple[int, str] = lease_bound(None)) -> s
     release = body.get("release", [])
     if not isinstance(release, list) or len(release) > MAX_RELEASE:
         return f"release must be a list of at most {MAX_RELEASE} request ids"
+    # Notes are kept and recalled for an owner: only a call that names one.
+    keep = body.get(RESIDENCY_KEEP_FIELD, {})
+    if not isinstance(keep, dict) or len(keep) > MAX_KEEP:
+        return (f"{RESIDENCY_KEEP_FIELD} must be an object of at most {MAX_KEEP} request "
+                "ids to notes")
+    if keep and owner is None:
+        return f"{RESIDENCY_KEEP_FIELD} needs an owner"
+    if RECALL_FIELD in body:
+        recall = body[RECALL_FIELD]
+        if isinstance(recall, bool) or not isinstance(recall, int) or recall < 0:
+            return f"{RECALL_FIELD} {recall!r}: must be a cursor, an integer >= 0"
+        if owner is None:
+            return f"{RECALL_FIELD} needs an owner"
     return None
 
 
@@ -112,6 +138,15 @@ def valid_ids(release: list) -> tuple[list[str], int]:
     would free every conversation of that router."""
     ok = [r for r in release if isinstance(r, str) and 0 < len(r) <= MAX_ID]
     return ok, len(release) - len(ok)
+
+
+def valid_notes(keep: dict) -> tuple[dict[str, str], int]:
+    """(the notes decode can keep, how many entries were not a request id with a note of
+    1-MAX_NOTE characters): skipped like invalid release ids, so one bad note never
+    costs the lease renewal its call carries."""
+    ok = {r: n for r, n in keep.items()
+          if 0 < len(r) <= MAX_ID and isinstance(n, str) and 0 < len(n) <= MAX_NOTE}
+    return ok, len(keep) - len(ok)
 
 
 def _error(status: int, kind: str, message: str, **extra: Any) -> tuple[int, dict]:
@@ -146,14 +181,19 @@ async def answer(auth: Any, raw: bytes, keys: Sequence[bytes],
     if call is None:
         return _error(503, "unavailable", "no engine")
     release, skipped = valid_ids(body.get("release") or [])
+    keep, skipped_notes = valid_notes(body.get(RESIDENCY_KEEP_FIELD) or {})
     body = {k: v for k, v in body.items() if k != RESIDENCY_VERSION_FIELD}
     if "release" in body:
         body = {**body, "release": release}
+    if RESIDENCY_KEEP_FIELD in body:
+        body = {**body, RESIDENCY_KEEP_FIELD: keep}
     out = await call(body)
     if isinstance(out, dict) and isinstance(out.get("refused"), str):
         return _error(429, "too_many_owners", out["refused"])
     if skipped and isinstance(out, dict):
         out["skippedIds"] = skipped
+    if skipped_notes and isinstance(out, dict):
+        out["skippedNotes"] = skipped_notes
     return 200, out
 
 

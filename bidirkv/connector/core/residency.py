@@ -42,6 +42,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from bidirkv.connector.core.notes import Notes
 from bidirkv.connector.core.releaseorder import Heaviest, ReleaseOrder
 from bidirkv.returns import next_gap
 
@@ -115,6 +116,9 @@ class Residency:
     # entries came with when it was kept (0 before any: then the newest of them goes
     # first). Fixed per entry when kept, as the router's order does, so an index holds.
     prior_gap: float | None = None
+    # What each owner left beside its held requests to rebuild its handles after a
+    # restart (notes.py); a note goes when its request leaves state held.
+    notes: Notes = field(default_factory=Notes)
 
     # -- engine thread: lifecycle ---------------------------------------------------------
     def retain(self, req_id: str, blocks: int, owner: str | None, deadline: float,
@@ -149,6 +153,7 @@ class Residency:
                 h = self.held.pop(rid, None)
                 if h is None:
                     continue
+                self.notes.drop(rid)
                 if h.state == RELEASING:
                     self._move(h, releasing=-1)
                     self.freed["released"] += 1
@@ -214,6 +219,7 @@ class Residency:
         if h.state != HELD:
             return 0
         self._unfree(h)
+        self.notes.drop(h.req_id)
         h.state, h.cause = RELEASING, cause
         self._parked -= 1
         self.released[cause] += 1
@@ -225,6 +231,12 @@ class Residency:
         with self.lock:
             return sum(self._release(h, cause) for rid in req_ids
                        if (h := self.held.get(rid)) is not None)
+
+    def holds(self, req_id: str, owner: str) -> bool:
+        """Caller holds the lock: `owner`'s request is retained here, nothing acting on it
+        (what a note may be kept beside)."""
+        h = self.held.get(req_id)
+        return h is not None and h.state == HELD and h.owner == owner
 
     def renew(self, owner: str, lease_s: float) -> str | None:
         """Extend `owner`'s lease to `lease_s` from now; why not (None: done)."""
@@ -285,6 +297,7 @@ class Residency:
                 reason = "near_expiry"
             else:
                 self._unfree(h)
+                self.notes.drop(req_id)  # read once: no router will hold it again
                 h.state = GRANTED
                 self._parked -= 1
                 self._granted += h.blocks

@@ -8,8 +8,8 @@ Decode, engine-core process:
   granted. The connector has no reference to the scheduler's queues or block pool, and a
   release decided here becomes a deadline of 0 in the same step's connector metadata.
 - `EngineCore.bidirkv_residency`: the utility the `/bidirkv/residency` route calls
-  (renew an owner's lease, release handles the router dropped, mark the engine draining,
-  report capacity); utility
+  (renew an owner's lease, release handles the router dropped, keep and recall the
+  owner's notes, mark the engine draining, report capacity); utility
   calls are looked up by name on the engine, which has no other way in between steps.
 """
 
@@ -22,9 +22,11 @@ import time
 from typing import Any
 
 from bidirkv.connector.core import workingset
+from bidirkv.connector.core.notes import exchange
 from bidirkv.connector.core.residency import Residency, blocks_wanted, current
 from bidirkv.connector.patches.guarded import wrap
 from bidirkv.connector.targets import Target, resolve
+from bidirkv.wire import RECALL_FIELD, RESIDENCY_KEEP_FIELD
 
 log = logging.getLogger("vllm.bidirkv")
 
@@ -123,6 +125,9 @@ def residency_utility(engine: Any, body: dict) -> dict:
             return {**out, "refused": refused}
     out["releasedBlocks"] = res.release(body.get("release") or (), "router")
     out.update(res.stats())
+    if isinstance(owner, str):
+        out.update(exchange(res.notes, res.lock, res.holds, owner,
+                            body.get(RESIDENCY_KEEP_FIELD) or {}, body.get(RECALL_FIELD)))
     return out
 
 
