@@ -96,6 +96,12 @@ class FakeEngine:
         self.residency_calls: list[dict[str, Any]] = []
         self.released: list[str] = []
         self.released_event = asyncio.Event()
+        # decode: the request ids it handed out a handle for (what it retains), and the
+        # notes their owner left beside them (request id -> (sequence, owner, note)), as
+        # bidirkv/connector/core/notes.py keeps them.
+        self.issued: set[str] = set()
+        self.notes: dict[str, tuple[int, str, str]] = {}
+        self._note_seq = itertools.count(1)
         self._blocks = itertools.count(1)
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -173,15 +179,33 @@ class FakeEngine:
         if self.behaviour.residency_status != 200:
             return web.json_response({}, status=self.behaviour.residency_status)
         self.released.extend(body.get("release") or [])
+        for rid in body.get("release") or []:
+            self.issued.discard(rid)
+            self.notes.pop(rid, None)
         if body.get("release"):
             self.released_event.set()
         if isinstance(body.get("drain"), bool):
             self.behaviour.draining = body["drain"]
-        return web.json_response({"enabled": True, "numBlocks": self.behaviour.num_blocks,
-                                  "freeBlocks": self.behaviour.num_blocks, "retainedBlocks": 0,
-                                  "releasedBlocks": 0, "released": {"router": 0},
-                                  "draining": self.behaviour.draining,
-                                  "activeRequests": 0})
+        out = {"enabled": True, "numBlocks": self.behaviour.num_blocks,
+               "freeBlocks": self.behaviour.num_blocks, "retainedBlocks": 0,
+               "releasedBlocks": 0, "released": {"router": 0},
+               "draining": self.behaviour.draining, "activeRequests": 0}
+        owner = body.get("owner")
+        for rid, note in (body.get("keep") or {}).items():
+            if rid in self.issued:
+                self.notes[rid] = (next(self._note_seq), owner, note)
+        if isinstance(body.get("recall"), int):
+            mine = sorted((seq, rid, note) for rid, (seq, who, note) in self.notes.items()
+                          if who == owner and seq > body["recall"])
+            out.update({"notes": {rid: note for _, rid, note in mine},
+                        "recallNext": max([body["recall"]] + [s for s, _, _ in mine]),
+                        "recallMore": False})
+        return web.json_response(out)
+
+    def forget_notes(self) -> None:
+        """A restart of the engine: it retains nothing, so it holds no notes."""
+        self.issued.clear()
+        self.notes.clear()
 
     async def wait_released(self, request_id: str, timeout: float = 5.0) -> bool:
         """True once `request_id` was sent for release (bounded wait)."""
@@ -271,6 +295,7 @@ class FakeEngine:
             out["kv_transfer_params"] = None  # what vLLM answers to a request without any
         elif not b.no_params:
             out["kv_transfer_params"] = self._params(self._rid(request), n)
+            self.issued.add(out["kv_transfer_params"]["remote_request_id"])
         choice: dict[str, Any] = {"index": 0, "finish_reason": "stop"}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -312,6 +337,8 @@ class FakeEngine:
         n = self._prompt_tokens(rec.body) + len(b.reply) - 1
         whole = self.role == "prefill"
         params = None if b.no_params or whole else self._params(self._rid(request), n)
+        if params is not None:
+            self.issued.add(params["remote_request_id"])
         finish = [{"index": 0, "delta": {}, "finish_reason": "stop"}] if chat else \
             [{"index": 0, "text": "", "finish_reason": "stop"}]
         if params is not None and (b.params_on_last_chunk or b.native_stream_params):

@@ -18,10 +18,13 @@ from bidirkv.router.config import RouterConfig
 from bidirkv.router.datapath.tracing import Traces
 from bidirkv.router.metrics import Metrics
 from bidirkv.router.pool.backends import DECODE, PREFILL, Backend, Pool
+from bidirkv.router.pool.notes import note_key
 from bidirkv.router.pool.placement import CostModel
+from bidirkv.router.pool.recall import Recall
 from bidirkv.router.pool.residency import ResidencyClient
 from bidirkv.router.request.identity import LookupKeys
 from bidirkv.router.store.base import Entry, Store, StoreUnavailable
+from bidirkv.router.store.memory import InProcessStore
 from bidirkv.router.store.shared import make_store, store_mode
 
 
@@ -85,6 +88,13 @@ class Context:
         # Kept for the router's life: a reload does not change the store.
         self.metrics.store_info.labels(store_mode(cfg)).set(1)
         self._tasks: set[asyncio.Task[Any]] = set()
+        store = self.store
+        if handle_key and isinstance(store, InProcessStore):
+            # The in-process store dies with the process: decode keeps a note of each
+            # handle, and a restarted router recalls them (pool/recall.py).
+            self.residency.notes_key = note_key(handle_key)
+            self.residency.on_first_answer = Recall(
+                self.residency, store, store.peek, lambda: store.ttl, self.spawn)
 
     def backends(self) -> list[Backend]:
         return self.prefill.backends + self.decode.backends

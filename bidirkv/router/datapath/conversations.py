@@ -106,14 +106,16 @@ class Conversations:
         try:
             limit = ctx.max_pinned(d.url)
             share = ctx.cfg.tenant_retention_share
-            await ctx.store.put(Kept(
+            kept = Kept(
                 key, dumps_kept(kv), d.url, engine, n, tenant=turn.tenant, prefix_len=prefix_len,
                 chars=turn.prompt_chars + len(collector.text) if collector is not None else 0,
                 prompt_key=self.prompt_key(turn),
                 request_id=rid, blocks=handle_blocks(kv), max_pinned=limit,
                 gap=turn.gap,
                 tenant_max_pinned=int(share * limit) if limit is not None and share < 1
-                else None))
+                else None)
+            await ctx.store.put(kept)
+            ctx.residency.keep(kept)  # its note on decode, when the store is in-process
         except StoreUnavailable:
             if rid is not None:  # not kept anywhere: D frees the blocks now
                 ctx.residency.release_ids(d.url, [rid])

@@ -6,9 +6,12 @@ Decode keeps a conversation's blocks only for the router that holds the handle t
   (superseded, LRU, TTL, watermark, an explicit end, a failed or cancelled reuse) and
   sends them to `POST /bidirkv/residency` at once, in batches, off the request path;
 - renews this router's lease on the same route every health round (decode releases
-  the handles of a router that stops calling: gone, or restarted with a new id);
+  the handles of a router that stops calling for longer than the lease);
 - learns the replica's capacity from the answer, so the store can keep the blocks its
-  handles pin under `retentionWatermark` of it.
+  handles pin under `retentionWatermark` of it;
+- with the in-process store, sends a note beside each kept handle (notes.py) in the same
+  calls, and hands each replica's first answer to the recall (recall.py), which asks for
+  the notes back after a restart.
 
 Nothing here waits on a request: a failed call costs only reuse (decode's lease and
 pressure reclaim still free the blocks), and its releases go again with the next call. A
@@ -20,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +35,15 @@ import aiohttp
 
 from bidirkv.proof import RESIDENCY_AUTH_HEADER, sign_residency
 from bidirkv.router.codec import dumps, loads
-from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION
+from bidirkv.router.pool.notes import encode, stable_owner
+from bidirkv.router.store.base import Kept
+from bidirkv.wire import (
+    MAX_KEEP,
+    RESIDENCY_KEEP_FIELD,
+    RESIDENCY_PATH,
+    RESIDENCY_VERSION_FIELD,
+    VERSION,
+)
 
 log = logging.getLogger("bidirkv.router")
 
@@ -38,6 +51,9 @@ BATCH = 1000
 # Releases kept for a retry while a replica does not answer; past this the oldest go
 # (decode frees them anyway once this router's lease lapses, or under pressure).
 MAX_PENDING = 100_000
+# Notes waiting for a replica that does not answer; past this the oldest go (those
+# conversations are then only lost by a restart, as without notes).
+MAX_PENDING_NOTES = 10_000
 # Reasons the store drops a handle whose blocks decode can no longer hold for us, or
 # already freed: nothing to release.
 NO_RELEASE = frozenset({"engine_changed", "replica_removed", "replica_unhealthy"})
@@ -50,6 +66,8 @@ class Replica:
     num_blocks: int | None = None  # from the engine; None until it answered
     supported: bool = True
     last: dict[str, Any] = field(default_factory=dict)  # the engine's last report
+    keeping: dict[str, str] = field(default_factory=dict)  # request id -> note to send
+    answered: bool = False  # it answered once (the recall starts then)
 
 
 class ResidencyClient:
@@ -59,9 +77,11 @@ class ResidencyClient:
     def __init__(self, lease_seconds: float, timeout: aiohttp.ClientTimeout,
                  on_result: Callable[[str, str, int], None] | None = None,
                  owner: str | None = None, handle_key: bytes | None = None) -> None:
-        # A new id per process: a restarted router is a new owner, and decode frees the
-        # old one's blocks when its lease lapses.
-        self.owner = owner or f"router-{uuid.uuid4().hex[:16]}"
+        # One id for every process of the resource (derived from its handle key): a
+        # restarted router renews its predecessor's lease, and decode keeps its blocks.
+        # Without a key (no call would be answered anyway) a new id per process.
+        self.owner = owner or (stable_owner(handle_key) if handle_key
+                               else f"router-{uuid.uuid4().hex[:16]}")
         self.lease_seconds = lease_seconds
         self.timeout = timeout
         # Signs every call (bidirkv/proof.py): the engines answer 401 to anyone else.
@@ -70,6 +90,10 @@ class ResidencyClient:
         self._on_result = on_result or (lambda url, result, n: None)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # Set with the in-process store (context.py): the key notes are signed with, and
+        # what a replica's first answer starts (the recall of its notes).
+        self.notes_key: bytes | None = None
+        self.on_first_answer: Callable[[aiohttp.ClientSession, str], None] | None = None
 
     def replica(self, url: str) -> Replica:
         r = self.replicas.get(url)
@@ -98,14 +122,34 @@ class ResidencyClient:
         r = self.replica(url)
         if not r.supported:
             return 0  # nobody to tell: a replica without the route frees by vLLM's TTL
+        for rid in request_ids:
+            r.keeping.pop(rid, None)  # a note beside a released request is kept by no one
         r.pending.extend(request_ids)
         if request_ids:
             self._wake.set()
         return len(request_ids)
 
+    def keep(self, kept: Kept) -> None:
+        """Queue the note of a handle the store kept (in-process store only), for the
+        next call to its replica."""
+        if self.notes_key is None or kept.request_id is None:
+            return
+        r = self.replica(kept.decode_url)
+        note = encode(self.notes_key, kept, time.time()) if r.supported else None
+        if note is None:
+            return
+        r.keeping[kept.request_id] = note
+        while len(r.keeping) > MAX_PENDING_NOTES:
+            del r.keeping[next(iter(r.keeping))]
+        self._wake.set()
+
     @staticmethod
-    def _requeue(r: Replica, batch: list[str]) -> None:
+    def _requeue(r: Replica, batch: list[str], notes: dict[str, str] | None = None) -> None:
         r.pending = (batch + r.pending)[-MAX_PENDING:]
+        if notes:
+            r.keeping = {**notes, **r.keeping}
+            while len(r.keeping) > MAX_PENDING_NOTES:
+                del r.keeping[next(iter(r.keeping))]
 
     # -- the sender --------------------------------------------------------------------
     def start(self, session: aiohttp.ClientSession) -> None:
@@ -121,47 +165,64 @@ class ResidencyClient:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            todo = [r for r in self.replicas.values() if r.pending and r.supported]
+            todo = [r for r in self.replicas.values()
+                    if (r.pending or r.keeping) and r.supported]
             await asyncio.gather(*(self.call(session, r.url) for r in todo))
 
-    async def call(self, session: aiohttp.ClientSession, url: str) -> bool:
-        """One call to a replica: renew the lease, send pending releases, read capacity."""
-        r = self.replica(url)
-        if not r.supported:
-            return False
-        batch, r.pending = r.pending[:BATCH], r.pending[BATCH:]
-        body = {"owner": self.owner, "leaseSeconds": self.lease_seconds, "release": batch,
+    def body(self, **extra: Any) -> dict[str, Any]:
+        """A call's body: this router's lease, and `extra`."""
+        return {"owner": self.owner, "leaseSeconds": self.lease_seconds, **extra,
                 RESIDENCY_VERSION_FIELD: VERSION}
+
+    async def post(self, session: aiohttp.ClientSession, url: str,
+                   body: dict[str, Any]) -> tuple[int, bytes]:
+        """POST a signed residency call; (status, body). Raises what aiohttp raises."""
         data = dumps(body)
         headers = {"Content-Type": "application/json"}
         if self.handle_key:
             headers[RESIDENCY_AUTH_HEADER] = sign_residency(self.handle_key, RESIDENCY_PATH,
                                                             data)
+        async with session.post(url + RESIDENCY_PATH, data=data, timeout=self.timeout,
+                                headers=headers) as resp:
+            return resp.status, await resp.read()
+
+    async def call(self, session: aiohttp.ClientSession, url: str) -> bool:
+        """One call to a replica: renew the lease, send pending releases and notes, read
+        capacity."""
+        r = self.replica(url)
+        if not r.supported:
+            return False
+        batch, r.pending = r.pending[:BATCH], r.pending[BATCH:]
+        notes = dict(itertools.islice(r.keeping.items(), MAX_KEEP))
+        for rid in notes:
+            del r.keeping[rid]
+        extra: dict[str, Any] = {"release": batch}
+        if notes:
+            extra[RESIDENCY_KEEP_FIELD] = notes
         try:
-            async with session.post(url + RESIDENCY_PATH, data=data, timeout=self.timeout,
-                                    headers=headers) as resp:
-                raw, status = await resp.read(), resp.status
+            status, raw = await self.post(session, url, self.body(**extra))
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             # Kept for the next round (bounded): a replica that was briefly away still
             # gets told, instead of holding the blocks until this router's lease lapses.
-            self._requeue(r, batch)
+            self._requeue(r, batch, notes)
             self._on_result(url, "error", len(batch))
             log.debug("residency call failed url=%s: %s", url, type(exc).__name__)
             return False
-        if status == 400 and batch:
+        if status == 400 and (batch or notes):
             # Decode refused this batch: renew the lease alone, so a batch it cannot take
             # never costs every conversation of this router (decode skips ids it cannot
             # read, so this is a decode of another version). The batch is dropped: sent
-            # again it would be refused again.
-            log.warning("decode %s refused a release batch of %d: %s", url, len(batch),
-                        raw[:200])
+            # again it would be refused again (its notes too: those conversations are
+            # then only lost by a restart).
+            log.warning("decode %s refused a batch of %d releases and %d notes: %s", url,
+                        len(batch), len(notes), raw[:200])
             self._on_result(url, "refused", len(batch))
             return await self.call(session, url)
         if status in (401, 429):
             # 401: decode holds another handle key (a rotation half done) or this router
             # none; 429: decode tracks as many owners as it keeps. Either way nothing was
             # done: the releases wait for the next round.
-            self._requeue(r, batch)
+            self._requeue(r, batch, notes)
             self._on_result(url, "refused", len(batch))
             log.warning("decode %s refused the residency call (%d): %s", url, status,
                         raw[:200])
@@ -169,7 +230,7 @@ class ResidencyClient:
         if status == 409:
             # Decode speaks another wire version: nothing it would do with the call is
             # what this router means. Keep the releases for after the upgrade settles.
-            self._requeue(r, batch)
+            self._requeue(r, batch, notes)
             self._on_result(url, "wire_version", len(batch))
             log.warning("decode %s refused the residency call: %s", url, raw[:200])
             return False
@@ -184,7 +245,7 @@ class ResidencyClient:
         except ValueError:
             report = None
         if not isinstance(report, dict):
-            self._requeue(r, batch)
+            self._requeue(r, batch, notes)
             self._on_result(url, "error", len(batch))
             return False
         n = report.get("numBlocks")
@@ -192,6 +253,10 @@ class ResidencyClient:
             r.num_blocks = n
         r.last = report
         self._on_result(url, "ok", len(batch))
-        if r.pending:
+        if r.pending or r.keeping:
             self._wake.set()
+        if not r.answered:
+            r.answered = True
+            if self.on_first_answer is not None:
+                self.on_first_answer(session, url)
         return True

@@ -17,9 +17,10 @@ The entry bounds (the router's memory) take the oldest entry; the block bounds (
 memory) take the conversation expected back last, overdue ones first, as decode itself
 does under pressure (bidirkv/returns.py).
 
-`owner` is the identity decode holds retained KV for: None means "this router process"
-(a restarted in-process router is a new owner); a shared store has one owner id for all
-its routers, so a replica that restarts keeps the conversations.
+`owner` is the identity decode holds retained KV for: None means "this router": one id
+derived from the handle key, so a restarted in-process router is the same owner and
+recalls its handles from decode (bidirkv/router/pool/recall.py); a shared store has one
+owner id for all its routers, so a replica that restarts keeps the conversations.
 """
 
 from __future__ import annotations

@@ -145,6 +145,11 @@ class InProcessStore:
     def __iter__(self) -> Iterator[Entry]:
         return iter(list(self.ix.entries.values()))
 
+    def peek(self, key: bytes) -> Entry | None:
+        """The entry under `key`, left where it is (a lookup takes it): what a recall
+        compares a note with (bidirkv/router/pool/recall.py)."""
+        return self.ix.entries.get(key)
+
     def configure(self, ttl_seconds: float, max_entries: int,
                   max_per_tenant: int | None = None) -> None:
         # A shorter TTL applies to new entries; existing ones keep the deadline they were

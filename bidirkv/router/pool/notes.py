@@ -1,0 +1,138 @@
+"""What a router with the in-process store leaves on decode to survive its own restart:
+a stable owner id, and a note per kept handle (pure; the sending is residency.py's, the
+recall recall.py's).
+
+The owner decode keeps retained KV for is derived from the resource's handle key: every
+process of one resource's router is the same owner, so a restarted router renews the
+lease its predecessor held and decode frees nothing. (A shared store names its own owner,
+which replaces this one once the store answers.)
+
+A note is the `Kept` record the router stored, less what the recall knows anyway (the
+request id it is kept beside, the replica it is recalled from): `1.<mac>.<JSON>`, the
+MAC an HMAC-SHA256 (cut to 16 bytes) over the request id and the JSON, under a key
+derived from the handle key. Decode keeps it opaque; a note that does not check, names
+another request, or breaks a bound is dropped on recall, never stored. What a note
+names is still only a handle: decode and prefill verify it when it is used, so a
+recalled handle decode no longer holds is a miss, never a wrong read.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from bidirkv.router.codec import dumps, dumps_kept, loads
+from bidirkv.router.store.base import Entry, Kept
+from bidirkv.wire import MAX_NOTE_LEN, VERSION_KEY, version_problem
+
+FORMAT = "1"
+MAC_LEN = 16
+_OWNER_PERSON = b"bidirkv-owner"
+_NOTE_PERSON = b"bidirkv-note"
+
+
+def stable_owner(handle_key: bytes) -> str:
+    """The owner id every router process of the resource holding `handle_key` shares."""
+    return "router-" + hashlib.blake2b(handle_key, digest_size=8,
+                                       person=_OWNER_PERSON).hexdigest()
+
+
+def note_key(handle_key: bytes) -> bytes:
+    """The key notes are signed with (not the handle key itself: a note is no handle)."""
+    return hashlib.blake2b(handle_key, digest_size=32, person=_NOTE_PERSON).digest()
+
+
+def _b64(b: bytes | None) -> str | None:
+    return None if b is None else base64.b64encode(b).decode()
+
+
+def _unb64(s: Any) -> bytes | None:
+    if s is None:
+        return None
+    if not isinstance(s, str):
+        raise ValueError("not base64 text")
+    return base64.b64decode(s, validate=True)
+
+
+def _mac(key: bytes, request_id: str, payload: bytes) -> str:
+    digest = hmac.new(key, request_id.encode() + b"\0" + payload, hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest[:MAC_LEN]).decode().rstrip("=")
+
+
+def encode(key: bytes, kept: Kept, kept_at: float) -> str | None:
+    """The note of a kept handle (None: it has no request id, or the note would be longer
+    than decode keeps one)."""
+    if kept.request_id is None:
+        return None
+    payload = dumps([_b64(kept.key), kept.params.decode(), kept.engine_id, kept.num_tokens,
+                     _b64(kept.tenant), kept.prefix_len, kept.blocks, kept.chars,
+                     _b64(kept.prompt_key),
+                     kept_at if kept.kept_at is None else kept.kept_at, kept.gap])
+    note = f"{FORMAT}.{_mac(key, kept.request_id, payload)}.{payload.decode()}"
+    return note if len(note) <= MAX_NOTE_LEN else None
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"{v!r} is not a count")
+    return v
+
+
+def _time(v: Any, optional: bool = False) -> float | None:
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"{v!r} is not a time")
+    return float(v)
+
+
+def decode(key: bytes, request_id: str, note: Any, url: str) -> Kept | None:
+    """The `Kept` record of a recalled note (None: not one this router signed for this
+    request, or not a handle this release can use)."""
+    if not isinstance(note, str) or len(note) > MAX_NOTE_LEN:
+        return None
+    fmt, _, rest = note.partition(".")
+    mac, _, payload = rest.partition(".")
+    if fmt != FORMAT or not hmac.compare_digest(mac, _mac(key, request_id, payload.encode())):
+        return None
+    try:
+        (k, params, engine_id, num_tokens, tenant, prefix_len, blocks, chars, prompt_key,
+         kept_at, gap) = loads(payload)
+        kv = loads(params) if isinstance(params, str) else None
+        if not isinstance(kv, dict) or version_problem(kv.get(VERSION_KEY), "a note"):
+            return None
+        if engine_id is not None and not isinstance(engine_id, str):
+            return None
+        return Kept(_unb64(k) or b"", dumps_kept(kv), url, engine_id, _int(num_tokens),
+                    tenant=_unb64(tenant), prefix_len=_int(prefix_len),
+                    request_id=request_id, blocks=_int(blocks), chars=_int(chars),
+                    prompt_key=_unb64(prompt_key), kept_at=_time(kept_at),
+                    gap=_time(gap, optional=True))
+    except (ValueError, TypeError):
+        return None
+
+
+def merge(recalled: Iterable[Kept], held: Callable[[bytes], Entry | None], now: float,
+          ttl: float) -> list[Kept]:
+    """What of a recall goes into the store: per conversation the newest note, unless it
+    is past the store's TTL, or the store holds that handle already, one kept later, or
+    one a turn is using now."""
+    newest: dict[bytes, Kept] = {}
+    for k in recalled:
+        if not k.key or (k.kept_at or 0.0) + ttl <= now:
+            continue
+        old = newest.get(k.key)
+        if old is None or (k.kept_at or 0.0) > (old.kept_at or 0.0):
+            newest[k.key] = k
+    out = []
+    for k in newest.values():
+        e = held(k.key)
+        if e is not None and (e.reserved or e.request_id == k.request_id
+                              or e.kept_at >= (k.kept_at or 0.0)):
+            continue
+        out.append(k)
+    return out

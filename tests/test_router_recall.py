@@ -1,0 +1,223 @@
+"""A router with the in-process store survives its restart: it leaves a note beside each
+kept handle on decode (bidirkv/router/pool/notes.py) and a new process of the same
+resource recalls them (recall.py). The pure parts against tables, then `bidir-kv router`
+as separate processes in front of fake engines: a conversation, the router SIGTERMed by
+its pid, a new one with the same config, and the next turn reuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import signal
+
+import aiohttp
+import pytest
+from fake_engine import FakeEngine
+from router_process import KEY, RouterProcess
+
+from bidirkv.router.pool.notes import decode, encode, merge, note_key, stable_owner
+from bidirkv.router.store.base import Entry, Kept
+from bidirkv.wire import MAX_NOTE_LEN, VERSION, VERSION_KEY
+
+NK = note_key(KEY.encode())
+PARAMS = json.dumps({"remote_request_id": "d-1", VERSION_KEY: VERSION,
+                     "remote_block_ids": [[1, 2, 3]]}).encode()
+KEPT = Kept(b"k" * 32, PARAMS, "http://d0", "eng-1", 40, tenant=b"t" * 16, prefix_len=0,
+            request_id="d-1", blocks=3, chars=120, prompt_key=b"\0\0\0\2" + b"p" * 16,
+            kept_at=1000.0, gap=12.5)
+
+
+# -- pure: the owner, the note and the merge --------------------------------------------------
+def test_the_owner_is_the_same_for_every_process_of_a_resource_and_only_it():
+    assert stable_owner(KEY.encode()) == stable_owner(KEY.encode())
+    assert stable_owner(KEY.encode()) != stable_owner(b"x" * 64)
+    assert KEY not in stable_owner(KEY.encode()) and note_key(KEY.encode()) != KEY.encode()
+
+
+def test_a_note_gives_back_the_kept_record_on_the_replica_it_is_recalled_from():
+    note = encode(NK, KEPT, 5.0)
+    back = decode(NK, "d-1", note, "http://d0-again")
+    assert back == dataclasses.replace(KEPT, decode_url="http://d0-again",
+                                       params=back.params)
+    assert json.loads(back.params) == json.loads(PARAMS)
+    # An unknown kept_at is the time the note was made.
+    assert decode(NK, "d-1", encode(NK, dataclasses.replace(KEPT, kept_at=None), 5.0),
+                  "u").kept_at == 5.0
+
+
+@pytest.mark.parametrize("name, rid, note", [
+    ("another request's", "d-2", lambda n: n),
+    ("another key's", "d-1", lambda n: encode(note_key(b"x" * 64), KEPT, 0.0)),
+    ("changed", "d-1", lambda n: n.replace('"eng-1"', '"eng-2"')),
+    ("another format", "d-1", lambda n: "2" + n[1:]),
+    ("not text", "d-1", lambda n: 7),
+    ("cut", "d-1", lambda n: n[:40]),
+])
+def test_a_note_that_does_not_check_gives_nothing(name, rid, note):
+    assert decode(NK, rid, note(encode(NK, KEPT, 0.0)), "u") is None, name
+
+
+def test_a_signed_note_that_is_no_handle_of_this_release_gives_nothing():
+    old = dataclasses.replace(KEPT, params=json.dumps({VERSION_KEY: VERSION + 1}).encode())
+    assert decode(NK, "d-1", encode(NK, old, 0.0), "u") is None
+    assert decode(NK, "d-1", encode(NK, dataclasses.replace(KEPT, num_tokens=-1), 0.0),
+                  "u") is None
+
+
+def test_a_note_longer_than_decode_keeps_is_not_made():
+    big = dataclasses.replace(KEPT, params=json.dumps(
+        {VERSION_KEY: VERSION, "x": "y" * MAX_NOTE_LEN}).encode())
+    assert encode(NK, big, 0.0) is None
+    assert encode(NK, dataclasses.replace(KEPT, request_id=None), 0.0) is None
+
+
+def entry(request_id: str, kept_at: float, reserved: bool = False) -> Entry:
+    return Entry(b"k" * 32, b"{}", "u", None, 0, 0.0, None, 0, request_id, 0, 0, None,
+                 kept_at, None, reserved)
+
+
+def note(key: bytes, rid: str, kept_at: float) -> Kept:
+    return dataclasses.replace(KEPT, key=key, request_id=rid, kept_at=kept_at)
+
+
+K, L = b"k" * 32, b"l" * 32
+
+
+@pytest.mark.parametrize("recalled, held, put", [
+    ([note(K, "a", 900)], None, ["a"]),
+    ([note(K, "a", 900), note(K, "b", 950)], None, ["b"]),  # the newest of a conversation
+    ([note(K, "b", 950), note(K, "a", 900)], None, ["b"]),
+    ([note(K, "a", 100)], None, []),  # past the store's TTL (300 s at 1000)
+    ([note(K, "a", 900)], entry("a", 900), []),  # the store has it already
+    ([note(K, "a", 900)], entry("z", 950), []),  # the store has a later one
+    ([note(K, "a", 900)], entry("z", 800), ["a"]),  # ... or an earlier one: replaced
+    ([note(K, "a", 900)], entry("z", 800, reserved=True), []),  # a turn is using it
+    ([note(K, "a", 900), note(L, "c", 900)], None, ["a", "c"]),
+    ([note(b"", "a", 900)], None, []),
+])
+def test_merge(recalled, held, put):
+    got = merge(recalled, lambda key: held if key == K else None, 1000.0, 300.0)
+    assert [k.request_id for k in got] == put
+
+
+# -- separate router processes in front of fake engines ---------------------------------------
+U1 = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture
+async def setup(tmp_path):
+    p, d = FakeEngine("prefill", nixl_host="10.0.1.1"), FakeEngine("decode", nixl_host="10.0.2.2")
+    await p.start()
+    await d.start()
+    cfg = tmp_path / "router.json"
+    cfg.write_text(json.dumps({"prefill": [p.url], "decode": [d.url],
+                               "placement": {"policy": "alwaysDisaggregate"},
+                               "healthCheckIntervalSeconds": 0.5}))
+    routers: list[RouterProcess] = []
+
+    def router(name: str, key: str = KEY) -> RouterProcess:
+        # No --handle-store: the in-process store, which dies with the process.
+        r = RouterProcess(cfg, None, tmp_path / f"{name}.log", key)
+        routers.append(r)
+        return r
+
+    try:
+        yield p, d, router
+    finally:
+        for r in routers:
+            r.stop(signal.SIGKILL)
+        await p.stop()
+        await d.stop()
+
+
+def handles_sent(p: FakeEngine) -> list[str]:
+    return [g.kv["remote_request_id"] for g in p.generations() if g.has_handle]
+
+
+async def stored(r: RouterProcess, n: int, timeout: float = 15.0) -> bool:
+    """True once the router's store holds `n` handles (its /metrics count)."""
+    want = f"bidirkv_router_handles {float(n)}"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    async with aiohttp.ClientSession() as s:
+        while loop.time() < deadline:
+            async with s.get(r.url + "/metrics") as resp:
+                if want in (await resp.text()).splitlines():
+                    return True
+            await asyncio.sleep(0.1)
+    return False
+
+
+async def noted(d: FakeEngine, n: int, timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while len(d.notes) < n:
+        assert loop.time() < deadline, "decode got no note"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_restarted_router_reuses_what_decode_still_holds(setup):
+    p, d, router = setup
+    a = await router("a").start()
+    status, m1 = await a.chat(U1)
+    assert status == 200
+    await noted(d, 1)
+    kept_rid = next(iter(d.notes))
+    a.stop(signal.SIGTERM)
+    b = await router("b").start()
+    assert await stored(b, 1), "the new router recalled nothing"
+    status, _ = await b.chat(U1 + [m1, {"role": "user", "content": "x"}])
+    assert status == 200 and handles_sent(p) == [kept_rid], "turn 2 after the restart recomputed"
+    # One owner for both processes: decode kept the blocks for the new one.
+    owners = {c["owner"] for c in d.residency_calls}
+    assert owners == {stable_owner(KEY.encode())}
+
+
+async def test_several_conversations_come_back_and_a_released_one_does_not(setup):
+    p, d, router = setup
+    a = await router("a").start()
+    replies = {}
+    for c in ("c1", "c2", "c3"):
+        status, replies[c] = await a.chat(U1, conversation_id=c)
+        assert status == 200
+    await noted(d, 3)
+    assert await a.delete("c2") == 204
+    while len(d.notes) != 2:  # the release drops its note on decode
+        await asyncio.sleep(0.05)
+    a.stop(signal.SIGTERM)
+    b = await router("b").start()
+    assert await stored(b, 2)
+    for c in ("c1", "c2", "c3"):
+        status, _ = await b.chat(U1 + [replies[c], {"role": "user", "content": "x"}],
+                                 conversation_id=c)
+        assert status == 200
+    assert len(handles_sent(p)) == 2
+
+
+async def test_what_decode_no_longer_holds_is_a_miss_and_forged_notes_nothing(setup):
+    p, d, router = setup
+    a = await router("a").start()
+    status, m1 = await a.chat(U1)
+    assert status == 200
+    await noted(d, 1)
+    a.stop(signal.SIGTERM)
+    (rid, (seq, owner, _)), = d.notes.items()
+    d.notes[rid] = (seq, owner, "1.forged." + json.dumps(["x"]))
+    b = await router("b").start()
+    status, _ = await b.chat(U1 + [m1, {"role": "user", "content": "x"}])
+    assert status == 200 and handles_sent(p) == []
+    assert await stored(b, 1)  # the turn's own handle, nothing else
+
+
+async def test_another_handle_key_recalls_nothing(setup):
+    p, d, router = setup
+    a = await router("a").start()
+    status, m1 = await a.chat(U1)
+    assert status == 200
+    await noted(d, 1)
+    a.stop(signal.SIGTERM)
+    other = await router("other", key="f" * 64).start()
+    status, _ = await other.chat(U1 + [m1, {"role": "user", "content": "x"}])
+    assert status == 200 and handles_sent(p) == []
