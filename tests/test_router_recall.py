@@ -221,3 +221,33 @@ async def test_another_handle_key_recalls_nothing(setup):
     other = await router("other", key="f" * 64).start()
     status, _ = await other.chat(U1 + [m1, {"role": "user", "content": "x"}])
     assert status == 200 and handles_sent(p) == []
+
+
+async def test_a_rollout_brings_back_the_old_routers_last_turns_too(setup):
+    p, d, router = setup
+    a = await router("old").start()
+    status, m1 = await a.chat(U1)
+    assert status == 200
+    await noted(d, 1)
+    rid1 = next(iter(d.notes))
+    b = await router("new").start()  # both serve for a while, as in a rolling update
+    assert await stored(b, 1)
+    history = U1 + [m1, {"role": "user", "content": "x"}]
+    status, m2 = await a.chat(history)  # the old router's last turn, after b recalled
+    assert status == 200
+    # (The fake decode does not see prefill's read of rid1, which drops its note on a
+    # real one.)
+    while not set(d.notes) - {rid1}:
+        await asyncio.sleep(0.05)
+    rid2, = set(d.notes) - {rid1}
+    seq = d.notes[rid2][0]
+    # b follows new notes from its cursor: a recall from past this note's sequence means
+    # the page holding it was put back.
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 20
+    while not any(c.get("recall", 0) >= seq for c in d.residency_calls):
+        assert loop.time() < deadline, "the new router did not follow the old one's notes"
+        await asyncio.sleep(0.1)
+    a.stop(signal.SIGTERM)
+    status, _ = await b.chat(history + [m2, {"role": "user", "content": "y"}])
+    assert status == 200 and handles_sent(p)[-1] == rid2
