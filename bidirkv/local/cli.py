@@ -1,10 +1,12 @@
-"""`bidir-kv local up|down|drain`: the rendered stack as processes on this machine.
+"""`bidir-kv local up|down|drain|restart`: the rendered stack as processes on this machine.
 
 `up` returns once every server is healthy and leaves them running (each in its own
 process group and session); `down` stops them, and whatever they started, by the pids,
 groups and start times recorded in the state directory. `up` over a state directory
 whose servers died first stops what they left running. `drain NAME` does to one engine
-what deleting its pod does (bidirkv/local/drain.py).
+what deleting its pod does (bidirkv/local/drain.py); `restart NAME` then starts it again
+with the same command, as a rollout does, and works for the router too
+(bidirkv/local/restart.py).
 """
 
 from __future__ import annotations
@@ -43,6 +45,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     drain.add_argument("--state-dir", type=pathlib.Path, default=DEFAULT_STATE_DIR)
     drain.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                        help="stop waiting after this long (the server keeps draining)")
+    restart = sub.add_parser("restart", help="stop one server as a rollout does (an engine "
+                             "drains first), then start it again with the same command")
+    restart.add_argument("name", help="a server, as `up` lists it (e.g. decode-0, router)")
+    restart.add_argument("--drop", action="store_true",
+                         help="SIGKILL it and what it started instead (a crash: nothing drains)")
+    restart.add_argument("--state-dir", type=pathlib.Path, default=DEFAULT_STATE_DIR)
+    restart.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                         help="how long to wait for it to stop (it is not started again "
+                         "while it still drains)")
+    restart.add_argument("--start-timeout", type=float, default=None, metavar="SECONDS",
+                         help="how long it may take to serve again")
 
 
 def prepare_stack(spec_file: str | os.PathLike[str], state_dir: pathlib.Path, *,
@@ -168,5 +181,22 @@ def _drain(args: argparse.Namespace) -> int:
     return 0 if done else 1
 
 
+def _restart(args: argparse.Namespace) -> int:
+    from bidirkv.local.drain import DEFAULT_WAIT_S
+    from bidirkv.local.restart import DEFAULT_START_S, restart_server
+    from bidirkv.local.stack import StartError
+
+    try:
+        done = restart_server(args.state_dir, args.name, drop=args.drop,
+                              wait_s=args.timeout or DEFAULT_WAIT_S,
+                              start_timeout=args.start_timeout or DEFAULT_START_S,
+                              say=lambda line: print(f"{PROG} restart: {line}", file=sys.stderr))
+    except (ValueError, StartError) as exc:
+        print(f"{PROG} restart: {exc}", file=sys.stderr)
+        return 1
+    return 0 if done.record is not None else 1
+
+
 def run(args: argparse.Namespace) -> int:
-    return {"up": _up, "down": _down, "drain": _drain}[args.local_command](args)
+    return {"up": _up, "down": _down, "drain": _drain,
+            "restart": _restart}[args.local_command](args)
