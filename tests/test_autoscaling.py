@@ -305,9 +305,23 @@ def test_router_lists_the_pods_the_autoscaler_runs(observed, listed):
     assert len(cfg["prefill"]) == 1
 
 
-def test_a_fixed_role_ignores_what_was_observed():
-    spec = parse_spec(spec_with(decode={"replicas": 3}))
-    assert len(router_config(OWNER, spec, {"decode": 7})["decode"]) == 3
+# (observed decode pods, the decode pods the router lists) with a fixed count of 3: a
+# scale-down (`kubectl scale di/NAME --replicas=N`) keeps a leaving pod listed while it
+# drains, a scale-up lists the new pods at once.
+FIXED_ROUTER_TABLE = [(None, 3), (0, 3), (1, 3), (3, 3), (4, 4), (7, 7)]
+
+
+@pytest.mark.parametrize(("observed", "listed"), FIXED_ROUTER_TABLE)
+def test_a_fixed_role_lists_its_leaving_pods(observed, listed):
+    spec = parse_spec(spec_with(decode={"replicas": 3}, prefill={"replicas": 1}))
+    cfg = router_config(OWNER, spec, None if observed is None else {"decode": observed})
+    assert cfg["decode"] == [f"http://tiny-decode-{i}.tiny-decode.ns1.svc:{ENGINE_PORT}"
+                             for i in range(listed)]
+    assert len(cfg["prefill"]) == 1
+    # The StatefulSet keeps the spec's count: only the router waits for the leaving pods.
+    sts = children(spec_with(decode={"replicas": 3}),
+                   None if observed is None else {"decode": observed})
+    assert sts[("StatefulSet", "tiny-decode")]["spec"]["replicas"] == 3
 
 
 def _sts_as_stored(obj, replicas):

@@ -183,16 +183,18 @@ class Controller:
 
     async def _observed_replicas(self, owner: Owner, spec: api.DisaggregatedInferenceSpec
                                  ) -> dict[str, int]:
-        """The pods of each autoscaled role's StatefulSet: the autoscaler's count, or more
-        while a pod it scaled away is still there (draining: the router keeps its
-        conversations until it is gone). Watched: a change reconciles, and the router's
+        """The pods of each role's StatefulSet: its count (the autoscaler's, or the spec's),
+        or more while a pod a scale-down removed is still there (draining: the router keeps
+        its conversations until it is gone). Watched: a change reconciles, and the router's
         config follows."""
         out: dict[str, int] = {}
         for role in ROLES:
-            if getattr(spec, role).autoscaling is None:
-                continue
             key = ("StatefulSet", owner.namespace, child_name(owner, role))
-            sts = self.children.get(key) or await self.client.get(*key)
+            sts = self.children.get(key)
+            if sts is None and getattr(spec, role).autoscaling is not None:
+                # Without a count of its own in the spec, an autoscaled role needs the
+                # server's; a fixed role has one, and its watch brings what exists.
+                sts = await self.client.get(*key)
             if sts is None or not owned_by(sts, owner.uid):
                 continue
             counts = [(sts.get(part) or {}).get("replicas") for part in ("spec", "status")]

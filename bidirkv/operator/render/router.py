@@ -58,13 +58,22 @@ def _knobs(section: RouterKnobs | KvKnobs, knobs: type[RouterKnobs | KvKnobs]) -
                               exclude_none=True)
 
 
+def listed_replicas(spec: api.DisaggregatedInferenceSpec, role: str,
+                    observed: Mapping[str, int] | None = None) -> int:
+    """The replicas of a role the router lists: those the role runs, and more while pods a
+    scale-down removed are still there. A leaving pod drains (bidirkv/connector/drain.py);
+    a router that no longer listed it would forget the conversations it holds before they
+    could move."""
+    return max(role_replicas(spec, role, observed), (observed or {}).get(role, 0))
+
+
 def router_config(owner: Owner, spec: api.DisaggregatedInferenceSpec,
                   observed: Mapping[str, int] | None = None) -> dict[str, Any]:
     """What the router reads from its ConfigMap (reloaded on change, no restart).
-    `observed`: the autoscaled roles' current replicas (render/autoscaling.py)."""
+    `observed`: the pods each role's StatefulSet was last seen with (listed_replicas)."""
     return {
-        "prefill": engine_endpoints(owner, "prefill", role_replicas(spec, "prefill", observed)),
-        "decode": engine_endpoints(owner, "decode", role_replicas(spec, "decode", observed)),
+        "prefill": engine_endpoints(owner, "prefill", listed_replicas(spec, "prefill", observed)),
+        "decode": engine_endpoints(owner, "decode", listed_replicas(spec, "decode", observed)),
         "model": spec.model.served_name or spec.model.name,
         **_knobs(spec.router, RouterKnobs),
         **_knobs(spec.kv_transfer, KvKnobs),
