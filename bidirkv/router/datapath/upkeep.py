@@ -1,5 +1,6 @@
-"""The router's background work: health rounds, decode residency renewals, and the
-store's upkeep (its start, the watermark, the TTL sweep) in a task of its own."""
+"""The router's background work: health rounds, decode residency renewals, prefill's
+drain reports, and the store's upkeep (its start, the watermark, the TTL sweep) in a
+task of its own."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from bidirkv.router.datapath.context import Context, quietly
 from bidirkv.router.datapath.health import Health
 from bidirkv.router.datapath.modes import modes_of
 from bidirkv.router.datapath.sessions import Clients
-from bidirkv.router.pool.drain import mark_draining
+from bidirkv.router.pool.drain import PrefillReports, mark_draining
 from bidirkv.router.store.base import StoreUnavailable
 
 log = logging.getLogger("bidirkv.router")
@@ -40,6 +41,7 @@ class Upkeep:
         self.store_task: asyncio.Task[None] | None = None
         self.wake = asyncio.Event()  # a reload added a backend: probe it now
         self._store_due = asyncio.Event()  # set after each health round
+        self.prefill_reports = PrefillReports(ctx.residency.post)
 
     async def start(self) -> None:
         await self.start_store()
@@ -86,6 +88,21 @@ class Upkeep:
             log.info("decode %s %s", b.url, "is draining: no new work, its conversations "
                      "move on their next turn" if b.draining else "no longer drains")
 
+    async def learn_prefill_drain(self) -> None:
+        """Ask each healthy prefill whether it drains (a report-only call: prefill holds
+        no lease), so a leaving prefill gets no new legs while another can take them, and
+        its drain ends once its legs in flight are done. In every mode: each turn has a
+        prefill leg."""
+        ctx = self.ctx
+        reports = self.prefill_reports
+        reports.keep_only(b.url for b in ctx.prefill.backends)
+        healthy = ctx.prefill.healthy()
+        session = self.clients.pooled
+        await asyncio.gather(*(reports.ask(session, b.url) for b in healthy))
+        for b in mark_draining(healthy, reports.last.get):
+            log.info("prefill %s %s", b.url, "is draining: no new legs while another "
+                     "prefill is healthy" if b.draining else "no longer drains")
+
     async def store_upkeep(self) -> None:
         """What the store needs after a health round: its start (a shared store names the
         owner), the TTL sweep, each healthy decode's watermark and pinned count, the count."""
@@ -110,6 +127,7 @@ class Upkeep:
                 await self.health.check_health()
                 await self.health.learn_model_len()
                 await self.renew_residency()
+                await self.learn_prefill_drain()
             except Exception:  # noqa: BLE001 - the loop must outlive any one bad round
                 log.exception("health check round failed")
             self._store_due.set()
