@@ -1,0 +1,91 @@
+"""A router with the in-process store, restarted, keeps reuse: real vLLM CPU servers.
+
+The router leaves a note beside each kept handle on decode; a new router process of the
+same resource (the same handle key: the same owner) recalls them, and the next turn of a
+conversation decode still holds reads it back, with the reuse-off output (float32,
+greedy).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+import urllib.request
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None:
+    pytest.skip("the vLLM CPU engine stack is not installed (make engine)",
+                allow_module_level=True)
+
+from bidirkv.local.model import random_text  # noqa: E402
+from bidirkv.proof import RESIDENCY_AUTH_HEADER, sign_residency  # noqa: E402
+from bidirkv.router.pool.notes import stable_owner  # noqa: E402
+from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION  # noqa: E402
+
+from .vllm_stack import (  # noqa: E402
+    KEY,
+    chat,
+    metric,
+    metric_reaches,
+    post,
+    running_router,
+    running_stack,
+)
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+
+def handles(url: str, n: int, timeout: float = 30.0) -> float:
+    """The router's stored handles once they reach `n` (or the last count)."""
+    deadline = time.monotonic() + timeout
+    while (got := metric(url, "bidirkv_router_handles")) < n and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return got
+
+
+def notes_held(d_url: str, n: int, timeout: float = 30.0) -> int:
+    """Decode's count of the router's notes once it reaches `n` (asked as that router,
+    which only renews its lease)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        raw = json.dumps({"owner": stable_owner(KEY.encode()), "leaseSeconds": 30,
+                          RESIDENCY_VERSION_FIELD: VERSION}).encode()
+        req = urllib.request.Request(d_url + RESIDENCY_PATH, raw, {
+            "Content-Type": "application/json",
+            RESIDENCY_AUTH_HEADER: sign_residency(KEY.encode(), RESIDENCY_PATH, raw)})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            got = json.loads(r.read()).get("notesHeld", 0)
+        if got >= n or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
+def test_a_restarted_router_reuses_what_decode_holds_with_the_reuse_off_output(tmp_path):
+    fast = {"healthCheckIntervalSeconds": 0.5}
+    with running_stack(tmp_path) as s:
+        def turn(url, msgs):
+            status, out = post(url + "/v1/chat/completions",
+                               {**chat(msgs), "conversation_id": "c"})
+            assert status == 200, out
+            return out["choices"][0]["message"]["content"]
+
+        def reference(msgs):  # reuse off: prefill serves the whole request, nothing read
+            status, out = post(s.p_url + "/v1/chat/completions", chat(msgs))
+            assert status == 200, out
+            return out["choices"][0]["message"]["content"]
+
+        msgs = [{"role": "user", "content": random_text(400, seed=70)}]
+        with running_router(s, "router-a", **fast) as (url, _):
+            msgs.append({"role": "assistant", "content": turn(url, msgs)})
+            assert handles(url, 1) == 1
+            assert notes_held(s.d_url, 1) == 1
+        msgs.append({"role": "user", "content": random_text(40, seed=71)})
+        ref = reference(msgs)
+        reused = metric(s.p_url, "vllm:bidirkv_reused_tokens_total")
+        with running_router(s, "router-b", **fast) as (url, _):
+            assert handles(url, 1) == 1, "the new router recalled nothing"
+            assert turn(url, msgs) == ref
+            assert metric_reaches(s.p_url, "vllm:bidirkv_reused_tokens_total",
+                                  reused + 1) > reused, "the turn after the restart recomputed"
