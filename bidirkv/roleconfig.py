@@ -42,12 +42,42 @@ MANAGED_ARGS = (
 # Managed only while spec.monitoring.tracing sets them: before that field existed they
 # were the only way, and a spec that still passes them keeps working.
 TRACING_ARGS = ("--otlp-traces-endpoint",)
-# What prefill and decode must share for their KV and handles to match: engine-wide only
-# (engine.extraArgs is part of the fingerprint; a role's own arguments are not).
-SHARED_ARGS = ("--block-size", "--kv-cache-dtype", "--quantization", "-q", "--tokenizer",
-               "--revision", "--tokenizer-revision")
+# The arguments a role may set alone (spec.prefill/decode.extraArgs), with whether each
+# takes a value: how much work a server takes on, how it schedules it and what it logs,
+# never which tokens a prompt becomes or what KV they get. A role-only tokenizer, chat
+# template, model override, LoRA or KV scale would have decode read KV computed for other
+# tokens, keep it under its own hashes and hand it on. An allowlist, so a flag vLLM adds
+# later lands in engine.extraArgs (both roles, the fingerprint) until it is listed here.
+# Spelled as vLLM prints them: its parser also takes prefixes and underscores, which an
+# exact match refuses.
+ROLE_ARGS: dict[str, bool] = {
+    "--max-num-seqs": True,
+    "--max-num-batched-tokens": True,
+    "--long-prefill-token-threshold": True,
+    "--scheduling-policy": True,
+    "--stream-interval": True,
+    "--gpu-memory-utilization": True,
+    "--kv-cache-memory-bytes": True,
+    "--num-gpu-blocks-override": True,
+    "--cpu-offload-gb": True,
+    "--uvicorn-log-level": True,
+    "--max-log-len": True,
+    "--enforce-eager": False,
+    "--no-enforce-eager": False,
+    "--enable-chunked-prefill": False,
+    "--no-enable-chunked-prefill": False,
+    "--disable-log-stats": False,
+    "--enable-log-requests": False,
+    "--no-enable-log-requests": False,
+    "--disable-uvicorn-access-log": False,
+    "--no-disable-uvicorn-access-log": False,
+}
+# CEL's form of ROLE_ARGS on the CRD (an item starting with '-' must match it).
+ROLE_ARG_PATTERN = "^(" + "|".join(ROLE_ARGS) + ")(=|$)"
+# The operator's fingerprint of what both roles share, for the engines' digest seed.
+FINGERPRINT_ENV = "BIDIRKV_KV_FINGERPRINT"
 MANAGED_ENV_PREFIXES = (
-    "VLLM_NIXL_SIDE_CHANNEL_", "FI_", "VLLM_PLUGINS", "BIDIRKV_HANDLE_KEY",
+    "VLLM_NIXL_SIDE_CHANNEL_", "FI_", "VLLM_PLUGINS", "BIDIRKV_HANDLE_KEY", FINGERPRINT_ENV,
 )
 
 
@@ -179,26 +209,58 @@ def kv_transfer_config(spec: Spec, role: str) -> dict[str, Any]:
     return cfg
 
 
+def _flag(arg: str) -> str:
+    """The option an item names, as vLLM reads it (it turns `_` into `-` in `--` options)."""
+    flag = arg.split("=", 1)[0]
+    return flag.replace("_", "-") if flag.startswith("--") else flag
+
+
+def role_args_errors(where: str, args: Sequence[str]) -> list[str]:
+    """What of a role's own extraArgs is not on ROLE_ARGS: an option not listed, or a
+    value that follows no option taking one (vLLM would read it as the model)."""
+    errors = []
+    wants_value = False
+    for i, arg in enumerate(args):
+        field = f"spec.{where}.extraArgs[{i}]"
+        if arg.startswith("-"):
+            flag, inline = arg.split("=", 1)[0], "=" in arg
+            if flag not in ROLE_ARGS:
+                errors.append(
+                    f"{field}: {arg!r} is not one a role may set alone (it could change "
+                    "the tokens or the KV one role computes for the other); set it in "
+                    f"spec.engine.extraArgs, for both roles, or use one of "
+                    f"{', '.join(ROLE_ARGS)}")
+            wants_value = ROLE_ARGS.get(flag, True) and not inline
+        elif wants_value:
+            wants_value = False
+        else:
+            errors.append(
+                f"{field}: {arg!r} is a value after no option that takes one; a role's "
+                "extraArgs are options of ROLE_ARGS, each value right after its option "
+                "(e.g. '--max-num-seqs', '8' or '--max-num-seqs=8')")
+    return errors
+
+
 def extra_args_errors(spec: Spec) -> list[str]:
     errors = []
     arg_lists = [("engine", spec.engine.extra_args)] + [
         (role, getattr(spec, role).extra_args) for role in ROLES
     ]
     for where, args in arg_lists:
+        managed = []
         for i, arg in enumerate(args):
-            flag = arg.split("=", 1)[0]
+            flag = _flag(arg)
             if flag in MANAGED_ARGS or (
                     flag in TRACING_ARGS and spec.monitoring.tracing.otlp_endpoint is not None):
+                managed.append(i)
                 errors.append(
                     f"spec.{where}.extraArgs[{i}]: {arg!r} is managed by the operator; set "
                     "the matching spec field instead"
                 )
-            elif where != "engine" and flag in SHARED_ARGS:
-                errors.append(
-                    f"spec.{where}.extraArgs[{i}]: {arg!r} must be the same on both roles "
-                    "(it shapes the KV or the tokens the handles cover); set it in "
-                    "engine.extraArgs"
-                )
+        if where != "engine":
+            errors += [e for e in role_args_errors(where, args)
+                       if not any(e.startswith(f"spec.{where}.extraArgs[{i}]:")
+                                  for i in managed)]
     env_lists = [("engine", spec.engine.extra_env)] + [
         (role, getattr(spec, role).extra_env) for role in ROLES
     ]
@@ -272,6 +334,7 @@ def build_role_config(spec: Spec, role: str,
             _env("BIDIRKV_RETENTION_WATERMARK", str(spec.kv_transfer.retention_watermark)),
             _env("BIDIRKV_OWNER_LEASE_SECONDS", str(spec.kv_transfer.owner_lease_seconds)),
         ]
+    env.append(_env(FINGERPRINT_ENV, kv_fingerprint(spec)))
     if tracing is not None:
         # vLLM's exporter speaks gRPC unless told otherwise; the endpoint is the router's,
         # an OTLP/HTTP URL. The service name tells the roles apart in a trace.
@@ -300,12 +363,18 @@ def build_role_config(spec: Spec, role: str,
 
 
 def kv_fingerprint(spec: Spec) -> str:
-    """Hash of everything prefill and decode must share for their KV to be interchangeable."""
+    """Hash of everything prefill and decode must share for their KV to be interchangeable:
+    all that shapes tokens or KV, since a role may set alone only what ROLE_ARGS lists.
+    The engines seed their block digests with it (FINGERPRINT_ENV), so pods of two
+    versions of it, as in a rollout, never reuse each other's KV."""
     shared = {
         "model": spec.model.name,
         "dtype": spec.model.dtype,
+        "maxModelLen": spec.model.max_model_len,
         "image": spec.engine.image,
         "extraArgs": spec.engine.extra_args,
+        # Engine-wide env can choose kernels and KV layouts (VLLM_ATTENTION_BACKEND).
+        "extraEnv": [e.as_env() for e in spec.engine.extra_env],
         "kvTransfer": spec.kv_transfer.model_dump(by_alias=True, mode="json"),
     }
     blob = json.dumps(shared, sort_keys=True, separators=(",", ":")).encode()

@@ -1,10 +1,13 @@
 """Block digests and the verified prefix (bidirkv/connector/core/digests.py)."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from bidirkv.connector.core.digests import (
     HeldBlocks,
     block_digests,
+    engine_shaping,
     fingerprint,
     model_seed,
     parse_held,
@@ -79,6 +82,49 @@ def test_different_model_or_dtype_never_matches():
                         block_digests(request_seed(other, None, None), HELD_TOKENS, BS))
     assert check(HELD_TOKENS + [1], held=forged).blocks == 0
     assert model_seed("tiny-b", None, "torch.float32", "auto", BS) != SEED
+
+
+def _configs(**model):
+    mc = SimpleNamespace(**{"tokenizer": "tiny", "tokenizer_mode": "auto",
+                            "trust_remote_code": False, "quantization": None,
+                            "hf_overrides": {}, **model})
+    return mc, SimpleNamespace(cache_dtype="auto")
+
+
+def _seed(operator_fp="f" * 16, **model):
+    return model_seed("tiny", None, "torch.float32", "auto", BS,
+                      engine_shaping(*_configs(**model), operator_fp))
+
+
+@pytest.mark.parametrize("change", [
+    {"tokenizer_mode": "mistral"}, {"tokenizer": "other/tokenizer"},
+    {"trust_remote_code": True}, {"quantization": "fp8"},
+    {"hf_overrides": {"rope_scaling": {"factor": 4.0}}},
+    # The operator's fingerprint: a chat template in engine.extraArgs, which only the API
+    # server reads, still changes every digest (two versions of a rollout).
+    {"operator_fp": "0" * 16},
+])
+def test_what_shapes_tokens_or_kv_is_in_the_seed(change):
+    mine = _seed()
+    assert _seed() == mine  # two processes of one configuration agree
+    theirs = _seed(**change)
+    assert theirs != mine
+    v = check(HELD_TOKENS + [1], held=held_for(HELD_TOKENS, theirs,
+                                               request_seed(theirs, None, None)),
+              seed=mine, req=request_seed(mine, None, None))
+    assert (v.blocks, v.reason) == (0, "model_mismatch")
+
+
+def test_a_callable_override_seeds_by_name_not_by_address():
+    def load():  # one function as two processes load it: two objects, two addresses
+        def override(config):
+            return config
+        return override
+
+    first, second = load(), load()
+    assert first is not second and str(first) != str(second)
+    assert _seed(hf_overrides=first) == _seed(hf_overrides=second)
+    assert _seed(hf_overrides=first) != _seed()
 
 
 def test_lora_and_cache_salt_separate_tenants():

@@ -196,16 +196,88 @@ def test_role_arguments_follow_the_engine_ones(minimal):
     assert d_args[-1] == "--max-num-seqs=8"
 
 
-@pytest.mark.parametrize(("arg", "message"), [
-    ("--block-size=16", "must be the same on both roles"),
-    ("--kv-cache-dtype=fp8", "must be the same on both roles"),
-    ("--port=9", "is managed by the operator"),
+NOT_ALONE = "is not one a role may set alone"
+
+
+@pytest.mark.parametrize(("args", "index", "message"), [
+    # What shapes the tokens or the KV: decode would read KV computed for other tokens.
+    (["--chat-template=/t/other.jinja"], 0, NOT_ALONE),
+    (["--tokenizer-mode", "mistral"], 0, NOT_ALONE),
+    (["--hf-overrides", '{"rope_scaling": {"factor": 4}}'], 0, NOT_ALONE),
+    (["--enable-lora", "--lora-modules", "a=/l/a"], 0, NOT_ALONE),
+    (["--max-num-seqs=4", "--trust-remote-code"], 1, NOT_ALONE),
+    (["--calculate-kv-scales"], 0, NOT_ALONE),
+    (["--block-size=16"], 0, NOT_ALONE),
+    (["--kv-cache-dtype=fp8"], 0, NOT_ALONE),
+    # Spellings vLLM's parser also takes (underscores, prefixes) are not the allowlist's.
+    (["--chat_template=x"], 0, NOT_ALONE),
+    (["--max-num-seq=4"], 0, NOT_ALONE),
+    # A value first would complete engine.extraArgs' last argument on this role only, and
+    # a stray value after a switch would be read as the model.
+    (["x.jinja"], 0, "is a value after no option that takes one"),
+    (["--enforce-eager", "other/model"], 1, "is a value after no option that takes one"),
+    (["--port=9"], 0, "is managed by the operator"),
 ])
-def test_role_arguments_that_would_split_the_pool_are_refused(minimal, arg, message):
+def test_role_arguments_that_change_tokens_or_kv_are_refused(minimal, args, index, message):
     doc = copy.deepcopy(minimal)
-    doc["spec"]["decode"] = {"extraArgs": [arg]}
-    with pytest.raises(SpecError, match=rf"spec.decode.extraArgs\[0\]: '{arg}' {message}"):
+    doc["spec"]["decode"] = {"extraArgs": args}
+    with pytest.raises(SpecError) as err:
         render_resource(doc)
+    want = f"spec.decode.extraArgs[{index}]: {args[index]!r} {message}"
+    assert want in str(err.value)
+    assert "--max-num-seqs" in str(err.value) or message != NOT_ALONE  # what is allowed
+    # The API server refuses the same (CEL on the role's extraArgs), but for a stray value
+    # past the first item: which options take a value is the operator's check alone.
+    stray = message.startswith("is a value") and index > 0
+    assert bool(validate_custom_resource_for(doc)[1]) is not stray
+    # The same arguments on both roles are the engine's: allowed, and in the fingerprint.
+    doc["spec"]["decode"] = {}
+    doc["spec"]["engine"] = {"extraArgs": args}
+    if message == NOT_ALONE:
+        objs = render_resource(doc)
+        assert pod(objs, "prefill")["spec"]["containers"][0]["args"][-len(args):] == args
+
+
+@pytest.mark.parametrize("args", [
+    ["--max-num-seqs", "1"], ["--max-num-batched-tokens=2048", "--enforce-eager"],
+    ["--gpu-memory-utilization", "0.8", "--no-enable-chunked-prefill",
+     "--uvicorn-log-level=warning", "--disable-log-stats"],
+])
+def test_role_arguments_on_the_allowlist_pass_both_checks(minimal, args):
+    doc = copy.deepcopy(minimal)
+    doc["spec"]["prefill"] = {"extraArgs": args}
+    assert validate_custom_resource_for(doc)[1] == []
+    objs = render_resource(doc)
+    assert pod(objs, "prefill")["spec"]["containers"][0]["args"][-len(args):] == args
+
+
+def test_the_crd_says_which_argument_and_what_is_allowed(minimal):
+    doc = copy.deepcopy(minimal)
+    doc["spec"]["prefill"] = {"extraArgs": ["--max-num-seqs=2", "--chat-template=x"]}
+    (error,) = validate_custom_resource_for(doc)[1]
+    assert "spec.prefill.extraArgs" in str(error)
+    assert "--chat-template=x is not an argument a role may set alone" in str(error)
+    assert "--max-num-batched-tokens" in str(error)
+
+
+def test_the_fingerprint_covers_what_shapes_tokens_or_kv_and_reaches_the_engines(minimal):
+    from bidirkv.operator.api.spec import parse_spec
+    from bidirkv.roleconfig import FINGERPRINT_ENV, kv_fingerprint
+
+    base = kv_fingerprint(parse_spec(minimal["spec"]))
+    for change in ({"engine": {"extraArgs": ["--chat-template=/t/a.jinja"]}},
+                   {"engine": {"extraEnv": [{"name": "VLLM_ATTENTION_BACKEND",
+                                             "value": "FLASHINFER"}]}},
+                   {"model": {"name": minimal["spec"]["model"]["name"], "maxModelLen": 4096}}):
+        assert kv_fingerprint(parse_spec({**minimal["spec"], **change})) != base, change
+    # What a role may set alone is not in it: the roles stay one pool.
+    alone = {**minimal["spec"], "prefill": {"extraArgs": ["--max-num-seqs=1"]}}
+    assert kv_fingerprint(parse_spec(alone)) == base
+    objs = render_resource(minimal)
+    for role in ("prefill", "decode"):
+        env = {e["name"]: e.get("value")
+               for e in pod(objs, role)["spec"]["containers"][0]["env"]}
+        assert env[FINGERPRINT_ENV] == base
 
 
 def test_a_leaving_pod_drains_within_its_grace_and_rolls_one_at_a_time(minimal):

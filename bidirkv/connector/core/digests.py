@@ -9,9 +9,10 @@ seed is random per process unless PYTHONHASHSEED is pinned, and P may run with p
 caching off).
 
 The chain starts from a seed of what else decides the KV of a token sequence: model,
-revision, dtype, KV cache dtype, block size, and per request the LoRA adapter and
-`cache_salt`. A different model or tenant salt therefore never matches, even with equal
-token ids.
+revision, dtype, KV cache dtype, block size, what else of the engine's configuration
+shapes tokens or KV (`engine_shaping`), and per request the LoRA adapter and
+`cache_salt`. A different model, configuration or tenant salt therefore never matches,
+even with equal token ids.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 VERSION = 1
 DIGEST_BYTES = 16
@@ -40,10 +42,34 @@ def _canon(obj: object) -> bytes:
 
 
 def model_seed(model: str, revision: str | None, dtype: str, cache_dtype: str,
-               block_size: int) -> bytes:
-    """What makes two engines' KV for the same tokens interchangeable."""
+               block_size: int, shaping: dict[str, Any] | None = None) -> bytes:
+    """What makes two engines' KV for the same tokens interchangeable; `shaping` is the
+    rest of the engine's configuration that decides tokens or KV (`engine_shaping`)."""
     return _h(_canon(["bidir-kv/blocks", VERSION, model, revision, dtype, cache_dtype,
-                      block_size]))
+                      block_size, shaping or {}]))
+
+
+def _stable(value: object) -> object:
+    # A callable (hf_overrides may be one) prints with its address: name it instead, so
+    # two processes with the same code agree.
+    if callable(value):
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}"
+    return value
+
+
+def engine_shaping(model_config: Any, cache_config: Any,
+                   operator_fingerprint: str | None) -> dict[str, Any]:
+    """What of vLLM's configuration, beyond model_seed's arguments, shapes the tokens a
+    prompt becomes or the KV they get, and the operator's fingerprint of what both roles
+    share (which also covers what only the API server sees, such as a chat template).
+    Read by name: an attribute a vLLM release lacks counts as unset."""
+    mc, cc = model_config, cache_config
+    names = ("tokenizer", "tokenizer_mode", "tokenizer_revision", "trust_remote_code",
+             "code_revision", "quantization", "hf_overrides", "hf_config_path")
+    out: dict[str, Any] = {n: _stable(getattr(mc, n, None)) for n in names}
+    out["calculate_kv_scales"] = getattr(cc, "calculate_kv_scales", None)
+    out["operator"] = operator_fingerprint
+    return out
 
 
 def fingerprint(seed: bytes) -> str:

@@ -19,6 +19,7 @@ its configuration and, to keep nothing for a request, its send bookkeeping.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ from bidirkv.connector.core.reuse import (
 )
 from bidirkv.connector.hooks import tally
 from bidirkv.proof import PROOF_TTL_S, proof_problem
+from bidirkv.roleconfig import FINGERPRINT_ENV
 from bidirkv.wire import (
     BLOCKS_KEY,
     MAC_KEY,
@@ -68,7 +70,8 @@ def new_state(sched: Any, keys: tuple[bytes, ...]) -> State:
     cfg = sched.vllm_config
     mc, cc = cfg.model_config, cfg.cache_config
     seed = digests.model_seed(str(mc.model), getattr(mc, "revision", None),
-                              str(mc.dtype), str(cc.cache_dtype), int(sched.block_size))
+                              str(mc.dtype), str(cc.cache_dtype), int(sched.block_size),
+                              digests.engine_shaping(mc, cc, os.environ.get(FINGERPRINT_ENV)))
     ttl = max(float(sched.decoder_kv_blocks_ttl), float(sched._kv_lease_duration))
     return State(keys, seed, digests.fingerprint(seed), int(mc.max_model_len),
                  ReplayGuard(ttl=2 * ttl))

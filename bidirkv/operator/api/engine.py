@@ -21,6 +21,7 @@ from bidirkv.operator.api.pod import (
     Volume,
     VolumeMount,
 )
+from bidirkv.roleconfig import ROLE_ARG_PATTERN, ROLE_ARGS
 
 # Volume names and paths the operator itself uses in engine pods.
 RESERVED_VOLUMES = ("shm", "hugepages", "model-cache")
@@ -180,6 +181,7 @@ class EngineSpec(_Model):
         return self
 
 
+ROLE_ARG_MAX_LENGTH = 256
 # Pods of a role that sets neither `replicas` nor `autoscaling`.
 DEFAULT_REPLICAS = 1
 
@@ -255,13 +257,30 @@ class RoleSpec(_Model):
         description="Local prefix caching of this role (vLLM `--enable-prefix-caching` / "
         "`--no-enable-prefix-caching`).",
     )
-    extra_args: list[Annotated[str, StringConstraints(max_length=4096)]] = Field(
+    # Items short enough that the API server's cost estimate of the CEL rules below
+    # stays far under its limit; what a role may set alone is a number or a word.
+    extra_args: list[Annotated[str, StringConstraints(max_length=ROLE_ARG_MAX_LENGTH)]] = Field(
         default_factory=list,
         max_length=64,
         description="Extra vLLM server arguments of this role only, after `engine.extraArgs` "
         "(vLLM takes the last value of a repeated flag), e.g. a smaller "
         "`--max-num-batched-tokens` on prefill so its first prompt is done before the whole "
-        "batch. Managed arguments are refused.",
+        "batch. Only arguments that change how much work a server takes on or what it "
+        f"logs, never its tokens or KV: {', '.join(f'`{a}`' for a in ROLE_ARGS)}, each "
+        "value right after its argument; anything else goes in `engine.extraArgs`.",
+        json_schema_extra={"x-kubernetes-validations": [
+            {"rule": f"self.all(a, !a.startsWith('-') || a.matches('{ROLE_ARG_PATTERN}'))",
+             "message": "a role may set alone only arguments that leave its tokens and KV "
+             "as the other role's (the others go in engine.extraArgs): "
+             f"{', '.join(ROLE_ARGS)}",
+             "messageExpression": "self.filter(a, a.startsWith('-') && "
+             f"!a.matches('{ROLE_ARG_PATTERN}'))[0] + ' is not an argument a role may set "
+             "alone (it could change the tokens or the KV one role computes for the other): "
+             f"set it in engine.extraArgs, or use one of {', '.join(ROLE_ARGS)}'"},
+            {"rule": "size(self) == 0 || self[0].startsWith('-')",
+             "message": "a role's extraArgs start with an argument (a value first would "
+             "complete engine.extraArgs' last one on this role only)"},
+        ]},
     )
     extra_env: list[EnvVar] = Field(
         default_factory=list,
