@@ -81,9 +81,13 @@ def test_tracing_reaches_router_and_both_engines(minimal):
         assert env["OTEL_SERVICE_NAME"] == f"bidir-kv-{role}"
 
 
+TLS_URL = "https://otel-collector.monitoring:4318/v1/traces"
+HEADERS = {"name": "otel", "key": "headers"}
+
+
 def test_the_collectors_headers_come_from_a_secret(minimal):
     minimal["spec"]["monitoring"] = {"tracing": {
-        "otlpEndpoint": URL, "headersSecretRef": {"name": "otel", "key": "headers"}}}
+        "otlpEndpoint": TLS_URL, "headersSecretRef": HEADERS}}
     objs = render_resource(minimal)
     want = {"name": "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
             "valueFrom": {"secretKeyRef": {"name": "otel", "key": "headers"}}}
@@ -114,6 +118,35 @@ def test_bad_monitoring_names_the_field(minimal, monitoring, expected):
     with pytest.raises(SpecError) as err:
         render_resource(minimal)
     assert expected in str(err.value)
+
+
+def test_headers_over_plain_http_only_when_the_spec_says_so(minimal):
+    from bidirkv.operator.crd.schema import build_crd
+    from kubeapi.crdschema import validate_custom_resource
+
+    minimal["spec"]["monitoring"] = {"tracing": {"otlpEndpoint": URL,
+                                                 "headersSecretRef": HEADERS}}
+    with pytest.raises(SpecError) as err:
+        render_resource(minimal)
+    assert ("headersSecretRef: 'otel' would be sent in clear text to otlpEndpoint "
+            f"{URL!r}") in str(err.value)
+    assert "allowInsecureHeaders: true" in str(err.value)
+    (error,) = validate_custom_resource(build_crd(), minimal, None)[1]
+    assert "spec.monitoring.tracing.headersSecretRef" in str(error)
+    assert "plain http://" in str(error)
+    # The scheme's case does not matter to either check.
+    minimal["spec"]["monitoring"]["tracing"]["otlpEndpoint"] = URL.replace("http", "HTTP", 1)
+    assert validate_custom_resource(build_crd(), minimal, None)[1]
+    with pytest.raises(SpecError):
+        render_resource(minimal)
+    # Said explicitly, it is the author's choice; without headers, plain HTTP is fine.
+    minimal["spec"]["monitoring"]["tracing"]["allowInsecureHeaders"] = True
+    assert validate_custom_resource(build_crd(), minimal, None)[1] == []
+    assert "OTEL_EXPORTER_OTLP_TRACES_HEADERS" in json.dumps(engine(render_resource(minimal),
+                                                                    "decode")["env"])
+    minimal["spec"]["monitoring"]["tracing"] = {"otlpEndpoint": URL}
+    assert validate_custom_resource(build_crd(), minimal, None)[1] == []
+    render_resource(minimal)
 
 
 def test_the_tracing_flag_is_the_operators_once_the_spec_sets_it(minimal):

@@ -36,7 +36,7 @@ def test_the_operators_spec_offers_what_roleconfig_reads():
     spec = parse_spec({
         "model": {"name": "m"},
         "engine": {"extraEnv": [{"name": "A", "value": "1"}]},
-        "monitoring": {"tracing": {"otlpEndpoint": "http://c:4318/v1/traces",
+        "monitoring": {"tracing": {"otlpEndpoint": "https://c:4318/v1/traces",
                                    "headersSecretRef": {"name": "s", "key": "k"}}},
     })
     assert _missing(spec, roleconfig.Spec, "spec") == []

@@ -3,7 +3,9 @@ engines and where the router and the engines send their traces."""
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from urllib.parse import urlsplit
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from bidirkv.operator.api.base import _Model, check_labels
 from bidirkv.operator.api.router import SecretKeyRef
@@ -45,6 +47,18 @@ class PodMonitorSpec(_Model):
 
 
 class TracingSpec(_Model):
+    # The headers are usually a bearer token: over plain HTTP anyone on the path reads it.
+    model_config = ConfigDict(
+        **_Model.model_config,
+        json_schema_extra={"x-kubernetes-validations": [{
+            "rule": "!has(self.headersSecretRef) || !has(self.otlpEndpoint) || "
+            "!self.otlpEndpoint.lowerAscii().startsWith('http://') || "
+            "self.allowInsecureHeaders",
+            "message": "headersSecretRef is refused with a plain http:// otlpEndpoint (the "
+            "headers would travel in clear text): use https://, or set "
+            "allowInsecureHeaders: true", "fieldPath": ".headersSecretRef"}]},
+    )
+
     otlp_endpoint: str | None = Field(
         default=None, min_length=1, max_length=512,
         description="OTLP/HTTP (protobuf) traces endpoint, e.g. "
@@ -64,7 +78,16 @@ class TracingSpec(_Model):
         description="A Secret key holding the headers the collector wants (`key=value` "
         "pairs separated by commas, e.g. `authorization=Bearer TOKEN`), given to the "
         "router and both engines as OTEL_EXPORTER_OTLP_TRACES_HEADERS: a token never "
-        "sits in the URL, the ConfigMap or pod arguments.",
+        "sits in the URL, the ConfigMap or pod arguments. They go to `otlpEndpoint`, "
+        "wherever it points: whoever writes this resource can send any Secret key of the "
+        "namespace there. Refused with a plain `http://` endpoint unless "
+        "`allowInsecureHeaders` is true.",
+    )
+    allow_insecure_headers: bool = Field(
+        default=False,
+        description="Send `headersSecretRef`'s headers to a plain `http://` endpoint, in "
+        "clear text to anyone on the path (e.g. a collector on the node or behind a "
+        "mesh that encrypts). Off: only `https://` endpoints get them.",
     )
 
     @field_validator("otlp_endpoint")
@@ -76,6 +99,24 @@ class TracingSpec(_Model):
         if problem:
             raise ValueError(problem)
         return value
+
+    @model_validator(mode="after")
+    def _headers_in_clear(self) -> TracingSpec:
+        problem = insecure_headers_problem(self)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+
+def insecure_headers_problem(tracing: TracingSpec) -> str | None:
+    """The CEL rule on TracingSpec, in Python, with the values."""
+    if tracing.headers_secret_ref is None or tracing.otlp_endpoint is None:
+        return None
+    if urlsplit(tracing.otlp_endpoint).scheme != "http" or tracing.allow_insecure_headers:
+        return None
+    return (f"headersSecretRef: {tracing.headers_secret_ref.name!r} would be sent in clear "
+            f"text to otlpEndpoint {tracing.otlp_endpoint!r}: use an https:// endpoint, or "
+            "set allowInsecureHeaders: true")
 
 
 class MonitoringSpec(_Model):
