@@ -251,3 +251,78 @@ async def test_a_rollout_brings_back_the_old_routers_last_turns_too(setup):
     a.stop(signal.SIGTERM)
     status, _ = await b.chat(history + [m2, {"role": "user", "content": "y"}])
     assert status == 200 and handles_sent(p)[-1] == rid2
+
+
+# -- the client's note queue (in-process, one fake decode) ------------------------------------
+async def client_and_decode():
+    from bidirkv.router.pool.residency import ResidencyClient
+
+    d = FakeEngine("decode")
+    await d.start()
+    client = ResidencyClient(30, aiohttp.ClientTimeout(total=5), handle_key=KEY.encode())
+    client.notes_key = NK
+    return client, d
+
+
+async def test_a_note_goes_with_the_next_call_and_a_release_takes_its_queued_note_back():
+    client, d = await client_and_decode()
+    try:
+        d.issued.update({"d-1", "d-2"})
+        client.keep(dataclasses.replace(KEPT, decode_url=d.url, request_id="d-1"))
+        client.keep(dataclasses.replace(KEPT, decode_url=d.url, request_id="d-2"))
+        client.release_ids(d.url, ["d-2"])
+        async with aiohttp.ClientSession() as s:
+            assert await client.call(s, d.url)
+        call = d.residency_calls[-1]
+        assert set(call["keep"]) == {"d-1"} and call["release"] == ["d-2"]
+        assert decode(NK, "d-1", call["keep"]["d-1"], d.url).key == KEPT.key
+        assert client.replica(d.url).keeping == {}
+    finally:
+        await d.stop()
+
+
+async def test_notes_of_a_call_decode_did_not_take_wait_for_the_next_and_a_refused_batch_goes():
+    client, d = await client_and_decode()
+    try:
+        d.issued.add("d-1")
+        client.keep(dataclasses.replace(KEPT, decode_url=d.url, request_id="d-1"))
+        d.behaviour.residency_status = 429
+        async with aiohttp.ClientSession() as s:
+            assert not await client.call(s, d.url)
+            assert set(client.replica(d.url).keeping) == {"d-1"}
+            d.behaviour.residency_status = 400  # refused: dropped, the lease renewed alone
+            assert not await client.call(s, d.url)
+            assert client.replica(d.url).keeping == {}
+            assert "keep" not in d.residency_calls[-1]
+    finally:
+        await d.stop()
+
+
+async def test_without_notes_key_no_note_is_made():
+    client, d = await client_and_decode()
+    try:
+        client.notes_key = None  # a shared store: it keeps the handles itself
+        client.keep(dataclasses.replace(KEPT, decode_url=d.url))
+        assert client.replica(d.url).keeping == {}
+    finally:
+        await d.stop()
+
+
+@pytest.mark.parametrize("store, key, notes", [
+    (None, KEY.encode(), True), (None, None, False),
+    ("redis://127.0.0.1:1/0", KEY.encode(), False),
+])
+async def test_only_the_in_process_store_with_a_handle_key_leaves_notes(store, key, notes):
+    from bidirkv.router.config import load_config
+    from bidirkv.router.datapath.context import Context
+
+    cfg = load_config(None, {"prefill": ["http://p"], "decode": ["http://d"],
+                             **({"handleStore": store} if store else {})})
+    ctx = Context(cfg, handle_key=key)
+    try:
+        assert (ctx.residency.notes_key is not None) == notes
+        assert (ctx.residency.on_first_answer is not None) == notes
+        # One owner for every process of a resource (a shared store names its own later).
+        assert (ctx.residency.owner == stable_owner(KEY.encode())) == (key is not None)
+    finally:
+        await ctx.store.close()
