@@ -1,10 +1,16 @@
 """Admission: a client request becomes a `Turn`, or a refusal before it costs anything.
 
-At most maxInflightRequests requests and maxInflightBodyBytes of bodies (a body of
-unknown length counts as maxBodyBytes) at once; past either a 429 with Retry-After,
-before anything is read. A body is parsed into objects many times its size, so the
+At most maxInflightRequests requests and maxInflightBodyBytes of bodies at once; past
+either a 429 with Retry-After. A body is parsed into objects many times its size, so the
 bytes bound is what keeps the pod within memory. A refused body is still drained, at a
 pace shared by every refusal of the process.
+
+A body is charged as its bytes arrive, not by the length it declares: a connection that
+declares 4 MiB and sends nothing holds no bytes, and one that sends slowly is cut off
+(408) once it falls under a minimum average rate, so a slow or silent client holds at most
+what it really sent and only for seconds. Small bodies that declare their length are
+charged it up front and may use a reserve that bodies in progress cannot, so small
+requests keep flowing while large uploads fill the rest.
 """
 
 from __future__ import annotations
@@ -73,22 +79,43 @@ async def drained(request: web.Request, resp: web.Response) -> web.Response:
     return resp
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The whole body, refused (413) past `limit` bytes whether or not its length was sent."""
-    n = request.content_length
-    if n is not None and n > limit:
-        raise ClientError(413, f"request body of {n} bytes is over the limit of {limit} "
-                          "bytes (maxBodyBytes)", type_="request_too_large")
-    if n is not None:
-        return await request.read()
-    parts, size = [], 0
-    while chunk := await request.content.read(65536):
-        size += len(chunk)
-        if size > limit:
-            raise ClientError(413, f"request body is over the limit of {limit} bytes "
-                              "(maxBodyBytes)", type_="request_too_large")
-        parts.append(chunk)
-    return b"".join(parts)
+# A body must arrive at MIN_UPLOAD_BYTES_PER_S on average once UPLOAD_GRACE_S have passed
+# since admission (408 past it): a client that sends nothing is gone after the grace, and
+# one at the minimum rate holds at most ~1 MiB by timeouts.bodyReadSeconds' default 30 s.
+# 32 KiB/s is a 4 MiB body in 2 minutes, slower than any link that must send it in 30 s.
+MIN_UPLOAD_BYTES_PER_S = 32 * 1024
+UPLOAD_GRACE_S = 2.0
+# Bodies up to SMALL_BODY_BYTES with a declared length may use the whole bytes budget;
+# every other body only the budget less the reserve (1/RESERVE_SHARE of it, never so much
+# that a maxBodyBytes body no longer fits), which bodies still arriving cannot take.
+SMALL_BODY_BYTES = 64 * 1024
+RESERVE_SHARE = 8
+
+
+def upload_deadline(start: float, received: int) -> float:
+    """When the next bytes of a body must have arrived, `received` of them at `start` +
+    whatever time since: the grace plus the time the minimum rate allows for them."""
+    return start + UPLOAD_GRACE_S + received / MIN_UPLOAD_BYTES_PER_S
+
+
+def body_room(budget: int, max_body: int, small: bool) -> int:
+    """The in-flight bytes a body may bring the total to: all of `budget` for a small one,
+    else the budget less the small bodies' reserve."""
+    return budget if small else budget - min(budget // RESERVE_SHARE, budget - max_body)
+
+
+class Charge:
+    """The body bytes one request holds against the in-flight budget."""
+
+    __slots__ = ("bytes",)
+
+    def __init__(self, n: int) -> None:
+        self.bytes = n
+
+
+class _TooSlow(Exception):
+    def __init__(self, received: int, after: float) -> None:
+        self.received, self.after = received, after
 
 
 # A client's X-Request-Id is kept only in this shape. vLLM builds the decode request id
@@ -106,6 +133,12 @@ def request_id(client_id: str | None) -> str:
 
 
 Served = tuple[web.StreamResponse, str]
+
+
+def _closing(resp: web.Response) -> web.Response:
+    """`resp`, the connection closed after it: the rest of a slow body is not waited for."""
+    resp.force_close()
+    return resp
 
 
 class Intake:
@@ -132,41 +165,86 @@ class Intake:
             return await drained(request, json_error(
                 413, f"request body of {n} bytes is over the limit of {cfg.max_body_bytes} "
                 "bytes (maxBodyBytes)", "request_too_large")), "client_error"
-        charge = n if n is not None else cfg.max_body_bytes
+        small = n is not None and n <= SMALL_BODY_BYTES
+        room = body_room(cfg.max_inflight_body_bytes, cfg.max_body_bytes, small)
         if (self.inflight >= cfg.max_inflight_requests
-                or self.inflight_bytes + charge > cfg.max_inflight_body_bytes):
+                or self.inflight_bytes + (n or 0) > room):
             metrics.request(kind, "overloaded")
-            return await drained(request, json_error(
-                429, f"the router is at its limit of {cfg.max_inflight_requests} requests or "
-                f"{cfg.max_inflight_body_bytes} body bytes in flight (maxInflightRequests, "
-                "maxInflightBodyBytes); retry", "overloaded", headers={"Retry-After": "1"})
-            ), "overloaded"
+            return await drained(request, self._overloaded()), "overloaded"
         self.inflight += 1
-        self.inflight_bytes += charge
+        charge = Charge(n if small else 0)
+        self.inflight_bytes += charge.bytes
         try:
-            turn = await self._turn(request, kind, trace, t0)
+            turn = await self._turn(request, kind, trace, t0, charge, None if small else room)
             if not isinstance(turn, Turn):
-                metrics.request(kind, "client_error")
-                return turn, "client_error"
+                outcome = "overloaded" if turn.status == 429 else "client_error"
+                metrics.request(kind, outcome)
+                return turn, outcome
             return await serve(request, turn)
         finally:
             self.inflight -= 1
-            self.inflight_bytes -= charge
+            self.inflight_bytes -= charge.bytes
 
-    async def _turn(self, request: web.Request, kind: str, trace: Trace, t0: float
-                    ) -> Turn | web.Response:
+    def _overloaded(self) -> web.Response:
+        cfg = self.ctx.cfg
+        return json_error(
+            429, f"the router is at its limit of {cfg.max_inflight_requests} requests or "
+            f"{cfg.max_inflight_body_bytes} body bytes in flight (maxInflightRequests, "
+            "maxInflightBodyBytes); retry", "overloaded", headers={"Retry-After": "1"})
+
+    async def _read(self, request: web.Request, charge: Charge, room: int | None) -> bytes:
+        """The whole body, each chunk charged as it arrives (`room`: the total it may
+        bring the in-flight bytes to; None: charged up front). 413 past maxBodyBytes,
+        429 past `room`, _TooSlow under the minimum rate, TimeoutError past
+        timeouts.bodyReadSeconds."""
+        cfg = self.ctx.cfg
+        limit = cfg.max_body_bytes
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        end = start + cfg.timeouts.body_read_seconds
+        parts: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout_at(min(end, upload_deadline(start, 0))) as timer:
+                while chunk := await request.content.readany():
+                    size += len(chunk)
+                    if size > limit:
+                        raise ClientError(413, f"request body is over the limit of {limit} "
+                                          "bytes (maxBodyBytes)", type_="request_too_large")
+                    if room is not None:
+                        if self.inflight_bytes + len(chunk) > room:
+                            raise ClientError(429, "", type_="overloaded")
+                        charge.bytes += len(chunk)
+                        self.inflight_bytes += len(chunk)
+                    parts.append(chunk)
+                    timer.reschedule(min(end, upload_deadline(start, size)))
+        except TimeoutError:
+            if loop.time() < end:
+                raise _TooSlow(size, loop.time() - start) from None
+            raise
+        return b"".join(parts)
+
+    async def _turn(self, request: web.Request, kind: str, trace: Trace, t0: float,
+                    charge: Charge, room: int | None) -> Turn | web.Response:
         """The request's turn, its conversation named (its handle taken); else the
         client's error."""
         ctx = self.ctx
         cfg = ctx.cfg
         try:
-            raw = await asyncio.wait_for(read_body(request, cfg.max_body_bytes),
-                                         cfg.timeouts.body_read_seconds)
+            raw = await self._read(request, charge, room)
+        except _TooSlow as e:
+            return _closing(json_error(
+                408, f"request body arriving too slowly: {e.received} bytes after "
+                f"{e.after:.1f} s; at least {MIN_UPLOAD_BYTES_PER_S} bytes/s on average "
+                f"after the first {UPLOAD_GRACE_S:g} s is required", "request_timeout"))
         except TimeoutError:
-            return json_error(408, "request body not received within "
-                              f"{cfg.timeouts.body_read_seconds:g} s "
-                              "(timeouts.bodyReadSeconds)", "request_timeout")
+            return _closing(json_error(
+                408, "request body not received within "
+                f"{cfg.timeouts.body_read_seconds:g} s (timeouts.bodyReadSeconds)",
+                "request_timeout"))
         except ClientError as e:
+            if e.status == 429:
+                return await drained(request, self._overloaded())
             return await drained(request, json_error(e.status, e.message, e.type, e.param))
         # Parsing, validating and hashing a body is work on the loop in one piece per
         # step: big bodies take those steps one body at a time, yielding in between, so a
