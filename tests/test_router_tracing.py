@@ -266,20 +266,54 @@ async def test_models_and_ending_a_conversation_are_traced(tmp_path):
     assert "private-id" not in (tmp_path / "spans.jsonl").read_text()
 
 
-async def test_sampling_follows_the_clients_flag(tmp_path):
+async def test_the_router_decides_sampling_whatever_the_clients_flag(tmp_path):
     async with Cluster(config={"tracing": {"file": str(tmp_path / "spans.jsonl"),
                                            "sampleRatio": 0.0}}) as c:
         assert (await c.chat(U1))["status"] == 200  # the router's own trace: not sampled
         assert (await c.chat(U1, headers={"traceparent": UNSAMPLED}))["status"] == 200
         assert (await c.chat(U1, headers={"traceparent": SAMPLED}))["status"] == 200
         tps = [parts(g.headers["traceparent"]) for g in c.p[0].generations()]
-    # Unsampled traces still carry their context, with the sampled flag off (the
-    # router's own sets W3C's random-trace-id flag, 02).
-    assert [int(t[3], 16) & 1 for t in tps] == [0, 0, 1] and tps[1][3] == "00"
-    assert tps[1][1] == TRACE_ID
-    assert tps[2][1] == TRACE_ID and int(tps[2][3], 16) & 1
+    # Unsampled traces still carry their context, with the sampled flag off; a client's
+    # sampled flag does not make the router record (and export) its request, but its
+    # trace id is continued.
+    assert [int(t[3], 16) & 1 for t in tps] == [0, 0, 0]
+    assert tps[1][1] == TRACE_ID and tps[2][1] == TRACE_ID
+    path = tmp_path / "spans.jsonl"
+    assert not path.exists() or spans_of(tmp_path) == []
+    async with Cluster(config={"tracing": {"file": str(path), "sampleRatio": 1.0}}) as c:
+        assert (await c.chat(U1, headers={"traceparent": UNSAMPLED}))["status"] == 200
+        tp = parts(c.p[0].generations()[0].headers["traceparent"])
+    assert tp[1] == TRACE_ID and int(tp[3], 16) & 1  # the router's ratio, not the flag
     spans = spans_of(tmp_path)
     assert {s["traceId"] for s in spans} == {TRACE_ID} and len(spans) == 3
+
+
+def test_a_trace_id_picked_to_pass_the_ratio_is_not_sampled_for_it():
+    from opentelemetry.sdk.trace.sampling import Decision, TraceIdRatioBased
+
+    from bidirkv.router.datapath.tracing import OwnDraw
+
+    picked = int(TRACE_ID[:16] + "0" * 16, 16)  # its low 64 bits pass any ratio above 0
+    assert TraceIdRatioBased(0.01).should_sample(None, picked, "x").decision \
+        is Decision.RECORD_AND_SAMPLE
+    draws = [OwnDraw(0.01).should_sample(None, picked, "x").decision for _ in range(2000)]
+    assert draws.count(Decision.RECORD_AND_SAMPLE) < 100  # ~20 expected, not 2000
+
+
+async def test_a_clients_long_model_name_is_cut_in_the_span(tmp_path):
+    model = "m" * 200_000
+    async with with_file(tmp_path) as c:
+        r = await c.chat(U1, headers={"traceparent": SAMPLED}, model=model)
+        assert r["status"] == 200
+    from bidirkv.router.datapath.tracing import MAX_ATTRIBUTE_CHARS
+
+    server = next(s for s in spans_of(tmp_path) if s["kind"] == "SPAN_KIND_SERVER")
+    kept = server["attributes"]["gen_ai.request.model"]
+    assert kept == model[:MAX_ATTRIBUTE_CHARS]
+    assert (tmp_path / "spans.jsonl").stat().st_size < 20_000
+    # The SDK's own limit, for any attribute set past the router's bound.
+    assert c.router.ctx.traces.provider._span_limits.max_attribute_length \
+        == MAX_ATTRIBUTE_CHARS
 
 
 async def test_a_reload_applies_new_tracing_settings(tmp_path):

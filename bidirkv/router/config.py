@@ -63,7 +63,8 @@ class Tracing(_Model):
     # local stack). A relative path is relative to the router's working directory.
     file: str | None = Field(default=None, min_length=1, max_length=4096)
     service_name: str = Field(default="bidir-kv-router", min_length=1, max_length=128)
-    # Share of traces the router starts that are sampled; a client's sampled flag wins.
+    # Share of requests whose traces are sampled, a client's traceparent or not: its
+    # sampled flag is not obeyed (bidirkv/router/datapath/tracing.py says why).
     sample_ratio: float = Field(default=1.0, ge=0, le=1)
 
     @field_validator("otlp_endpoint")

@@ -5,9 +5,12 @@ What a request gets is decided once, when it arrives (`Traces.request`):
 - An exporter configured (`tracing.otlpEndpoint` and/or `tracing.file`): spans are
   recorded by this router's own TracerProvider (one per Router, never the global one:
   several routers share a test process) and exported in batches from the SDK's thread, so
-  no request waits on an export. A client's `traceparent` is continued: its trace id,
-  the router's span its child, its sampled flag deciding (parent-based sampling);
-  without one the router starts a trace, sampled at `tracing.sampleRatio`. Each upstream
+  no request waits on an export. A client's `traceparent` is continued (its trace id, the
+  router's span its child), but the router alone decides whether it is sampled, at
+  `tracing.sampleRatio` with a draw of its own: a client's sampled flag, or a trace id
+  picked to pass the ratio, would let any client make the router record and export every
+  request it sends. Without one the router starts a trace, sampled at the same ratio;
+  the legs follow the request's decision. Each upstream
   request carries its own CLIENT span's context, so an engine's spans hang under the leg.
   An unsampled trace records nothing but still carries its context upstream.
 - No exporter, and the client sent a valid `traceparent`: the client's context is passed
@@ -25,7 +28,9 @@ placement.decision and .reason, serving_mode, outcome; on a leg, leg.attempt (re
 leg.result, kv.offered_tokens (the KV the engine is given to start from: D's handle on
 prefill, P's blocks on decode, what the holder keeps on extend) and, on prefill,
 kv.reused_tokens and kv.reuse_source (P's report). No prompt text, handle contents,
-tenant or credential goes into a span.
+tenant or credential goes into a span. A string a client chose (the model's name) is cut
+to MAX_ATTRIBUTE_CHARS before it reaches the SDK, whose own attribute length limit is set
+to the same: a span's size does not grow with what a client sends.
 """
 
 from __future__ import annotations
@@ -34,16 +39,30 @@ import asyncio
 import contextlib
 import functools
 import logging
+import random
 import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
+from opentelemetry.sdk.trace.sampling import (
+    Decision,
+    ParentBased,
+    Sampler,
+    SamplingResult,
+    TraceIdRatioBased,
+)
+from opentelemetry.trace import (
+    Span,
+    SpanKind,
+    Status,
+    StatusCode,
+    get_current_span,
+    set_span_in_context,
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from bidirkv.router.config import ConfigError, Tracing
@@ -63,7 +82,51 @@ FAILED_OUTCOMES = frozenset({"unavailable", "upstream_error", "timeout", "stream
 # Leg results that are not failures: a client leaving cancels its legs.
 _LEG_OK = frozenset({"ok", "cancelled"})
 
+# Longest string attribute value kept, in characters: a model name or an id is far
+# shorter, and 2,000,000 characters from a client must not become 2 MB per span queued.
+MAX_ATTRIBUTE_CHARS = 256
+
 _PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def bounded(value: Any) -> Any:
+    """`value`, a string cut to MAX_ATTRIBUTE_CHARS."""
+    if isinstance(value, str) and len(value) > MAX_ATTRIBUTE_CHARS:
+        return value[:MAX_ATTRIBUTE_CHARS]
+    return value
+
+
+class OwnDraw(Sampler):
+    """Sampled at `ratio` by a draw of the router's own: for a client's trace, whose
+    sampled flag and trace id the client chose."""
+
+    def __init__(self, ratio: float) -> None:
+        self.ratio = ratio
+
+    def should_sample(self, parent_context: Any, trace_id: int, name: str,
+                      kind: Any = None, attributes: Any = None, links: Any = None,
+                      trace_state: Any = None) -> SamplingResult:
+        sampled = self.ratio >= 1.0 or random.random() < self.ratio
+        parent = _parent_span_context(parent_context)
+        return SamplingResult(Decision.RECORD_AND_SAMPLE if sampled else Decision.DROP,
+                              attributes if sampled else None,
+                              parent.trace_state if parent is not None else None)
+
+    def get_description(self) -> str:
+        return f"OwnDraw{{{self.ratio}}}"
+
+
+def _parent_span_context(parent_context: Any) -> Any:
+    ctx = get_current_span(parent_context).get_span_context()
+    return ctx if ctx is not None and ctx.is_valid else None
+
+
+def router_sampler(ratio: float) -> Sampler:
+    """The router decides: its own traces by their id at `ratio`, a client's by its own
+    draw at `ratio`; a leg follows its request."""
+    own = OwnDraw(ratio)
+    return ParentBased(TraceIdRatioBased(ratio), remote_parent_sampled=own,
+                       remote_parent_not_sampled=own)
 
 
 def passthrough(headers: Mapping[str, str]) -> Untraced:
@@ -92,7 +155,8 @@ def make_provider(cfg: Tracing) -> TracerProvider:
     # OTEL_RESOURCE_ATTRIBUTES (a pod's name, its namespace) adds to the resource;
     # serviceName wins over OTEL_SERVICE_NAME.
     provider = TracerProvider(
-        sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)),
+        sampler=router_sampler(cfg.sample_ratio),
+        span_limits=SpanLimits(max_attribute_length=MAX_ATTRIBUTE_CHARS),
         resource=Resource.create({SERVICE_NAME: cfg.service_name}),
         shutdown_on_exit=False,  # the router shuts it down; atexit would keep it alive
     )
@@ -166,12 +230,12 @@ class RequestTrace:
 
     def set(self, key: str, value: Any) -> None:
         if self.recording and value is not None:
-            self.attrs[key] = value
+            self.attrs[key] = bounded(value)
 
     def update(self, attrs: dict[str, Any]) -> None:
         """Attributes gathered elsewhere (what the request became), set as one."""
         if self.recording:
-            self.attrs.update(attrs)
+            self.attrs.update({k: bounded(v) for k, v in attrs.items()})
 
     def end(self, status: int | None = None, outcome: str = "ok") -> None:
         span = self.span
@@ -213,7 +277,7 @@ class LegTrace:
 
     def set(self, key: str, value: Any) -> None:
         if value is not None and self.request.recording:
-            self.later[key] = value
+            self.later[key] = bounded(value)
 
     def resend(self, reason: str) -> None:
         """The same request sent again (a stale kept-alive connection): this span ends
