@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import signal
+import time
 
 import aiohttp
 import pytest
@@ -326,3 +327,47 @@ async def test_only_the_in_process_store_with_a_handle_key_leaves_notes(store, k
         assert (ctx.residency.owner == stable_owner(KEY.encode())) == (key is not None)
     finally:
         await ctx.store.close()
+
+
+async def test_a_decode_that_takes_no_recall_is_asked_once():
+    from bidirkv.router.pool.recall import Recall
+    from bidirkv.router.store.memory import InProcessStore
+
+    client, d = await client_and_decode()
+    try:
+        store = InProcessStore(300, 100)
+        recall = Recall(client, store, store.peek, lambda: 300.0, lambda coro: None)
+        recall.follow_every_s = 0.01
+        d.behaviour.residency_status = 400  # as a release before notes answers "recall"
+        async with aiohttp.ClientSession() as s:
+            assert await recall.replica(s, d.url) == 0
+        assert sum(1 for c in d.residency_calls if "recall" in c) == 1
+    finally:
+        await d.stop()
+
+
+async def test_a_recall_puts_back_a_page_and_follows_what_comes_after():
+    from bidirkv.router.pool.recall import Recall
+    from bidirkv.router.store.memory import InProcessStore
+
+    client, d = await client_and_decode()
+    try:
+        store = InProcessStore(300, 100, client.release)
+        recall = Recall(client, store, store.peek, lambda: 300.0, lambda coro: None)
+        recall.follow_s, recall.follow_every_s = 0.3, 0.05
+        client.replica(d.url)  # in the pool (a replica removed is not followed)
+        now = time.time()
+        d.issued.update({"d-1", "d-2"})
+        d.notes["d-1"] = (1, client.owner, encode(NK, note(K, "d-1", now), now))
+        async with aiohttp.ClientSession() as s:
+            task = asyncio.ensure_future(recall.replica(s, d.url))
+            while store.peek(K) is None:
+                await asyncio.sleep(0.01)
+            # Kept by another router of the resource after this one recalled: newer.
+            d.notes["d-2"] = (2, client.owner, encode(NK, note(K, "d-2", now + 1), now))
+            assert await task == 2
+        assert store.peek(K).request_id == "d-2" and store.peek(K).decode_url == d.url
+        # The handle it replaced is released on decode (with the next call).
+        assert client.replica(d.url).pending == ["d-1"]
+    finally:
+        await d.stop()

@@ -53,6 +53,7 @@ class Recall:
         self.on_recalled = on_recalled or (lambda url, n: None)
         self.follow_s = FOLLOW_S
         self.follow_every_s = FOLLOW_EVERY_S
+        self.refused: set[str] = set()  # replicas that take no recall: not followed
 
     def __call__(self, session: aiohttp.ClientSession, url: str) -> None:
         """A replica answered for the first time: recall from it, beside the traffic."""
@@ -70,7 +71,7 @@ class Recall:
         log.info("recalled %d conversations from decode %s", restored, url)
         until = time.monotonic() + self.follow_s
         at = cursor[0]
-        while time.monotonic() < until:
+        while time.monotonic() < until and url not in self.refused:
             await asyncio.sleep(self.follow_every_s)
             if url not in self.residency.replicas:
                 break  # removed from the pool
@@ -95,6 +96,12 @@ class Recall:
             except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
                 log.debug("recall from %s failed: %s", url, type(exc).__name__)
                 return None
+            if status == 400:
+                # A decode that takes no recall (a release before notes): asking again
+                # would be refused again.
+                log.warning("decode %s refused the recall: %s", url, raw[:200])
+                self.refused.add(url)
+                return cursor, restored
             if not isinstance(report, dict):
                 log.warning("decode %s did not answer the recall (%d): %s", url, status,
                             raw[:200])
