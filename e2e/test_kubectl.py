@@ -115,15 +115,15 @@ def _set_status(server, status: dict) -> None:
 def test_get_prints_the_printer_columns(cluster, resource):
     server, kubectl, _ = cluster
     _set_status(server, {"phase": "Pending", "prefill": {"summary": "1/1"},
-                         "decode": {"summary": "0/2"}})
+                         "decode": {"summary": "0/2", "draining": 1}})
 
     lines = kubectl("get", resource).stdout.splitlines()
 
-    assert lines[0].split() == ["NAME", "MODEL", "PREFILL", "DECODE", "BIDIRECTIONAL",
-                                "PHASE", "AGE"]
+    assert lines[0].split() == ["NAME", "MODEL", "PREFILL", "DECODE", "DRAINING",
+                                "BIDIRECTIONAL", "PHASE", "AGE"]
     assert len(lines) == 2
     *row, age = lines[1].split()
-    assert row == [NAME, "Qwen/Qwen3-32B", "1/1", "0/2", "true", "Pending"]
+    assert row == [NAME, "Qwen/Qwen3-32B", "1/1", "0/2", "1", "true", "Pending"]
     assert re.fullmatch(r"\d+s|\d+m(\d+s)?", age), age
     # Columns line up under their headers, as kubectl's table printer aligns them.
     assert lines[1].index("Qwen/Qwen3-32B") == lines[0].index("MODEL")

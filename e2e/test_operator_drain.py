@@ -53,3 +53,97 @@ async def test_a_fixed_scale_down_keeps_the_leaving_pod_listed_until_it_is_gone(
 async def _sts_replicas(client, n):
     sts = await client.get("StatefulSet", "ns1", "tiny-decode")
     return sts if sts and sts["spec"].get("replicas") == n else None
+
+
+def _decode_pod(name: str, instance: str = "tiny", drain_s: int = 3) -> dict:
+    """A decode pod bound to a node (no kubelet runs here): grace period 150 s, drain cap
+    `drain_s`."""
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "ns1",
+                         "labels": {"app.kubernetes.io/name": "bidir-kv",
+                                    "app.kubernetes.io/instance": instance,
+                                    "app.kubernetes.io/component": "decode"}},
+            "spec": {"nodeName": "node-a", "terminationGracePeriodSeconds": 150,
+                     "containers": [{"name": "engine", "image": "bidir-kv-vllm:0.1.0",
+                                     "env": [{"name": "BIDIRKV_DRAIN_SECONDS",
+                                              "value": str(drain_s)}]}]},
+            "status": {"podIP": "127.0.0.1"}}
+
+
+async def _delete_pod(client, name: str, grace: int | None = None) -> None:
+    """`kubectl delete pod` (grace None: the pod's own), or its kubelet's final delete
+    (grace 0)."""
+    body = {"apiVersion": "v1", "kind": "DeleteOptions"}
+    if grace is not None:
+        body["gracePeriodSeconds"] = grace
+    await client.call("DELETE", f"/api/v1/namespaces/ns1/pods/{name}", body)
+
+
+async def _status(client, check):
+    di = await client.get("DisaggregatedInference", "ns1", "tiny")
+    st = (di or {}).get("status") or {}
+    return st if check(st) else None
+
+
+def _condition(st, type_):
+    return next((c for c in st.get("conditions", []) if c["type"] == type_), None)
+
+
+async def _drain_events(client):
+    out = await client.call("GET", "/api/v1/namespaces/ns1/events")
+    return [e for e in out.get("items", []) if e.get("reason") == "DrainTimedOut"]
+
+
+async def test_the_status_shows_draining_pods_and_one_event_when_a_drain_runs_out(minimal):
+    minimal["spec"]["decode"] = {"replicas": 2}
+    async with api_server() as (server, client), running_operator(client) as op:
+        await client.call("POST", di_path("ns1"), resource(minimal, "ns1"))
+        st = await eventually(lambda: _status(client, lambda s: "decode" in s), what="status")
+        assert st["decode"]["draining"] == 0
+        assert _condition(st, "Draining")["status"] == "False"
+        selector = st["decode"]["selector"]
+
+        pod = _decode_pod("tiny-decode-1")
+        pod["metadata"]["labels"] = dict(p.split("=") for p in selector.split(","))
+        await client.call("POST", "/api/v1/namespaces/ns1/pods", pod)
+        # A pod of another resource is not this one's.
+        await client.call("POST", "/api/v1/namespaces/ns1/pods",
+                          _decode_pod("other-decode-0", instance="other"))
+        for name in ("tiny-decode-1", "other-decode-0"):
+            await _delete_pod(client, name)  # marked; its drain ends 3 s from now
+        live = await client.call("GET", "/api/v1/namespaces/ns1/pods/tiny-decode-1")
+        assert live["metadata"]["deletionGracePeriodSeconds"] == 150
+        # Nothing of the StatefulSet changes when a pod starts draining: a status write
+        # (as the StatefulSet controller's) is what brings the pass here.
+        await set_pods(client, 2)
+        st = await eventually(lambda: _status(client, lambda s: s["decode"]["draining"] == 1),
+                              what="1 draining")
+        (listed,) = st["decode"]["drainingPods"]
+        assert listed["name"] == "tiny-decode-1" and listed["timedOut"] is False
+        cond = _condition(st, "Draining")
+        assert cond["status"] == "True" and "tiny-decode-1" in cond["message"]
+        assert st["prefill"]["draining"] == 0
+        assert not await _drain_events(client)
+
+        # Past its deadline and still there: its drain ran out. One Event, by itself
+        # (nothing else changed), marked in the status.
+        st = await eventually(
+            lambda: _status(client, lambda s: s["decode"]["drainingPods"]
+                            and s["decode"]["drainingPods"][0]["timedOut"]),
+            what="timed out")
+        (event,) = await eventually(lambda: _drain_events(client), what="DrainTimedOut")
+        assert event["type"] == "Warning"
+        assert event["involvedObject"]["name"] == "tiny"
+        assert "tiny-decode-1" in event["message"] and "recompute" in event["message"]
+        await set_pods(client, 2)  # another pass
+        await op.idle()
+        assert len(await _drain_events(client)) == 1
+
+        # The pod is gone: nothing drains.
+        await _delete_pod(client, "tiny-decode-1", grace=0)
+        await set_pods(client, 1)
+        st = await eventually(lambda: _status(client, lambda s: s["decode"]["draining"] == 0),
+                              what="none draining")
+        assert st["decode"]["drainingPods"] == []
+        assert _condition(st, "Draining")["status"] == "False"
+        assert len(await _drain_events(client)) == 1

@@ -47,7 +47,8 @@ def test_scale_and_printer_columns():
         "labelSelectorPath": ".status.decode.selector",
     }
     names = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert names == ["Model", "Prefill", "Decode", "Bidirectional", "Phase", "Age"]
+    assert names == ["Model", "Prefill", "Decode", "Draining", "Bidirectional", "Phase",
+                     "Age"]
     assert build_crd()["spec"]["names"]["shortNames"] == ["di"]
 
 

@@ -43,6 +43,16 @@ class Client:
         obj = self.objects.get(key)
         return copy.deepcopy(obj) if obj else None
 
+    async def list(self, kind, namespace, label_selector):
+        """Every object of the kind in the namespace whose labels carry the selector's
+        pairs (the operator's selectors are `k=v,...`)."""
+        self.calls.append(("LIST", kind))
+        self._maybe_fail("LIST", kind)
+        want = dict(pair.split("=", 1) for pair in label_selector.split(","))
+        return [copy.deepcopy(o) for (k, ns, _), o in self.objects.items()
+                if k == kind and ns == namespace
+                and want.items() <= (o["metadata"].get("labels") or {}).items()]
+
     async def create(self, obj):
         self.calls.append(("POST", obj["kind"]))
         self.writes += 1

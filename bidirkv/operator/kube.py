@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ KINDS = {
         Kind("v1", "Service", "services"),
         Kind("v1", "ConfigMap", "configmaps"),
         Kind("v1", "Event", "events"),
+        Kind("v1", "Pod", "pods"),
         Kind("apps/v1", "StatefulSet", "statefulsets"),
         Kind("apps/v1", "Deployment", "deployments"),
         Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
@@ -116,6 +118,13 @@ class KubeClient:
             if exc.status == 404:
                 return None
             raise
+
+    async def list(self, kind: str, namespace: str, label_selector: str
+                   ) -> list[dict[str, Any]]:
+        """The objects of `kind` in `namespace` that `label_selector` selects."""
+        query = urllib.parse.urlencode({"labelSelector": label_selector})
+        out = await self.call("GET", f"{KINDS[kind].path(namespace)}?{query}")
+        return list(out.get("items") or [])
 
     async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         kind = KINDS[obj["kind"]]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import datetime
 import functools
 import json
 import random
@@ -598,6 +599,10 @@ class Store:
             "Orphan" if options.get("orphanDependents") else "Background")
         if dry_run:
             return self.present(rt, obj), not meta.get("finalizers")
+        if grace := _pod_grace(rt, obj, options):
+            # A pod on a node stops gracefully: marked with the time its grace period
+            # ends, and left to its kubelet, which removes it (a DELETE with grace 0).
+            return self.present(rt, self._mark_deleting(rt, obj, grace)), False
         if meta.get("finalizers") or rt.key == NAMESPACES_KEY:
             obj = self._mark_deleting(rt, obj)
             if rt.key == NAMESPACES_KEY:
@@ -609,13 +614,15 @@ class Store:
             return self.present(rt, obj), ("", name) not in self._bucket(rt.key)
         return self.present(rt, self._remove(rt, obj, policy)), True
 
-    def _mark_deleting(self, rt: ResourceType, obj: dict) -> dict:
+    def _mark_deleting(self, rt: ResourceType, obj: dict, grace: int = 0) -> dict:
         if obj["metadata"].get("deletionTimestamp"):
             return obj
         new = copy.deepcopy(obj)
         meta = new["metadata"]
-        meta["deletionTimestamp"] = now_rfc3339()
-        meta["deletionGracePeriodSeconds"] = 0
+        meta["deletionTimestamp"] = (
+            datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=grace)
+        ).strftime("%Y-%m-%dT%H:%M:%SZ")
+        meta["deletionGracePeriodSeconds"] = grace
         meta["generation"] = meta.get("generation", 1) + 1
         if rt.key == NAMESPACES_KEY:
             new["status"] = {**(new.get("status") or {}), "phase": "Terminating"}
@@ -758,3 +765,21 @@ class Store:
         if rt is None:
             return []
         return self.list(rt, namespace)[0]
+
+
+def _pod_grace(rt: ResourceType, obj: dict, options: dict) -> int:
+    """The grace period a DELETE gives a pod (0: it goes now). As kube-apiserver does: a
+    pod bound to a node and not finished gets the request's gracePeriodSeconds, else its
+    spec's terminationGracePeriodSeconds (default 30 s); a pod already being deleted keeps
+    its deadline until a DELETE with grace 0 (its kubelet's) removes it."""
+    if rt.key != ("", "pods"):
+        return 0
+    spec, status = obj.get("spec") or {}, obj.get("status") or {}
+    if not spec.get("nodeName") or status.get("phase") in ("Succeeded", "Failed"):
+        return 0
+    grace = options.get("gracePeriodSeconds")
+    if grace is None and obj["metadata"].get("deletionTimestamp"):
+        return 1  # still stopping: it stays marked as it is
+    if grace is None:
+        grace = spec.get("terminationGracePeriodSeconds", 30)
+    return max(0, int(grace))

@@ -9,6 +9,18 @@ from pydantic import Field
 from bidirkv.operator.api.base import _Model
 
 
+class DrainingPod(_Model):
+    name: str = Field(description="The pod.")
+    deadline: str = Field(
+        description="When its drain ends at the latest (RFC 3339): its launcher then stops "
+        "the engine, whatever it still holds.")
+    timed_out: bool = Field(
+        default=False,
+        description="The pod was still there at its deadline: its drain ran out. A decode "
+        "pod's conversations it still held recompute their history on their next turn; a "
+        "prefill pod's legs in flight fail.")
+
+
 class RoleStatus(_Model):
     desired: int = Field(default=0, description="Pods the spec asks for.")
     replicas: int = Field(default=0, description="Pods that exist.")
@@ -16,6 +28,13 @@ class RoleStatus(_Model):
     updated: int = Field(default=0, description="Pods running the current template.")
     summary: str = Field(default="0/0", description="`ready/desired`, for printer columns.")
     selector: str = Field(default="", description="Label selector of the pods (for HPA).")
+    draining: int = Field(
+        default=0,
+        description="Pods that are leaving (deleted: a rollout, a scale-down, a node drain, "
+        "an eviction) and drain before they stop: a decode pod until each conversation it "
+        "holds came back or was released, a prefill pod until its legs in flight are done.")
+    draining_pods: list[DrainingPod] = Field(
+        default_factory=list, description="The draining pods, each with its deadline.")
 
 
 class Condition(_Model):

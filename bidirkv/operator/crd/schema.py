@@ -179,6 +179,10 @@ def build_crd() -> dict[str, Any]:
                         {"name": "Decode", "type": "string",
                          "jsonPath": ".status.decode.summary",
                          "description": "Ready/desired decode pods"},
+                        {"name": "Draining", "type": "integer",
+                         "jsonPath": ".status.decode.draining",
+                         "description": "Decode pods leaving, each until the conversations "
+                         "it holds moved or its drain ran out"},
                         {"name": "Bidirectional", "type": "boolean",
                          "jsonPath": ".spec.kvTransfer.bidirectional"},
                         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},

@@ -18,9 +18,22 @@ from typing import Any
 from bidirkv.operator.api import spec as api
 from bidirkv.operator.kube import ApiError, KubeClient
 from bidirkv.operator.reconcile.diff import differs, owned_by, replacement
+from bidirkv.operator.reconcile.drainwatch import (
+    DRAIN_TIMED_OUT,
+    newly_timed_out,
+    next_look,
+    parse_time,
+    timed_out_message,
+)
 from bidirkv.operator.reconcile.status import compute_status, same_status
 from bidirkv.operator.render.autoscaling import AUTOSCALER_KINDS, SCALED_OBJECT_API_VERSION
-from bidirkv.operator.render.children import Owner, child_metadata, optional_children, render
+from bidirkv.operator.render.children import (
+    Owner,
+    child_metadata,
+    optional_children,
+    render,
+    selector_string,
+)
 from bidirkv.operator.render.handlekey import new_secret, secret_name
 from bidirkv.operator.render.monitoring import POD_MONITOR_API_VERSION
 from bidirkv.operator.render.naming import child_name
@@ -65,6 +78,10 @@ class Controller:
         self._keys_ok: set[str] = set()
         # Optional children confirmed absent: not looked up again until rendered.
         self._absent: set[Key] = set()
+        # While pods drain: the next look at them (drainwatch.py), outside `_pending` so
+        # that `idle` does not wait for drains.
+        self._drain_looks: dict[str, asyncio.TimerHandle] = {}
+        self._pods_refused = False
         self.reconciles = 0
 
     # -- watch events ---------------------------------------------------------------
@@ -75,6 +92,8 @@ class Controller:
             self.owners.pop(uid, None)
             self._keys_ok.discard(uid)
             self._cancel(uid)
+            if (look := self._drain_looks.pop(uid, None)) is not None:
+                look.cancel()
             return
         self.owners[uid] = body
         self.schedule(uid, 0)
@@ -136,6 +155,9 @@ class Controller:
     def close(self) -> None:
         for uid in list(self._pending):
             self._cancel(uid)
+        for look in self._drain_looks.values():
+            look.cancel()
+        self._drain_looks.clear()
 
     # -- the reconcile pass ---------------------------------------------------------
     async def reconcile(self, body: dict[str, Any]) -> None:
@@ -173,8 +195,14 @@ class Controller:
         for kind, name in optional_children(owner):
             if (kind, name) not in seen:
                 await self._remove((kind, owner.namespace, name), owner)
-        status = compute_status(owner, spec, generation, seen, previous, self.now(), problem)
+        now = self.now()
+        status = compute_status(owner, spec, generation, seen, previous, now, problem,
+                                await self._engine_pods(owner))
         await self._write_status(body, status)
+        for role, pod in newly_timed_out(previous, status):
+            await self._event(body, "Warning", DRAIN_TIMED_OUT, timed_out_message(
+                role, pod, getattr(spec, role).drain_seconds))
+        self._look_again(meta["uid"], status, now)
         if problem and _condition_message(previous) != problem[1]:
             await self._event(body, "Warning", problem[0], problem[1])
         if problem and problem[0] == "KindMissing":
@@ -202,6 +230,40 @@ class Controller:
             if counts:
                 out[role] = max(counts)
         return out
+
+    async def _engine_pods(self, owner: Owner) -> dict[str, list[dict[str, Any]]] | None:
+        """Each role's pods, for their drains (None: they could not be listed, and the
+        status keeps what it last said of them)."""
+        out: dict[str, list[dict[str, Any]]] = {}
+        try:
+            for role in ROLES:
+                out[role] = await self.client.list("Pod", owner.namespace,
+                                                   selector_string(owner, role))
+        except ApiError as exc:
+            if not self._pods_refused:
+                log.warning("cannot list engine pods (%s): the status does not follow "
+                            "their drains (the operator's role needs list on pods)", exc)
+            self._pods_refused = True
+            return None
+        self._pods_refused = False
+        return out
+
+    def _look_again(self, uid: str, status: dict[str, Any], now: str) -> None:
+        """While pods drain, reconcile again at the next deadline (or RECHECK_S): a drain
+        that runs out changes no StatefulSet."""
+        when = parse_time(now)
+        delay = None if when is None else next_look(status, when)
+        look = self._drain_looks.pop(uid, None)
+        if look is not None:
+            look.cancel()
+        if delay is not None:
+            self._drain_looks[uid] = asyncio.get_running_loop().call_later(
+                delay, self._drain_look, uid)
+
+    def _drain_look(self, uid: str) -> None:
+        self._drain_looks.pop(uid, None)
+        if uid in self.owners:
+            self.schedule(uid, 0)
 
     async def _ensure_key(self, owner: Owner) -> None:
         """Create the resource's handle-key Secret when it is missing; never rewrite it.

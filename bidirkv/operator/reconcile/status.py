@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bidirkv.operator.api import spec as api
+from bidirkv.operator.reconcile.drainwatch import (
+    DRAINING,
+    draining_condition,
+    draining_pods,
+    parse_time,
+)
 from bidirkv.operator.render.autoscaling import role_replicas
 from bidirkv.operator.render.children import Owner, child_name, router_url, selector_string
 from bidirkv.operator.render.drain import short_drain
@@ -99,9 +106,11 @@ def compute_status(
     previous: dict[str, Any],
     now: str,
     problem: tuple[str, str] | None = None,
+    pods: Mapping[str, Sequence[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """`children` maps (kind, name) to the object as read; `problem` is (reason, message)
-    when the spec could not be applied (then the last good counts are kept)."""
+    when the spec could not be applied (then the last good counts are kept); `pods`: each
+    role's pods as listed (None: not listed, the last drains are kept)."""
     status: dict[str, Any] = {"observedGeneration": generation}
     if spec is None:
         # The spec is unusable: keep the counts of what runs, say what is wrong.
@@ -123,6 +132,7 @@ def compute_status(
         seen = ((sts or {}).get("spec") or {}).get("replicas")
         desired = role_replicas(spec, role, {role: seen} if isinstance(seen, int) else None)
         rs = _role_status(owner, desired, sts, role)
+        rs.update(_drains(role, pods, previous, now))
         status[role] = rs
         ok, reason, msg = _readiness(sts, desired, rs["ready"], "pods")
         all_ready &= ok
@@ -149,6 +159,8 @@ def compute_status(
                             "ShorterThanRetention" if short else "CoversRetention",
                             short or "a leaving decode pod may wait for every conversation "
                             "it retains", generation))
+    drains, reason, msg = draining_condition(status)
+    conds.append(_condition(DRAINING, drains, reason, msg, generation))
     if problem:
         conds.append(_condition(RECONCILED, False, problem[0], problem[1], generation))
     else:
@@ -176,6 +188,18 @@ def compute_status(
     else:
         status["phase"] = "Pending"
     return status
+
+
+def _drains(role: str, pods: Mapping[str, Sequence[dict[str, Any]]] | None,
+            previous: dict[str, Any], now: str) -> dict[str, Any]:
+    """The role's draining pods (drainwatch.py); without a listing, what was last seen."""
+    before = previous.get(role) or {}
+    when = parse_time(now)
+    if pods is None or when is None:
+        kept = before.get("drainingPods") or []
+        return {"draining": len(kept), "drainingPods": kept}
+    listed = draining_pods(pods.get(role) or [], before, when)
+    return {"draining": len(listed), "drainingPods": listed}
 
 
 def same_status(a: dict[str, Any], b: dict[str, Any]) -> bool:

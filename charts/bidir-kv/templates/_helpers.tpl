@@ -123,7 +123,13 @@ the requests of a real operator run.
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["create"]
-# Warning events for specs the operator cannot apply (InvalidSpec, ChildConflict).
+# Engine pods, listed by label each pass: a pod being deleted drains, and the status
+# says which do and until when (only their metadata and spec are read).
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list"]
+# Warning events for specs the operator cannot apply (InvalidSpec, ChildConflict) and
+# engine pods whose drain ran out (DrainTimedOut).
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
