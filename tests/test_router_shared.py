@@ -109,3 +109,44 @@ async def test_store_down_and_back_requests_keep_succeeding(redis_url, monkeypat
         assert r4["status"] == 200 and handles_sent(c) == 1  # reuse is back
         async with c.session.get(c.url + "/ready") as r:
             assert json.loads(await r.read())["handleStore"]["available"] is True
+
+
+async def _owner_of(router, want: str) -> str:
+    """The router's owner once it is `want` (bounded: its store rounds run every 50 ms)."""
+    for _ in range(200):
+        if router.ctx.residency.owner == want:
+            break
+        await asyncio.sleep(0.02)
+    return router.ctx.residency.owner
+
+
+async def test_after_a_failover_to_an_empty_replica_the_routers_converge_on_one_owner(
+        redis_url):
+    import redis.asyncio as redis
+
+    cfg = {"handleStore": redis_url.url, "healthCheckIntervalSeconds": 0.05}
+    r = redis.from_url(redis_url.url)
+    try:
+        async with Cluster(config=cfg) as c:
+            assert (await c.chat(U1, conversation_id="conv"))["status"] == 200
+            first = c.router.ctx.residency.owner
+            assert first is not None and first.startswith("store-")
+            # An empty replica takes over: nothing in the store, not even the owner. The
+            # running router plants its own again, so decode keeps what it holds for it.
+            await r.flushall()
+            for _ in range(200):
+                if await r.get("bidirkv:owner"):
+                    break
+                await asyncio.sleep(0.02)
+            assert (await r.get("bidirkv:owner")).decode() == first
+            # A new router pod got there first and set a fresh owner: the running one
+            # reads it and tells decode the new one on its next turn.
+            await r.flushall()
+            await r.set("bidirkv:owner", "store-newpod")
+            assert await _owner_of(c.router, "store-newpod") == "store-newpod"
+            assert c.router.ctx.store.owner == "store-newpod"
+            assert (await c.chat(U1, conversation_id="conv2"))["status"] == 200
+            last = c.d[0].generations()[-1]
+            assert last.kv.get("bidirkv_owner") == "store-newpod"
+    finally:
+        await r.aclose()

@@ -56,16 +56,23 @@ class Upkeep:
 
     async def start_store(self) -> None:
         """A shared store names the owner decode keeps KV for (the same for every router
-        of the store, so a restarted replica keeps the conversations)."""
+        of the store, so a restarted replica keeps the conversations), read again each
+        round: after a failover to an empty replica, new routers may set another one."""
         store = self.ctx.store
         start = getattr(store, "start", None)
-        if start is None or store.owner is not None:
+        if start is None:
             return
+        before = store.owner
         try:
             await start()
         except StoreUnavailable as exc:
-            log.warning("%s; serving without reuse until it answers", exc)
+            if before is None:
+                log.warning("%s; serving without reuse until it answers", exc)
             return
+        if before is not None and store.owner != before:
+            log.warning("the handle store names another owner (%s, was %s): a failover or "
+                        "a flush lost it; decode keeps KV for the new one from now on",
+                        store.owner, before)
         self.ctx.residency.owner = store.owner
 
     async def keep_under_watermark(self, url: str) -> None:

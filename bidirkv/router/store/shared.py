@@ -177,9 +177,13 @@ class RedisStore:
         return self.prefix + name
 
     async def start(self) -> None:
-        """The shared owner id (created by the first router that asks)."""
+        """The shared owner id, read again on every call (each store upkeep round): a
+        failover to an empty replica loses it, and the routers must converge on one
+        owner, or decode frees the blocks of the one that leaves while handles still
+        name them. Where the store has none, this router's is planted (a fresh one the
+        first time), so the conversations decode holds for it survive the failover."""
         await self.breaker.call("owner", self.r.set, self._k("owner"),
-                                f"store-{secrets.token_hex(8)}", nx=True)
+                                self.owner or f"store-{secrets.token_hex(8)}", nx=True)
         raw = await self.breaker.call("owner", self.r.get, self._k("owner"))
         self.owner = raw.decode() if isinstance(raw, bytes) else raw
 
