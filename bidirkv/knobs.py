@@ -315,8 +315,30 @@ class RouterKnobs(Section):
         max_length=128,
         pattern=r"^[A-Za-z0-9-]+$",
         description="Request header whose value names the tenant a conversation belongs to "
-        "(its caps and fair eviction; conversations of different tenants never share a "
-        "handle).",
+        "(its caps and fair eviction, its `cache_salt`; conversations of different tenants "
+        "never share a handle nor cached KV). The client chooses it: see "
+        "`trustedTenantHeader` and `maxTenantsPerSource`.",
+    )
+    trusted_tenant_header: Annotated[str, Strict()] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9-]+$",
+        description="Request header that a gateway in front of the router sets to the caller "
+        "it authenticated (and strips from what clients send). Set, it alone names the "
+        "tenant, `tenantHeader` and `maxTenantsPerSource` are not used, and a request "
+        "without it belongs to one anonymous tenant. The per-tenant caps and fair eviction "
+        "are fair between real tenants only with it.",
+    )
+    max_tenants_per_source: Annotated[int, Strict()] = Field(
+        default=64,
+        ge=1,
+        le=1_000_000,
+        description="Without `trustedTenantHeader`: most tenants one client address names "
+        "at a time (a tenant unseen for `conversationTtlSeconds` frees its place); past "
+        "it, that address's new tenants count as one tenant for the caps and eviction, "
+        "each keeping its own handles and cache. Behind a proxy every client has the "
+        "proxy's address: set `trustedTenantHeader` there.",
     )
     prefill_only_fallback: Annotated[bool, Strict()] = Field(
         default=True,

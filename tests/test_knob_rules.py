@@ -217,7 +217,8 @@ def _model_leaves(model, prefix=""):
 def test_every_router_key_is_set_from_the_crd_or_listed():
     spec = parse_spec({
         "model": {"name": "m"},
-        "router": {"maxConversationsPerTenant": 5, "replicas": 2,
+        "router": {"maxConversationsPerTenant": 5, "trustedTenantHeader": "X-Tenant",
+                   "replicas": 2,
                    "handleStore": {"url": "redis://v:6379/0"}},
         "monitoring": {"tracing": {"otlpEndpoint": "http://c:4318/v1/traces"}},
     })

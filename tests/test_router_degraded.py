@@ -106,9 +106,11 @@ async def test_no_healthy_decode_prefill_serves_whole_requests_until_decode_is_b
         if stream:
             assert r["events"][-1] == "[DONE]" and len(r["events"]) == len(P_REPLY) + 3
         (sent,) = c.p[0].generations()
-        # The client's body as it came: no params, its own stream flag and max_tokens.
+        # The client's body as it came, salted with its tenant's cache_salt: no params,
+        # its own stream flag and max_tokens.
         assert sent.body == {"model": "fake-model", "messages": U1, "stream": stream,
-                             "max_tokens": 9}
+                             "max_tokens": 9,
+                             "cache_salt": c.router.ctx.keys.cache_salt(b"anonymous")}
         r = await c.complete("once upon", stream)
         assert r["status"] == 200 and r["text"] == "Served by prefill"
         assert not any(d.generations() for d in c.d) and len(c.router.ctx.store) == 0

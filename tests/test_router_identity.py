@@ -1,13 +1,22 @@
-"""Conversation identity: explicit ids, auto-identification from history, tenant scoping."""
+"""Conversation identity: explicit ids, auto-identification from history, tenant scoping,
+each tenant's cache salt, and who names a tenant."""
+
+import hashlib
 
 from bidirkv.router.request.identity import (
+    ANONYMOUS,
+    SALT_HEX_LEN,
+    LookupKeys,
+    Tenants,
+    accounting_tenant,
     canonical_message,
     chat_history,
     completion_key,
     explicit_key,
-    short_hash,
+    isolation_tenant,
     tenant_of,
 )
+from bidirkv.wire import TENANT_LABEL_LEN
 
 A, B = tenant_of("Bearer key-a"), tenant_of("Bearer key-b")
 
@@ -74,7 +83,95 @@ def test_tool_calls_are_part_of_the_identity():
     assert canonical_message(m1) != canonical_message({**m1, "tool_calls": [other]})
 
 
-def test_completion_keys_and_short_hash():
+def test_completion_keys_are_scoped_per_tenant():
     assert completion_key(A, "abc") != completion_key(B, "abc")
-    h = short_hash("my-secret-conversation")
-    assert len(h) == 10 and "secret" not in h and h == short_hash("my-secret-conversation")
+
+
+def test_the_conversation_label_is_keyed_and_per_tenant():
+    """Logs and spans: an id guessed by anyone without the handle key cannot be tested
+    against the label (an unkeyed hash could), and one id of two tenants reads as two."""
+    keys = LookupKeys(b"k" * 32)
+    label = keys.conversation_label(A, "conv-1")
+    assert len(label) == 10 and label == keys.conversation_label(A, "conv-1")
+    assert label != keys.conversation_label(B, "conv-1")
+    assert label != LookupKeys(b"j" * 32).conversation_label(A, "conv-1")
+    assert label != hashlib.sha256(b"conv-1").hexdigest()[:10]
+    # Every replica holding the handle key logs one conversation alike.
+    assert LookupKeys(b"k" * 32).conversation_label(A, "conv-1") == label
+
+
+def test_each_tenant_has_its_own_cache_salt_stable_turn_to_turn():
+    keys = LookupKeys(b"k" * 32)
+    salt = keys.cache_salt(A)
+    assert len(salt) == SALT_HEX_LEN and int(salt, 16) >= 0
+    assert keys.cache_salt(A) == salt == LookupKeys(b"k" * 32).cache_salt(A)
+    assert keys.cache_salt(B) != salt and keys.cache_salt(ANONYMOUS) != salt
+    # Keyed: without the handle key nobody computes another tenant's salt.
+    assert LookupKeys(b"j" * 32).cache_salt(A) != salt
+    # A client's salt splits its own tenant's cache, never reaches another's.
+    assert keys.cache_salt(A, "mine") not in (salt, keys.cache_salt(B, "mine"))
+    assert keys.cache_salt(A, "mine") == keys.cache_salt(A, "mine")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tenant(tenants, value, source="10.0.0.1", cap=2, trusted=None, headers=None):
+    h = headers if headers is not None else {"Authorization": value} if value else {}
+    return tenants.of(h, source, "Authorization", trusted, cap, 60.0)
+
+
+def test_one_source_names_at_most_its_cap_of_tenants():
+    """A client rotating credentials is pooled past the cap: the bounds count its new
+    tenants as one, while each keeps its own keys and salt."""
+    keys, clock = LookupKeys(b"k" * 32), Clock()
+    tenants = Tenants(keys, clock)
+    a, b = tenant(tenants, "a"), tenant(tenants, "b")
+    assert (a, b) == (keys.tenant_of("a"), keys.tenant_of("b"))
+    c, d = tenant(tenants, "c"), tenant(tenants, "d")
+    assert c != keys.tenant_of("c") and d != c
+    assert accounting_tenant(c) == accounting_tenant(d)  # one tenant for the bounds
+    assert accounting_tenant(c) not in (a, b)
+    assert isolation_tenant(c) == keys.tenant_of("c")  # its own keys, its own salt
+    assert keys.explicit_key(c, "x") == keys.explicit_key(keys.tenant_of("c"), "x")
+    assert keys.cache_salt(c) != keys.cache_salt(d)
+    # Decode's label is the group's: decode's eviction pools them too.
+    assert c.hex()[:TENANT_LABEL_LEN] == d.hex()[:TENANT_LABEL_LEN]
+    # Known tenants stay themselves; another source has its own cap.
+    assert tenant(tenants, "a") == a and tenant(tenants, "b") == b
+    assert tenant(tenants, "c", source="10.0.0.2") == keys.tenant_of("c")
+    # The anonymous tenant is one whatever the source.
+    assert tenant(tenants, None) == ANONYMOUS
+    # A tenant unseen for the idle time frees its place.
+    clock.now = 30.0
+    tenant(tenants, "a")
+    clock.now = 70.0
+    assert tenant(tenants, "c") == keys.tenant_of("c")
+    assert tenant(tenants, "d") != keys.tenant_of("d")  # "a" was seen at 30
+
+
+def test_no_cap_and_the_trusted_header():
+    keys = LookupKeys(b"k" * 32)
+    tenants = Tenants(keys)
+    names = [tenant(tenants, str(i), cap=None) for i in range(10)]
+    assert names == [keys.tenant_of(str(i)) for i in range(10)]
+    # With a trusted header only it names the tenant: the credential and the source's cap
+    # play no part, and a request without it is the anonymous tenant.
+    trusted = [tenants.of({"Authorization": str(i), "X-Tenant": "acme"}, "10.0.0.9",
+                          "Authorization", "X-Tenant", 1, 60.0) for i in range(5)]
+    assert trusted == [keys.tenant_of("acme")] * 5
+    assert tenants.of({"Authorization": "x"}, "10.0.0.9", "Authorization", "X-Tenant", 1,
+                      60.0) == ANONYMOUS
+
+
+def test_what_the_tenants_remember_is_bounded():
+    keys = LookupKeys(b"k" * 32)
+    tenants = Tenants(keys, max_tracked=10)
+    for i in range(100):
+        assert tenant(tenants, f"t{i}", source=f"10.0.{i}.1") == keys.tenant_of(f"t{i}")
+    assert len(tenants._sources) <= 10

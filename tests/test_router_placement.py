@@ -9,8 +9,11 @@ import pytest
 from bidirkv.router.config import Placement
 from bidirkv.router.pool.placement import (
     ALWAYS_DISAGGREGATE,
+    CHARS_PER_TOKEN_MAX,
+    CHARS_PER_TOKEN_MIN,
     COST,
     EXTEND,
+    MEDIA_PART_CHARS,
     MOVE,
     ON_DECODE,
     PREFILL,
@@ -21,8 +24,10 @@ from bidirkv.router.pool.placement import (
     Costs,
     Inputs,
     Line,
+    message_chars,
     new_tokens,
     place,
+    prompt_chars,
 )
 
 CP = Placement(policy=COST)
@@ -278,6 +283,67 @@ async def test_a_long_append_takes_the_read_back():
         assert r2["headers"]["X-Bidirkv-Placement"] == "read_back; reason=append_over_cap"
         p2 = c.p[0].generations()[1]
         assert p2.has_handle  # P reads what D holds
+
+
+def test_the_prompt_counts_every_part_that_reaches_it():
+    """Images, tools and tool-call arguments reach the prompt: none counts as nothing."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    assert prompt_chars({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "what is this"}, image]}]}) \
+        == len("what is this") + MEDIA_PART_CHARS
+    args = '{"path": "/etc/hosts", "mode": "r"}'
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "read", "arguments": args}}]}
+    assert message_chars(call) == len("read") + len(args)
+    tools = [{"type": "function", "function": {"name": "read", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}}}}]
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    assert prompt_chars(body) > 2 + 60
+    # Reasoning does not reach the next prompt (clients and templates drop it).
+    assert message_chars({"role": "assistant", "content": "ok",
+                          "reasoning_content": "hmm " * 1000}) == 2
+    # Token ids count at the densest ratio the router assumes.
+    assert prompt_chars({"prompt": [1, 2, 3]}) == 3 * CHARS_PER_TOKEN_MAX
+
+
+def test_a_few_skewed_prompts_do_not_move_the_ratio_and_none_leave_the_band():
+    m = CostModel()
+    for _ in range(20):
+        m.observe_prompt(4000, 1000)
+    for _ in range(5):  # one tenant's odd prompts (an EWMA went from 4.0 to 21.5)
+        m.observe_prompt(100_000, 1000)
+    assert m.chars_per_token == 4.0
+    for _ in range(100):
+        m.observe_prompt(100_000, 1000)
+    assert m.chars_per_token == CHARS_PER_TOKEN_MAX
+    for _ in range(100):
+        m.observe_prompt(100, 1000)
+    assert m.chars_per_token == CHARS_PER_TOKEN_MIN
+    # So a 4,000-token append of English text (~4 characters a token) is never estimated
+    # under 2/3 of its tokens: over a 1,024 cap it stays over.
+    assert new_tokens(16_000, 0, CHARS_PER_TOKEN_MAX) > 1024
+
+
+@pytest.mark.timeout(30)
+async def test_an_appended_image_is_not_extended_as_if_it_were_nothing():
+    async with Cluster(config=placement(localPrefillTokens=64, maxLocalPrefillTokens=64)) as c:
+        r1 = await c.chat(U1)
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        r2 = await c.chat(U1 + [r1["message"], {"role": "user", "content": [image]}])
+        assert r2["headers"]["X-Bidirkv-Placement"] == "read_back; reason=append_over_cap"
+
+
+@pytest.mark.timeout(30)
+async def test_an_explicit_ids_held_text_is_its_prompt_not_decodes_tokens():
+    """Without the answer's text (an explicit id collects none), what decode holds is
+    counted as the turn's prompt: its tokens, reasoning included, are not all in the next
+    prompt, which would have a long append look short."""
+    async with Cluster(config=placement(localPrefillTokens=64, maxLocalPrefillTokens=64)) as c:
+        c.d[0].behaviour.reply = [""] * 4000  # held tokens the client never sends back
+        r1 = await c.chat(U1, conversation_id="c")
+        long = {"role": "user", "content": "tell me " * 60}
+        r2 = await c.chat(U1 + [r1["message"], long], conversation_id="c")
+        assert r2["headers"]["X-Bidirkv-Placement"] == "read_back; reason=append_over_cap"
 
 
 @pytest.mark.timeout(30)

@@ -264,7 +264,7 @@ class Intake:
             modes = modes_of(cfg)
             turn = Turn(kind, req.stream, req.body, request_id(request.headers.get(
                 "X-Request-Id")), request.headers.get("Authorization"),
-                ctx.keys.tenant_of(request.headers.get(cfg.tenant_header)), t0, modes,
+                self.conversations.tenant(request), t0, modes,
                 Reservation(ctx.store, ctx.evicted), trace,
                 prompt_chars(req.body) if modes.places else 0)  # a pass over the body
             if big:

@@ -3,6 +3,7 @@ request's headers, and the few fields of an engine's reply it reads."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from bidirkv.proof import make_proof
@@ -30,8 +31,22 @@ _MISS_PARAMS = {
     "remote_host": None,
     "remote_port": None,
 }
+# vLLM's prefix cache, and the connector's digests, match only requests of one salt.
+SALT_KEY = "cache_salt"
 # Fields a one-token prefill must not carry (they would change or fail a max_tokens=1 run).
 _PREFILL_DROP = ("max_completion_tokens", "min_tokens", "stream_options")
+
+
+def salt(body: dict[str, Any], salt_of: Callable[[str | None], str]) -> None:
+    """Give the client's body its tenant's `cache_salt` (`salt_of(the client's salt)`).
+    Set once on the body every leg is built from: both legs, an extend and a prefill-only
+    answer carry the same salt, so reuse between them is kept. A salt vLLM would refuse
+    (empty, not a string) is left for the engine to refuse."""
+    client = body.get(SALT_KEY)
+    if client is None:
+        body[SALT_KEY] = salt_of(None)
+    elif isinstance(client, str) and client:
+        body[SALT_KEY] = salt_of(client)
 
 
 def prefill_body(body: dict[str, Any], handle: dict[str, Any] | None,

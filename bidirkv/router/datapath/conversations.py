@@ -1,4 +1,4 @@
-"""Naming a request's conversation, taking its handle, storing the next one."""
+"""Naming a request's tenant and conversation, taking its handle, storing the next one."""
 
 from __future__ import annotations
 
@@ -6,14 +6,17 @@ import logging
 import time
 from typing import Any
 
+from aiohttp import web
+
 from bidirkv.returns import next_gap
 from bidirkv.router.codec import dumps_kept
-from bidirkv.router.datapath.bodies import handle_blocks
+from bidirkv.router.datapath.bodies import handle_blocks, salt
 from bidirkv.router.datapath.context import Context, quietly
 from bidirkv.router.datapath.sse import MessageCollector
 from bidirkv.router.datapath.turn import Turn
 from bidirkv.router.pool.backends import Backend
-from bidirkv.router.request.identity import short_hash
+from bidirkv.router.pool.placement import message_chars
+from bidirkv.router.request.identity import Tenants, accounting_tenant
 from bidirkv.router.request.validation import CHAT
 from bidirkv.router.store.base import EXPIRED, HIT, MISS, Entry, Kept, StoreUnavailable
 from bidirkv.wire import VERSION_KEY, version_problem
@@ -26,21 +29,31 @@ class Conversations:
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
+        self.tenants = Tenants(ctx.keys)
+
+    def tenant(self, request: web.Request) -> bytes:
+        """The tenant a client request belongs to (identity.py's `Tenants`)."""
+        cfg = self.ctx.cfg
+        return self.tenants.of(request.headers, request.remote, cfg.tenant_header,
+                               cfg.trusted_tenant_header, cfg.max_tenants_per_source,
+                               cfg.conversation_ttl_seconds)
 
     async def identify(self, turn: Turn, conversation_id: str | None) -> None:
-        """Name the turn's conversation and take its handle from the store, if any. With
-        bidirectional transfer off only an explicit id names it (for the logs)."""
+        """Salt the turn's body with its tenant's cache_salt; name the turn's conversation
+        and take its handle from the store, if any. With bidirectional transfer off only
+        an explicit id names it (for the logs)."""
+        ctx = self.ctx
+        salt(turn.body, lambda client: ctx.keys.cache_salt(turn.tenant, client))
         if not turn.modes.bidirectional:
             if conversation_id is not None:
-                turn.conv = short_hash(conversation_id)
+                turn.conv = ctx.keys.conversation_label(turn.tenant, conversation_id)
             return
-        ctx = self.ctx
         store = ctx.store
         body = turn.body
         key: bytes | None = None
         status, entry = MISS, None
         if conversation_id is not None:
-            turn.conv = short_hash(conversation_id)
+            turn.conv = ctx.keys.conversation_label(turn.tenant, conversation_id)
             key = turn.store_key = ctx.keys.explicit_key(turn.tenant, conversation_id)
         elif turn.kind == CHAT:
             turn.history = ctx.keys.chat_history(turn.tenant, body["messages"])
@@ -52,7 +65,9 @@ class Conversations:
             if key is not None:
                 status, entry = await store.lookup(key)
             elif turn.prompt is not None:
-                status, entry = await store.lookup_prefix(turn.tenant, turn.prompt,
+                # Lengths as stored (by the accounting tenant), keys of the turn's own.
+                status, entry = await store.lookup_prefix(accounting_tenant(turn.tenant),
+                                                          turn.prompt,
                                                           ctx.keys.prefix_keys(turn.tenant))
                 turn.conv = "auto:" + (entry.key.hex()[:10] if entry is not None else "new")
         except StoreUnavailable:
@@ -107,8 +122,8 @@ class Conversations:
             limit = ctx.max_pinned(d.url)
             share = ctx.cfg.tenant_retention_share
             kept = Kept(
-                key, dumps_kept(kv), d.url, engine, n, tenant=turn.tenant, prefix_len=prefix_len,
-                chars=turn.prompt_chars + len(collector.text) if collector is not None else 0,
+                key, dumps_kept(kv), d.url, engine, n, tenant=accounting_tenant(turn.tenant),
+                prefix_len=prefix_len, chars=self.held_chars(turn, collector),
                 prompt_key=self.prompt_key(turn),
                 request_id=rid, blocks=handle_blocks(kv), max_pinned=limit,
                 gap=turn.gap,
@@ -119,6 +134,17 @@ class Conversations:
         except StoreUnavailable:
             if rid is not None:  # not kept anywhere: D frees the blocks now
                 ctx.residency.release_ids(d.url, [rid])
+
+    @staticmethod
+    def held_chars(turn: Turn, collector: MessageCollector | None) -> int:
+        """The characters of the next prompt that this turn's handle holds, counted as the
+        prompt is (placement.py's prompt_chars): the prompt, then the answer as the client
+        sends it back (its text and tool calls, not the reasoning clients drop)."""
+        if collector is None:  # an explicit id's turn: what it held of its own prompt
+            return turn.prompt_chars
+        if turn.kind == CHAT:
+            return turn.prompt_chars + message_chars(collector.message())
+        return turn.prompt_chars + len(collector.text)
 
     def prompt_key(self, turn: Turn, n: int | None = None) -> bytes | None:
         """An explicit-id chat turn's first `n` messages (all: None), as Entry.prompt_key;
@@ -135,11 +161,9 @@ class Conversations:
         """The turn's prompt extends what the entry's holder keeps (placement): named by
         its history or its prompt prefix, or by an explicit id whose stored prompt is the
         first messages of this one."""
-        if entry.chars > 0:
-            return turn.prompt_chars >= entry.chars
         key = entry.prompt_key
         if key is None or len(key) < 5:
-            return False
+            return entry.chars > 0 and turn.prompt_chars >= entry.chars
         n = int.from_bytes(key[:4], "big")
         messages = turn.body.get("messages")
         return (isinstance(messages, list) and len(messages) > n

@@ -32,9 +32,12 @@ prefill has `prefillBusyRequests` legs in flight.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
+from statistics import median
 from typing import Any
 
+from bidirkv.router.codec import dumps
 from bidirkv.router.config import Placement
 
 EXTEND = "extend"
@@ -54,6 +57,18 @@ REASONS = ("no_handle", "policy", "prefix_unknown", "append_over_cap", "decode_b
            "short_append", "prefill_busy", "long_append", "cheaper_on_decode",
            "cheaper_disaggregated", "extend_failed", "prompt_over_cap", "learning",
            "holder_draining")
+# The router has no tokenizer: a prompt's tokens are its characters (prompt_chars) over a
+# ratio learned from what prefill reports, the median of the last CHARS_SAMPLES prompts
+# (a few odd prompts do not move it) kept within this band (English ~4, code ~3, no
+# traffic moves it further). So a cap is an estimate: its tokens are at most
+# CHARS_PER_TOKEN_MAX / (the text's real ratio) times the cap (1.5x for English text);
+# text denser than CHARS_PER_TOKEN_MIN (CJK, ~1.5) is underestimated by up to that ratio.
+CHARS_PER_TOKEN_MIN = 2.0
+CHARS_PER_TOKEN_MAX = 6
+CHARS_SAMPLES = 63
+# An image, audio or video part: its tokens depend on the model's processor (hundreds to
+# thousands); it counts as this many characters (1,024 tokens at 4 characters a token).
+MEDIA_PART_CHARS = 4096
 # A leg that prefilled fewer tokens than this says more about its fixed costs than about
 # its cost per token: not learned from.
 MIN_SAMPLE_TOKENS = 64
@@ -165,20 +180,53 @@ def _cheaper(inp: Inputs, costs: Costs, whole: str, two_legs: str) -> Decision:
     return Decision(two_legs, "cheaper_disaggregated")
 
 
+def _content_chars(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if not isinstance(content, list):
+        return 0
+    n = 0
+    for part in content:
+        if not isinstance(part, dict):
+            continue
+        text = part.get("text")
+        n += len(text) if isinstance(text, str) else MEDIA_PART_CHARS
+    return n
+
+
+def _json_chars(value: Any) -> int:
+    if value is None:
+        return 0
+    return len(value) if isinstance(value, str) else len(dumps(value))
+
+
+def message_chars(message: Any) -> int:
+    """Characters of one chat message that reach the prompt: its content (an image, audio
+    or video part as MEDIA_PART_CHARS) and its tool calls' names and arguments. Not its
+    reasoning: clients drop it, and chat templates drop it from earlier turns."""
+    if not isinstance(message, dict):
+        return 0
+    n = _content_chars(message.get("content"))
+    calls = message.get("tool_calls")
+    for call in calls if isinstance(calls, list) else ():
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict):
+            n += _json_chars(fn.get("name")) + _json_chars(fn.get("arguments"))
+    return n
+
+
 def prompt_chars(body: dict[str, Any]) -> int:
-    """Characters of a chat or completion body's prompt text (what tokens are made of)."""
+    """Characters of a chat or completion body's prompt: every message part that reaches
+    it and the tools offered (as their JSON); a completion prompt given as token ids
+    counts CHARS_PER_TOKEN_MAX a token."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return len(prompt)
-    n = 0
-    for m in body.get("messages") or ():
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, str):
-            n += len(content)
-        elif isinstance(content, list):
-            n += sum(len(p["text"]) for p in content
-                     if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return n
+    if isinstance(prompt, list):
+        return sum(len(p) if isinstance(p, str) else CHARS_PER_TOKEN_MAX for p in prompt)
+    messages = body.get("messages")
+    n = sum(message_chars(m) for m in messages) if isinstance(messages, list) else 0
+    return n + (_json_chars(body.get("tools")) if body.get("tools") else 0)
 
 
 def new_tokens(prompt_chars: int, held_tokens: int, chars_per_token: float,
@@ -245,6 +293,7 @@ class CostModel:
     def __init__(self, costs: Costs | None = None, chars_per_token: float = 4.0) -> None:
         self._costs = costs or Costs()
         self.chars_per_token = chars_per_token
+        self._ratios: deque[float] = deque(maxlen=CHARS_SAMPLES)
         self._seen: set[str] = set()
         self._hop = Line(self._costs.hop_ms, self._costs.pull_ms)
 
@@ -259,10 +308,11 @@ class CostModel:
         self._costs = _with(self._costs, **{name: value})
 
     def observe_prompt(self, prompt_chars: int, prompt_tokens: int) -> None:
+        """A prompt's characters and the tokens prefill counted (see CHARS_PER_TOKEN_MIN)."""
         if prompt_chars > 0 and prompt_tokens > 0:
-            ratio = prompt_chars / prompt_tokens
-            self.chars_per_token = (_ewma(self.chars_per_token, ratio)
-                                    if "chars" in self._seen else ratio)
+            self._ratios.append(prompt_chars / prompt_tokens)
+            self.chars_per_token = min(float(CHARS_PER_TOKEN_MAX),
+                                       max(CHARS_PER_TOKEN_MIN, median(self._ratios)))
             self._seen.add("chars")
 
     def observe_prefill(self, ms: float, computed: int, read: int = 0) -> None:

@@ -16,13 +16,23 @@ Three ways to name a conversation:
   and including its last assistant message);
 - prompt prefix (/v1/completions): stored under (tenant, prompt + completion text); a
   new prompt matches the longest stored text it starts with.
+
+The same hash key makes each tenant's `cache_salt` (vLLM keys its prefix cache by it) and
+the conversation label of logs and spans: neither can be computed, nor matched across
+tenants, without the key.
+
+Which tenant a request belongs to is `Tenants`: a header the gateway sets
+(`trustedTenantHeader`), else the credential (`tenantHeader`), whose distinct values one
+client address may turn into at most `maxTenantsPerSource` tenants of their own.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator, Mapping
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from bidirkv.router.codec import canonical
@@ -33,6 +43,29 @@ _SEP = b"\x1e"
 _DERIVE_PERSON = b"bidirkv-lookup1"
 
 
+# 128 bits: nobody guesses another tenant's salt.
+SALT_HEX_LEN = 32
+ANONYMOUS = b"anonymous"
+# A tenant is 16 bytes (or ANONYMOUS). One past its source's cap is its overflow group's
+# 16 bytes, then its own: the group is what caps, eviction and decode's tenant label
+# (wire.TENANT_LABEL_LEN hex characters, the group's) count, its own what keys and salts
+# are made of, so tenants pooled for fairness still share no handle and no cache.
+TENANT_LEN = 16
+_OVERFLOW_LEN = 2 * TENANT_LEN
+# Tenants remembered across every source, at most (the oldest sources forgotten first).
+MAX_TRACKED_TENANTS = 100_000
+
+
+def accounting_tenant(tenant: bytes) -> bytes:
+    """Who a tenant's handles count against: its overflow group, else itself."""
+    return tenant[:TENANT_LEN] if len(tenant) == _OVERFLOW_LEN else tenant
+
+
+def isolation_tenant(tenant: bytes) -> bytes:
+    """What a tenant's keys and salt are made of: its own identity, pooled or not."""
+    return tenant[TENANT_LEN:] if len(tenant) == _OVERFLOW_LEN else tenant
+
+
 # Without a handle key: random, shared by the routers of this process only.
 _PROCESS_HASH_KEY = os.urandom(32)
 
@@ -40,14 +73,6 @@ _PROCESS_HASH_KEY = os.urandom(32)
 def derive_hash_key(handle_key: bytes) -> bytes:
     """The lookup-key hash key of every router that holds this handle key."""
     return hashlib.blake2b(handle_key, digest_size=32, person=_DERIVE_PERSON).digest()
-
-
-def short_hash(value: str) -> str:
-    """For logs: correlates lines of one conversation without printing its id.
-
-    Unkeyed, so the same id reads the same on every router replica.
-    """
-    return hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:10]
 
 
 # -- chat history ---------------------------------------------------------------------
@@ -133,11 +158,34 @@ class LookupKeys:
     def tenant_of(self, value: str | None) -> bytes:
         """The tenant a credential (or the configured header's value) stands for."""
         if not value:
-            return b"anonymous"
+            return ANONYMOUS
         return self._hasher(b"tenant", value.encode("utf-8", "surrogatepass")).digest()
 
+    def overflow_tenant(self, source: str, tenant: bytes) -> bytes:
+        """`tenant` pooled with every other of `source`'s past its cap (see TENANT_LEN)."""
+        group = self._hasher(b"overflow", source.encode("utf-8", "surrogatepass")).digest()
+        return group + isolation_tenant(tenant)
+
+    def conversation_label(self, tenant: bytes, conversation_id: str) -> str:
+        """For logs and spans: correlates one conversation's lines without its id. Keyed
+        and per tenant, so a guessed id cannot be tested against it and one id of two
+        tenants reads as two; the same on every replica that holds the handle key."""
+        return self._hasher(b"label", isolation_tenant(tenant),
+                            conversation_id.encode("utf-8", "surrogatepass")).hexdigest()[:10]
+
+    def cache_salt(self, tenant: bytes, client_salt: str | None = None) -> str:
+        """The tenant's `cache_salt`: vLLM's prefix cache (and the connector's digests)
+        match only requests of one salt, so no tenant's timing can tell whether another's
+        prompt is cached. The same salt turn after turn: a tenant's own conversations
+        keep their reuse. A client's own salt still splits its tenant's cache, but is
+        folded into the tenant's (two tenants sending one salt share nothing)."""
+        h = self._hasher(b"salt", isolation_tenant(tenant))
+        if client_salt is not None:
+            h.update(client_salt.encode("utf-8", "surrogatepass"))
+        return h.hexdigest()[:SALT_HEX_LEN]
+
     def explicit_key(self, tenant: bytes, conversation_id: str) -> bytes:
-        return self._hasher(b"id", tenant,
+        return self._hasher(b"id", isolation_tenant(tenant),
                             conversation_id.encode("utf-8", "surrogatepass")).digest()
 
     def chat_history(self, tenant: bytes, messages: list[Any]) -> ChatHistory:
@@ -149,7 +197,7 @@ class LookupKeys:
             if isinstance(m, dict) and m.get("role") == "assistant":
                 last_assistant = i
                 break
-        h = self._hasher(b"chat", tenant)
+        h = self._hasher(b"chat", isolation_tenant(tenant))
         lookup: bytes | None = None
         for i, m in enumerate(messages):
             h.update(canonical_message(m) if isinstance(m, dict) else canonical(m))
@@ -161,7 +209,7 @@ class LookupKeys:
     def messages_key(self, tenant: bytes, messages: list[Any], n: int) -> bytes:
         """Of the first `n` messages: what a turn named by an explicit id stores, so that
         its next turn can show its prompt extends that one (placement)."""
-        h = self._hasher(b"prefix", tenant)
+        h = self._hasher(b"prefix", isolation_tenant(tenant))
         for m in messages[:n]:
             h.update(canonical_message(m) if isinstance(m, dict) else canonical(m))
             h.update(_SEP)
@@ -169,7 +217,7 @@ class LookupKeys:
 
     # -- completions prompt prefixes ---------------------------------------------------
     def completion_key(self, tenant: bytes, text: str) -> bytes:
-        h = self._hasher(b"completion", tenant)
+        h = self._hasher(b"completion", isolation_tenant(tenant))
         h.update(text.encode("utf-8", "surrogatepass"))
         return h.digest()
 
@@ -178,7 +226,7 @@ class LookupKeys:
         first. One incremental pass over the text: cost O(len(text) + len(lengths))."""
 
         def key_of(text: str, lengths: list[int]) -> Iterator[tuple[int, bytes]]:
-            h = self._hasher(b"completion", tenant)
+            h = self._hasher(b"completion", isolation_tenant(tenant))
             pos = 0
             keys: list[tuple[int, bytes]] = []
             for n in lengths:
@@ -188,6 +236,63 @@ class LookupKeys:
             return reversed(keys)
 
         return key_of
+
+
+class Tenants:
+    """The tenant of each request. A header the gateway sets after checking the caller
+    (`trusted_header`) names it when configured: without that header a request is the
+    anonymous tenant. Else the credential header does, whose values a client chooses: one
+    rotating them would become many small tenants, and every real tenant "the heaviest"
+    that the bounds evict first. So one source (the client's address) names at most `cap`
+    tenants of its own at a time (one unseen for `idle_s` frees its place); past it, its
+    new tenants are pooled into one overflow group for the bounds, each keeping its own
+    keys and salt (isolation_tenant)."""
+
+    def __init__(self, keys: LookupKeys, clock: Callable[[], float] = time.monotonic,
+                 max_tracked: int = MAX_TRACKED_TENANTS) -> None:
+        self._keys = keys
+        self._clock = clock
+        self._max_tracked = max_tracked
+        # source -> its own tenants, least recently seen first, with when they were seen
+        self._sources: OrderedDict[str, OrderedDict[bytes, float]] = OrderedDict()
+        self._tracked = 0
+
+    def of(self, headers: Mapping[str, str], source: str | None, header: str,
+           trusted_header: str | None, cap: int | None, idle_s: float) -> bytes:
+        if trusted_header is not None:
+            return self._keys.tenant_of(headers.get(trusted_header))
+        tenant = self._keys.tenant_of(headers.get(header))
+        if cap is None or tenant == ANONYMOUS:
+            return tenant
+        return tenant if self._admit(source or "", tenant, cap, idle_s) else (
+            self._keys.overflow_tenant(source or "", tenant))
+
+    def _admit(self, source: str, tenant: bytes, cap: int, idle_s: float) -> bool:
+        """Whether `tenant` is one of `source`'s own (it is now, if there was room)."""
+        now = self._clock()
+        known = self._sources.get(source)
+        if known is None:
+            known = self._sources[source] = OrderedDict()
+        self._sources.move_to_end(source)
+        while known:
+            oldest, seen = next(iter(known.items()))
+            if now - seen <= idle_s:
+                break
+            del known[oldest]
+            self._tracked -= 1
+        if tenant in known:
+            known[tenant] = now
+            known.move_to_end(tenant)
+            return True
+        if len(known) >= cap:
+            return False
+        known[tenant] = now
+        self._tracked += 1
+        while (len(self._sources) > 1 and max(self._tracked, len(self._sources))
+               > self._max_tracked):
+            _, dropped = self._sources.popitem(last=False)
+            self._tracked -= len(dropped)
+        return True
 
 
 # This process's keys, for code that runs without a router's handle key.

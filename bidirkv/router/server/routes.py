@@ -81,7 +81,7 @@ async def _end(router: Router, request: web.Request) -> web.Response:
     if len(cid) > MAX_CONVERSATION_ID:
         return json_error(400, f"conversation id: {len(cid)} characters is too long; at most "
                           f"{MAX_CONVERSATION_ID} allowed", param="conversation_id")
-    tenant = router.ctx.keys.tenant_of(request.headers.get(router.ctx.cfg.tenant_header))
+    tenant = router.conversations.tenant(request)
     if await router.conversations.end_conversation(tenant, cid):
         return web.Response(status=204)
     return json_error(404, "no stored conversation with this id for this tenant (never "
