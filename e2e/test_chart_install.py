@@ -55,9 +55,13 @@ HA_VALUES = {"replicaCount": 2, "watchNamespaces": ["default", "ns1"],
              "serviceMonitor": {"enabled": True}}
 
 # Granted but not exercised by the runs here, each with the reason it is needed (rule key:
-# apiGroup, resource, verb, resourceName or ""). Empty: the runs use every rule granted
+# apiGroup, resource, verb, resourceName or ""). The runs use every other rule granted
 # (events by a name clash, update by a hand edit of each kind, peering in both scopes).
-ALLOWED_UNUSED: dict[tuple[str, str, str, str], str] = {}
+ALLOWED_UNUSED: dict[tuple[str, str, str, str], str] = {
+    ("", "secrets", "get", ""): "the handle-key Secret's owners, read (as metadata alone) "
+    "only when its create finds one already there: a restarted operator or a planted "
+    "Secret (e2e/test_operator.py runs both)",
+}
 
 pytestmark = pytest.mark.timeout(120)
 

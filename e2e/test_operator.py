@@ -212,7 +212,7 @@ async def test_restart_with_nothing_changed_writes_nothing(minimal, example):
             await eventually(lambda: controller.reconciles >= seen + 2, what="two reconciles")
             await controller.idle()
         # Only the handle-key Secrets' creates, which the server refused (409: they exist):
-        # the operator never reads a Secret, so a new process asks by creating.
+        # a new process asks by creating, then reads their owners (metadata alone).
         assert [r for r in server.writes() if r.resource != "secrets"] == []
         assert sorted((r.verb, r.namespace) for r in server.writes()) == [
             ("create", "default"), ("create", "ns1")]
@@ -223,40 +223,81 @@ async def test_the_handle_key_secret_is_created_once_and_never_shown(minimal):
     import json
 
     async with api_server() as (server, client):
-        # A key the user brought for one resource is used as it is.
-        await client.create({"apiVersion": "v1", "kind": "Secret", "metadata": {
-            "name": "mine-handle-key", "namespace": "ns1"}, "data": {"current": "YWJj"}})
         async with running_operator(client) as controller:
             await client.call("POST", di_path("ns1"), resource(minimal, "ns1"))
-            mine = dict(minimal, metadata={"name": "mine", "namespace": "ns1"})
-            await client.call("POST", di_path("ns1"), resource(mine, "ns1"))
             await _converged(client, controller)
-            await _converged(client, controller, "mine", "ns1")
-            # The operator read no Secret (its role has no `get` on them): before this
-            # test's own reads below, the server saw none.
-            assert not [r for r in server.requests
-                        if r.resource == "secrets" and r.verb in ("get", "list", "watch")]
             secret = await client.get("Secret", "ns1", "tiny-handle-key")
             key = base64.b64decode(secret["data"]["current"]).decode()
             assert len(key) == 64 and int(key, 16) >= 0  # 256 random bits, hex
             assert secret["metadata"]["ownerReferences"][0]["kind"] == "DisaggregatedInference"
-            assert (await client.get("Secret", "ns1", "mine-handle-key"))["data"] == {
-                "current": "YWJj"}
-            # A spec change reconciles again: the Secret is not rewritten.
+            # A spec change reconciles again, and a new process asks again (409: it
+            # exists, then its owners, as metadata alone): the Secret is not rewritten.
             await client.call("PATCH", di_path("ns1", "tiny"),
                               {"spec": {"decode": {"replicas": 2}}},
                               "application/merge-patch+json")
             await eventually(lambda: _decode_replicas(client, 2), what="decode scaled")
             await controller.idle()
-            # Creates only: the user's, the operator's for tiny, and the operator's for
-            # mine, refused (409) since the user's exists. Nothing rewrites a Secret.
-            secret_writes = [r.verb for r in server.writes() if r.resource == "secrets"]
-            assert secret_writes == ["create", "create", "create"]
-            # Nowhere but in the Secret: not in status, events or any child.
-            others = [await get_di(client, "ns1", "tiny"),
-                      *server.list("v1", "events", "ns1"),
-                      *(await children(client, "ns1", "tiny")).values()]
-            assert key not in json.dumps(others)
+        async with running_operator(client) as controller:
+            await eventually(lambda: controller.reconciles >= 1, what="a reconcile")
+            await controller.idle()
+        secret_writes = [r.verb for r in server.writes() if r.resource == "secrets"]
+        assert secret_writes == ["create", "create"]
+        # The operator never asked for a Secret's data: every read of one was of its
+        # metadata alone (the test's own read above was the one other).
+        reads = [r for r in server.requests
+                 if r.resource == "secrets" and r.verb in ("get", "list", "watch")]
+        assert len(server.metadata_reads) == 1 and len(reads) == 2
+        # Nowhere but in the Secret: not in status, events or any child.
+        others = [await get_di(client, "ns1", "tiny"),
+                  *server.list("v1", "events", "ns1"),
+                  *(await children(client, "ns1", "tiny")).values()]
+        assert key not in json.dumps(others)
+
+
+async def test_a_planted_handle_key_is_used_by_nothing_until_deleted_or_adopted(minimal):
+    planted = {"apiVersion": "v1", "kind": "Secret", "metadata": {
+        "name": "tiny-handle-key", "namespace": "ns1"}, "data": {"current": "YWJj"}}
+    async with api_server() as (server, client), running_operator(client):
+        # Someone allowed to create Secrets in the namespace got there first.
+        await client.create(planted)
+        await client.call("POST", di_path("ns1"), resource(minimal, "ns1"))
+        di = await eventually(lambda: _phase(client, "ns1", "tiny", "Degraded"),
+                              what="phase Degraded")
+        c = cond(di, "Reconciled")
+        assert (c["status"], c["reason"]) == ("False", "HandleKeyNotOwned")
+        assert ("Secret ns1/tiny-handle-key exists and is not owned by this "
+                "DisaggregatedInference (its owners: none)") in c["message"]
+        assert f"uid {di['metadata']['uid']}" in c["message"]  # how to adopt it
+        # No engine, router or other child that would sign or check with it.
+        assert not any((await children(client, "ns1", "tiny")).values())
+        events = [e for e in server.list("v1", "events", "ns1")
+                  if e.get("reason") == "HandleKeyNotOwned"]
+        assert len(events) == 1
+
+        # The author adopts it as the resource's key: an ownerReference to the resource.
+        await client.call("PATCH", KINDS["Secret"].path("ns1", "tiny-handle-key"), {
+            "metadata": {"ownerReferences": [{
+                "apiVersion": "bidirkv.io/v1alpha1", "kind": "DisaggregatedInference",
+                "name": "tiny", "uid": di["metadata"]["uid"]}]}},
+            "application/merge-patch+json")
+        await eventually(lambda: all_children(client, "ns1", "tiny"), timeout=20,
+                         what="children once the key is the resource's (retried)")
+        await eventually(lambda: _reconciled(client), what="Reconciled again")
+        secret = await client.get("Secret", "ns1", "tiny-handle-key")
+        assert secret["data"] == {"current": "YWJj"}  # used as it is, never rewritten
+
+    # Deleted instead, the operator makes its own.
+    async with api_server() as (server, client), running_operator(client):
+        await client.create(planted)
+        await client.call("POST", di_path("ns1"), resource(minimal, "ns1"))
+        await eventually(lambda: _phase(client, "ns1", "tiny", "Degraded"), what="Degraded")
+        old = await client.get("Secret", "ns1", "tiny-handle-key")
+        await client.delete("Secret", "ns1", "tiny-handle-key", old["metadata"]["uid"])
+        await eventually(lambda: all_children(client, "ns1", "tiny"), timeout=20,
+                         what="children once the planted key is gone")
+        secret = await client.get("Secret", "ns1", "tiny-handle-key")
+        assert secret["data"] != {"current": "YWJj"}
+        assert secret["metadata"]["ownerReferences"][0]["name"] == "tiny"
 
 
 async def _decode_replicas(client, n):

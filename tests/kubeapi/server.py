@@ -31,7 +31,8 @@ What kubectl reads is served as kube-apiserver serves it (:mod:`~kubeapi.openapi
 protobuf (kubectl validates and explains from it), with the built-in kinds' upstream
 definitions, each CRD's schema converted for v2 and each resource's PATCH operation (where
 kubectl learns that ``--dry-run=server`` is served); Table output for get and list (a CRD's
-``additionalPrinterColumns``; built-in kinds get the generic ``Name``/``Created At``).
+``additionalPrinterColumns``; built-in kinds get the generic ``Name``/``Created At``);
+a get that asks for ``PartialObjectMetadata`` gets the object's metadata alone.
 
 Not modelled: authentication/authorization (every request is allowed), admission webhooks,
 schema validation of built-in kinds (only their metadata is checked), protobuf/CBOR
@@ -145,6 +146,12 @@ def _parse_bool(params: Any, key: str) -> bool:
     raise bad_request(f"invalid value for {key}: {value!r}: invalid syntax")
 
 
+def _metadata_only(accept: str) -> bool:
+    """Whether `accept` asks first for PartialObjectMetadata (a get of metadata alone)."""
+    first = accept.split(",")[0].replace(" ", "").split(";")
+    return "as=PartialObjectMetadata" in first[1:] and "g=meta.k8s.io" in first[1:]
+
+
 def _json_response(body: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=json.dumps(body, separators=(",", ":")),
                         content_type="application/json")
@@ -162,6 +169,8 @@ class KubeAPIServer:
         self.bookmark_interval = bookmark_interval
         self.url = ""
         self.requests: list[Request] = []
+        # The gets answered with metadata only (PartialObjectMetadata): no data, no spec.
+        self.metadata_reads: list[Request] = []
         self.faults: list[Fault] = []
         self._runner: web.AppRunner | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -374,6 +383,11 @@ class KubeAPIServer:
             obj = self.store.get(rt, namespace, name)
             return self._table(rt, as_table, [obj], params,
                                {"resourceVersion": obj["metadata"].get("resourceVersion", "")})
+        if verb == "get" and not sub and _metadata_only(request.headers.get("Accept", "")):
+            self.metadata_reads.append(self.requests[-1])
+            return _json_response({"kind": "PartialObjectMetadata",
+                                   "apiVersion": "meta.k8s.io/v1",
+                                   "metadata": self.store.get(rt, namespace, name)["metadata"]})
         return await self._write_or_get(request, verb, rt, namespace, name, sub)
 
     @staticmethod

@@ -34,7 +34,12 @@ from bidirkv.operator.render.children import (
     render,
     selector_string,
 )
-from bidirkv.operator.render.handlekey import new_secret, secret_name
+from bidirkv.operator.render.handlekey import (
+    HANDLE_KEY_NOT_OWNED,
+    new_secret,
+    not_owned_problem,
+    secret_name,
+)
 from bidirkv.operator.render.monitoring import POD_MONITOR_API_VERSION
 from bidirkv.operator.render.naming import child_name
 from bidirkv.roleconfig import ROLES
@@ -108,6 +113,22 @@ class Controller:
             if ref.get("kind") == api.KIND and ref.get("uid") in self.owners:
                 self.schedule(ref["uid"], self.debounce)
 
+    def pod_event(self, event_type: str | None, body: dict[str, Any]) -> None:
+        """An engine pod that starts leaving, or is gone: its resource's status follows
+        its drain (a pod deleted by a node drain or an eviction changes no StatefulSet
+        until it is gone)."""
+        meta = body.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        if labels.get("app.kubernetes.io/component") not in ROLES:
+            return
+        if event_type != "DELETED" and not meta.get("deletionTimestamp"):
+            return
+        for uid, owner in self.owners.items():
+            om = owner["metadata"]
+            if (om.get("name") == labels.get("app.kubernetes.io/instance")
+                    and om.get("namespace") == meta.get("namespace")):
+                self.schedule(uid, self.debounce)
+
     # -- scheduling -----------------------------------------------------------------
     def schedule(self, uid: str, delay: float) -> None:
         """Coalesce triggers: at most one reconcile of a resource is waiting."""
@@ -173,7 +194,13 @@ class Controller:
             await self._report_invalid(body, owner, generation, previous, str(exc))
             return
 
-        await self._ensure_key(owner)
+        key_problem = await self._ensure_key(owner)
+        if key_problem is not None:
+            # Engines and router would sign with a key someone else holds: nothing is
+            # created or changed (pods already running keep theirs) until it is resolved.
+            await self._report_invalid(body, owner, generation, previous, key_problem,
+                                       HANDLE_KEY_NOT_OWNED, "Degraded")
+            raise HandleKeyNotOwned(key_problem)  # retried with backoff
         seen: dict[tuple[str, str], dict[str, Any] | None] = {}
         problem = None
         for obj in desired:
@@ -265,16 +292,19 @@ class Controller:
         if uid in self.owners:
             self.schedule(uid, 0)
 
-    async def _ensure_key(self, owner: Owner) -> None:
+    async def _ensure_key(self, owner: Owner) -> str | None:
         """Create the resource's handle-key Secret when it is missing; never rewrite it.
+        None when the Secret is this resource's, else what is wrong with it.
 
-        Create first, and a 409 means it exists: the operator never reads a Secret, so
-        its role needs no `get` on Secrets (which would let it read every Secret in its
-        namespaces). One that exists is used as it is, owned or not (a key brought by the
-        user). Its content is never logged, compared or put in status or events.
+        Create first, and a 409 means it exists: then only its metadata is read (never its
+        data, so the key does not reach the operator) to see that this resource owns it.
+        One of that name that anyone allowed to create Secrets in the namespace put there
+        first would hold the key that signs every handle and proof. A key the user brings
+        is taken once it carries an ownerReference to this resource. Its content is never
+        logged, compared or put in status or events.
         """
         if owner.uid in self._keys_ok:
-            return
+            return None
         name = secret_name(owner.name)
         try:
             await self.client.create(new_secret(child_metadata(owner, "handle-key", name)))
@@ -282,7 +312,13 @@ class Controller:
         except ApiError as exc:
             if exc.status != 409:
                 raise
+            existing = await self.client.get_metadata("Secret", owner.namespace, name)
+            if existing is None:  # deleted since: the next pass creates it
+                raise
+            if not owned_by(existing, owner.uid):
+                return not_owned_problem(owner, existing)
         self._keys_ok.add(owner.uid)
+        return None
 
     async def _remove(self, key: Key, owner: Owner) -> None:
         """Delete an optional child this resource owns and no longer renders."""
@@ -345,13 +381,16 @@ class Controller:
         if meta["uid"] in self.owners and result:
             self.owners[meta["uid"]] = result
 
-    async def _report_invalid(self, body, owner, generation, previous, message) -> None:
+    async def _report_invalid(self, body, owner, generation, previous, message,
+                              reason: str = "InvalidSpec", phase: str | None = None) -> None:
         status = compute_status(owner, None, generation, {}, previous, self.now(),
-                                ("InvalidSpec", message))
+                                (reason, message))
+        if phase is not None:
+            status["phase"] = phase
         await self._write_status(body, status)
         if _condition_message(previous) != message:
             log.warning("%s/%s: %s", owner.namespace, owner.name, message)
-            await self._event(body, "Warning", "InvalidSpec", message)
+            await self._event(body, "Warning", reason, message)
 
     async def _event(self, body: dict[str, Any], type_: str, reason: str, message: str):
         meta = body["metadata"]
@@ -383,6 +422,10 @@ class Controller:
 
 class ChildConflict(Exception):
     """A child name is taken by an object this resource does not own."""
+
+
+class HandleKeyNotOwned(Exception):
+    """The resource's handle-key Secret exists and this resource does not own it."""
 
 
 class KindMissing(Exception):

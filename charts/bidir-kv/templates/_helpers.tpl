@@ -118,16 +118,18 @@ the requests of a real operator run.
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
   verbs: ["get", "create", "update", "delete"]
-# The handle-key Secret of each resource: created once (409: it exists). Never read,
-# listed or watched: the operator sees no Secret's content, its own included.
+# The handle-key Secret of each resource: created once (409: it exists), then got as
+# metadata alone (PartialObjectMetadata: its owners, never its data) to check that the
+# resource owns it, as one planted first would hold the key. `get` would allow reading
+# any Secret here; the operator asks for no Secret's data. Never listed or watched.
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["create"]
-# Engine pods, listed by label each pass: a pod being deleted drains, and the status
+  verbs: ["create", "get"]
+# Engine pods, watched and listed by label: a pod being deleted drains, and the status
 # says which do and until when (only their metadata and spec are read).
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list"]
+  verbs: ["list", "watch"]
 # Warning events for specs the operator cannot apply (InvalidSpec, ChildConflict) and
 # engine pods whose drain ran out (DrainTimedOut).
 - apiGroups: [""]
