@@ -113,9 +113,8 @@ async def test_the_status_shows_draining_pods_and_one_event_when_a_drain_runs_ou
             await _delete_pod(client, name)  # marked; its drain ends 3 s from now
         live = await client.call("GET", "/api/v1/namespaces/ns1/pods/tiny-decode-1")
         assert live["metadata"]["deletionGracePeriodSeconds"] == 150
-        # Nothing of the StatefulSet changes when a pod starts draining: a status write
-        # (as the StatefulSet controller's) is what brings the pass here.
-        await set_pods(client, 2)
+        # Nothing of the StatefulSet changes when a pod starts draining (a node drain, an
+        # eviction): the pod's own watch event brings the pass.
         st = await eventually(lambda: _status(client, lambda s: s["decode"]["draining"] == 1),
                               what="1 draining")
         (listed,) = st["decode"]["drainingPods"]
@@ -141,7 +140,6 @@ async def test_the_status_shows_draining_pods_and_one_event_when_a_drain_runs_ou
 
         # The pod is gone: nothing drains.
         await _delete_pod(client, "tiny-decode-1", grace=0)
-        await set_pods(client, 1)
         st = await eventually(lambda: _status(client, lambda s: s["decode"]["draining"] == 0),
                               what="none draining")
         assert st["decode"]["drainingPods"] == []

@@ -151,3 +151,34 @@ LOOKS = [
 @pytest.mark.parametrize(("now", "pods", "want"), LOOKS)
 def test_the_next_look_at_draining_pods(now, pods, want):
     assert next_look({"decode": {"drainingPods": pods}}, at(now)) == want
+
+
+# -- the controller: which pod events bring a pass -------------------------------------
+def _pod_body(instance="tiny", component="decode", namespace="ns1", deleting=True):
+    meta = {"name": f"{instance}-{component}-0", "namespace": namespace,
+            "labels": {"app.kubernetes.io/instance": instance,
+                       "app.kubernetes.io/component": component}}
+    if deleting:
+        meta["deletionTimestamp"] = stamp(150)
+    return {"metadata": meta}
+
+
+@pytest.mark.parametrize(("event", "body", "scheduled"), [
+    ("MODIFIED", _pod_body(), True),
+    ("DELETED", _pod_body(deleting=False), True),
+    ("MODIFIED", _pod_body(deleting=False), False),   # a pod that is not leaving
+    ("ADDED", _pod_body(deleting=False), False),
+    ("MODIFIED", _pod_body(component="prefill"), True),
+    ("MODIFIED", _pod_body(component="router"), False),
+    ("MODIFIED", _pod_body(instance="other"), False),
+    ("MODIFIED", _pod_body(namespace="ns2"), False),
+])
+async def test_a_leaving_or_gone_engine_pod_brings_a_pass_of_its_resource(event, body,
+                                                                         scheduled):
+    from bidirkv.operator.reconcile.controller import Controller
+
+    controller = Controller(client=None)
+    controller.owners["u1"] = {"metadata": {"name": "tiny", "namespace": "ns1", "uid": "u1"}}
+    controller.pod_event(event, body)
+    assert ("u1" in controller._pending) is scheduled
+    controller.close()

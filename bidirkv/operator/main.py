@@ -27,6 +27,9 @@ CHILD_RESOURCES = [
     ("policy", "v1", "poddisruptionbudgets"),
     ("networking.k8s.io", "v1", "networkpolicies"),
 ]
+# Pods are not the operator's children (their StatefulSet owns them): watched for their
+# drains only (reconcile/drainwatch.py), a pod being deleted or gone.
+PODS = ("", "v1", "pods")
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
 MANAGED_SELECTOR = ",".join(f"{k}={v}" for k, v in MANAGED.items())
 # kopf's peering resources (kopf.dev, the group kopf looks for first).
@@ -54,7 +57,7 @@ def build_registry(
         settings.watching.reconnect_backoff = 0.5
         # The API server filters children by label: the operator never streams the
         # cluster's other ConfigMaps, Services, StatefulSets, ...
-        for group, version, plural in CHILD_RESOURCES:
+        for group, version, plural in [*CHILD_RESOURCES, PODS]:
             settings.watching.label_selectors[group, version, plural] = MANAGED_SELECTOR
 
     @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL, registry=registry)
@@ -65,6 +68,10 @@ def build_registry(
         kopf.on.event(group, version, plural, labels=MANAGED, registry=registry)(
             _child_handler(controller)
         )
+
+    @kopf.on.event(*PODS, labels=MANAGED, registry=registry)
+    async def pod_event(type: str | None, body: kopf.Body, **_: Any) -> None:  # noqa: A002
+        controller.pod_event(type, _plain(body))
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
