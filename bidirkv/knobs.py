@@ -179,7 +179,9 @@ class Placement(Section):
         ge=0,
         le=1_048_576,
         description="Most new tokens a decode replica prefills for one turn under any "
-        "policy: keeps the inter-token latency of what it is decoding bounded. 0: never.",
+        "policy: keeps the inter-token latency of what it is decoding bounded. The router "
+        "has no tokenizer: the tokens are estimated from the prompt's characters (no less "
+        "than 2/3 of English text's real count). 0: never.",
     )
     decode_busy_requests: Annotated[int, Strict()] = Field(
         default=4,
@@ -344,6 +346,13 @@ class RouterKnobs(Section):
         default=True,
         description="With no healthy decode replica, prefill serves whole requests itself "
         "(no KV kept for reuse) instead of the router answering 503; `/ready` says so.",
+    )
+    placement_header: Annotated[bool, Strict()] = Field(
+        default=False,
+        description="Each answer names where its turn ran (`X-Bidirkv-Placement: extend; "
+        "reason=short_append`), for benchmarks and debugging. Off by default: it tells any "
+        "client whether the exact history it sent is stored and how busy the decode "
+        "replicas are.",
     )
     health_check_interval_seconds: Seconds = _positive(
         3600, "How often the router probes every engine and renews its residency lease on "

@@ -18,9 +18,10 @@ the decode replica that served the last turn still holds. The paths:
                 pulls it
 
 Every path gives the reuse-off output: the choice changes only where work is done. A
-cap (`maxLocalPrefillTokens`) bounds what decode prefills locally, so the requests it is
-decoding keep their inter-token latency (the reason for P/D on GPUs), and a busy decode
-replica (`decodeBusyRequests` legs in flight) is never given a prefill.
+cap (`maxLocalPrefillTokens`, on estimated tokens: see CHARS_PER_TOKEN_MIN) bounds what
+decode prefills locally, so the requests it is decoding keep their inter-token latency
+(the reason for P/D on GPUs), and a busy decode replica (`decodeBusyRequests` legs in
+flight) is never given a prefill.
 
 Policies: `cost` (the default) compares the estimated time to first token of each path
 from per-token costs learned online (prefill legs, local prefills on decode, reads, and
@@ -60,9 +61,9 @@ REASONS = ("no_handle", "policy", "prefix_unknown", "append_over_cap", "decode_b
 # The router has no tokenizer: a prompt's tokens are its characters (prompt_chars) over a
 # ratio learned from what prefill reports, the median of the last CHARS_SAMPLES prompts
 # (a few odd prompts do not move it) kept within this band (English ~4, code ~3, no
-# traffic moves it further). So a cap is an estimate: its tokens are at most
-# CHARS_PER_TOKEN_MAX / (the text's real ratio) times the cap (1.5x for English text);
-# text denser than CHARS_PER_TOKEN_MIN (CJK, ~1.5) is underestimated by up to that ratio.
+# traffic moves it further). So a cap is an estimate: text of r characters a token is
+# estimated at no less than r / CHARS_PER_TOKEN_MAX of its tokens (2/3 for English, ~4;
+# 1/4 for CJK, ~1.5).
 CHARS_PER_TOKEN_MIN = 2.0
 CHARS_PER_TOKEN_MAX = 6
 CHARS_SAMPLES = 63
