@@ -21,7 +21,7 @@ def salts(engine):
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_every_leg_and_extend_carries_the_tenants_salt_and_reuse_is_kept(stream):
-    config = {"placement": {"policy": THRESHOLDS}}
+    config = {"placement": {"policy": THRESHOLDS}, "placementHeader": True}
     async with Cluster(config=config, handle_key=KEY) as c:
         r1 = await c.chat(U1, stream, headers=ALICE)
         turn2 = U1 + [r1["message"], {"role": "user", "content": "and then?"}]
