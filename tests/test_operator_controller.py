@@ -43,6 +43,11 @@ class Client:
         obj = self.objects.get(key)
         return copy.deepcopy(obj) if obj else None
 
+    async def get_metadata(self, kind, namespace, name):
+        self.calls.append(("GET_METADATA", kind))
+        obj = self.objects.get((kind, namespace, name))
+        return {"metadata": copy.deepcopy(obj["metadata"])} if obj else None
+
     async def list(self, kind, namespace, label_selector):
         """Every object of the kind in the namespace whose labels carry the selector's
         pairs (the operator's selectors are `k=v,...`)."""
@@ -134,6 +139,31 @@ async def test_a_conflict_on_create_reads_the_winner_and_goes_on(minimal):
     assert client.calls[1:5] == [("GET", "Service"), ("POST", "Service"), ("GET", "Service"),
                                  ("GET", "StatefulSet")]
     assert ("PUT", "Service") not in client.calls  # the winner's object matched: kept
+
+
+async def test_a_handle_key_secret_of_someone_else_stops_the_pass(minimal):
+    from bidirkv.operator.reconcile.controller import HandleKeyNotOwned
+
+    client = Client()
+    controller = Controller(client)
+    body = owner_body(minimal)
+    key = ("Secret", "ns1", "tiny-handle-key")
+    client.objects[key] = {"kind": "Secret", "metadata": {"name": key[2], "namespace": "ns1"}}
+    client.fail["POST", "Secret"] = [ApiError(409, "AlreadyExists", "exists")]
+    with pytest.raises(HandleKeyNotOwned, match="not owned by this DisaggregatedInference"):
+        await controller.reconcile(body)
+    # Its owners were read as metadata, and nothing but the status and an event written.
+    assert client.calls[:2] == [("POST", "Secret"), ("GET_METADATA", "Secret")]
+    assert {c for c in client.calls if c[0] in ("POST", "PUT")} == {
+        ("POST", "Secret"), ("POST", "Event")}
+    assert {k[0] for k in client.objects} == {"Secret", "Event"}
+
+    # Adopted by an ownerReference to the resource: the next pass applies the spec.
+    client.objects[key]["metadata"]["ownerReferences"] = [
+        {"kind": "DisaggregatedInference", "name": "tiny", "uid": "u-1"}]
+    client.fail["POST", "Secret"] = [ApiError(409, "AlreadyExists", "exists")]
+    await controller.reconcile(body)
+    assert ("StatefulSet", "ns1", "tiny-decode") in client.objects
 
 
 async def test_a_foreign_child_is_reported_not_taken(minimal):
