@@ -426,9 +426,10 @@ class Cluster:
         else:
             # Most tests here are about the two legs and the handles: the router takes
             # them for every turn unless a test asks for a placement (the default, `cost`,
-            # may serve a first turn whole on decode).
+            # may serve a first turn whole on decode). Their answers name the placement
+            # (placementHeader, off by default), which many of them assert on.
             overrides = {"prefill": [e.url for e in self.p], "decode": [e.url for e in self.d],
-                         "placement": {"policy": "alwaysDisaggregate"}}
+                         "placement": {"policy": "alwaysDisaggregate"}, "placementHeader": True}
             overrides.update(self.config)
         cfg = load_config(self.config_path, overrides)
         app = build_app(cfg, config_path=self.config_path, overrides=overrides,

@@ -234,3 +234,39 @@ async def test_a_client_trickling_its_request_head_is_disconnected():
         finally:
             writer.close()
         assert (await c.chat(U1))["status"] == 200  # everyone else is served
+
+
+async def test_the_placement_header_is_shown_only_when_the_config_asks():
+    from bidirkv.router.config import load_config
+
+    base = {"prefill": ["http://p:1"], "decode": ["http://d:1"]}
+    assert load_config(None, base).placement_header is False  # off by default
+    for shown in (False, True):
+        async with Cluster(config={"placementHeader": shown,
+                                   "placement": {"policy": "cost"}}) as c:
+            r = await c.chat(U1)
+            assert r["status"] == 200
+            assert ("X-Bidirkv-Placement" in r["headers"]) is shown
+
+
+async def test_an_unhandled_error_logs_the_client_request_id_bounded_and_escaped(caplog):
+    from bidirkv.router.datapath.admission import LOGGED_CHARS
+
+    async with Cluster() as c:
+        async def broken(request, kind):
+            raise RuntimeError("boom")
+
+        c.router.handle_generate = broken
+        rid = "x\tyz" * 2000  # 8 KB with control characters: not a kept id
+        with caplog.at_level("ERROR", logger="bidirkv.router"):
+            status, raw, _ = await c.post("/v1/chat/completions", {"messages": U1},
+                                          headers={"X-Request-Id": rid})
+        assert status == 500
+        line = next(r for r in caplog.records if "unhandled error" in r.getMessage())
+        text = line.getMessage()
+        assert "\t" not in text and "(8000 characters)" in text
+        assert len(text) < 3 * LOGGED_CHARS + 200
+        with caplog.at_level("ERROR", logger="bidirkv.router"):
+            await c.post("/v1/chat/completions", {"messages": U1},
+                         headers={"X-Request-Id": "plain-id.1"})
+        assert "rid=plain-id.1" in caplog.records[-1].getMessage()

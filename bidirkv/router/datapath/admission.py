@@ -131,6 +131,24 @@ def request_id(client_id: str | None) -> str:
     return uuid.uuid4().hex
 
 
+# What of a client's string a log line shows: LOGGED_CHARS characters, escaped, so no
+# client writes kilobytes or line breaks into the router's log.
+LOGGED_CHARS = 128
+
+
+def logged(client_value: str | None) -> str:
+    """A client-sent value (a request id, a path) as a log line may show it: a request
+    id in the kept shape as it is, anything else escaped and cut, with its length."""
+    if client_value is None:
+        return "-"
+    if _REQUEST_ID.fullmatch(client_value):
+        return client_value
+    shown = ascii(client_value[:LOGGED_CHARS])
+    if len(client_value) > LOGGED_CHARS:
+        shown += f"... ({len(client_value)} characters)"
+    return shown
+
+
 
 Served = tuple[web.StreamResponse, str]
 

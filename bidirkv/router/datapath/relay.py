@@ -54,7 +54,8 @@ class Relay:
         now = time.perf_counter()
         self.ctx.metrics.observe_ttft(turn.kind, False, now - turn.t0)
         self.ctx.metrics.observe_leg(leg, "ok", now - t)
-        return json_response(200, body, {"X-Request-Id": turn.rid, **placement_header(turn.placed)})
+        return json_response(200, body, {"X-Request-Id": turn.rid, **placement_header(
+            turn.placed, self.ctx.cfg.placement_header)})
 
     async def stream(self, request: web.Request, turn: Turn, d: Backend,
                      resp: aiohttp.ClientResponse, first: bytes, t: float, leg: str
@@ -66,7 +67,7 @@ class Relay:
             "Content-Type": "text/event-stream; charset=utf-8",
             "Cache-Control": "no-cache",
             "X-Request-Id": turn.rid,
-            **placement_header(turn.placed),
+            **placement_header(turn.placed, self.ctx.cfg.placement_header),
         })
         done = False
         try:

@@ -11,9 +11,13 @@ JSON_TYPE = "application/json"
 PLACEMENT_HEADER = "X-Bidirkv-Placement"
 
 
-def placement_header(d: Decision | None) -> dict[str, str]:
-    """`decision; reason=...` for the client (benchmarks read it), when one was made."""
-    return {PLACEMENT_HEADER: f"{d.path}; reason={d.reason}"} if d is not None else {}
+def placement_header(d: Decision | None, shown: bool) -> dict[str, str]:
+    """`decision; reason=...` for the client (benchmarks read it), when one was made and
+    the config shows it (`placementHeader`): it tells whoever sent the request whether
+    its exact history is stored and how busy decode is, so it is off unless asked for."""
+    if d is None or not shown:
+        return {}
+    return {PLACEMENT_HEADER: f"{d.path}; reason={d.reason}"}
 
 
 def json_response(status: int, body: bytes, headers: dict[str, str] | None = None

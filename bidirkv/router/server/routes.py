@@ -11,6 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from bidirkv.router.codec import dumps, dumps_kept, loads
+from bidirkv.router.datapath.admission import logged
 from bidirkv.router.datapath.health import UNAVAILABLE, serving_mode
 from bidirkv.router.datapath.proxy import Router
 from bidirkv.router.datapath.replies import json_error, json_response
@@ -45,8 +46,8 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception:
-        log.exception("unhandled error on %s %s rid=%s", request.method, request.path,
-                      request.headers.get("X-Request-Id", "-"))
+        log.exception("unhandled error on %s %s rid=%s", request.method,
+                      logged(request.path), logged(request.headers.get("X-Request-Id")))
         return json_error(500, "internal router error", "internal_error")
 
 
