@@ -63,11 +63,14 @@ def notes_held(d_url: str, n: int, timeout: float = 30.0) -> int:
 
 
 def test_a_restarted_router_reuses_what_decode_holds_with_the_reuse_off_output(tmp_path):
+    """Eight conversations, the router stopped as a rollout stops it and started again:
+    every returning turn reads its history back, and its output is the reuse-off one."""
     fast = {"healthCheckIntervalSeconds": 0.5}
+    convs = [f"c{i}" for i in range(8)]
     with running_stack(tmp_path) as s:
-        def turn(url, msgs):
+        def turn(url, cid, msgs):
             status, out = post(url + "/v1/chat/completions",
-                               {**chat(msgs), "conversation_id": "c"})
+                               {**chat(msgs), "conversation_id": cid})
             assert status == 200, out
             return out["choices"][0]["message"]["content"]
 
@@ -76,16 +79,21 @@ def test_a_restarted_router_reuses_what_decode_holds_with_the_reuse_off_output(t
             assert status == 200, out
             return out["choices"][0]["message"]["content"]
 
-        msgs = [{"role": "user", "content": random_text(400, seed=70)}]
+        history = {c: [{"role": "user", "content": random_text(300, seed=70 + i)}]
+                   for i, c in enumerate(convs)}
         with running_router(s, "router-a", **fast) as (url, _):
-            msgs.append({"role": "assistant", "content": turn(url, msgs)})
-            assert handles(url, 1) == 1
-            assert notes_held(s.d_url, 1) == 1
-        msgs.append({"role": "user", "content": random_text(40, seed=71)})
-        ref = reference(msgs)
-        reused = metric(s.p_url, "vllm:bidirkv_reused_tokens_total")
+            for c, msgs in history.items():
+                msgs.append({"role": "assistant", "content": turn(url, c, msgs)})
+            assert handles(url, len(convs)) == len(convs)
+            assert notes_held(s.d_url, len(convs)) == len(convs)
+        refs = {}
+        for i, (c, msgs) in enumerate(history.items()):
+            msgs.append({"role": "user", "content": random_text(40, seed=90 + i)})
+            refs[c] = reference(msgs)
         with running_router(s, "router-b", **fast) as (url, _):
-            assert handles(url, 1) == 1, "the new router recalled nothing"
-            assert turn(url, msgs) == ref
-            assert metric_reaches(s.p_url, "vllm:bidirkv_reused_tokens_total",
-                                  reused + 1) > reused, "the turn after the restart recomputed"
+            assert handles(url, len(convs)) == len(convs), "the new router recalled too little"
+            for c, msgs in history.items():
+                reused = metric(s.p_url, "vllm:bidirkv_reused_tokens_total")
+                assert turn(url, c, msgs) == refs[c], c
+                assert metric_reaches(s.p_url, "vllm:bidirkv_reused_tokens_total",
+                                      reused + 1) > reused, f"{c} recomputed after the restart"
