@@ -126,14 +126,17 @@ def tenant(tenants, value, source="10.0.0.1", cap=2, trusted=None, headers=None)
     return tenants.of(h, source, "Authorization", trusted, cap, 60.0)
 
 
-def test_one_source_names_at_most_its_cap_of_tenants():
+def test_one_source_names_at_most_its_cap_of_tenants(caplog):
     """A client rotating credentials is pooled past the cap: the bounds count its new
     tenants as one, while each keeps its own keys and salt."""
     keys, clock = LookupKeys(b"k" * 32), Clock()
     tenants = Tenants(keys, clock)
     a, b = tenant(tenants, "a"), tenant(tenants, "b")
     assert (a, b) == (keys.tenant_of("a"), keys.tenant_of("b"))
+    assert "maxTenantsPerSource" not in caplog.text
     c, d = tenant(tenants, "c"), tenant(tenants, "d")
+    # Said once, not per request: behind a proxy it would be every request.
+    assert caplog.text.count("maxTenantsPerSource") == 1 and "10.0.0.1" in caplog.text
     assert c != keys.tenant_of("c") and d != c
     assert accounting_tenant(c) == accounting_tenant(d)  # one tenant for the bounds
     assert accounting_tenant(c) not in (a, b)

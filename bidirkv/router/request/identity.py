@@ -29,6 +29,7 @@ client address may turn into at most `maxTenantsPerSource` tenants of their own.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -43,6 +44,8 @@ _SEP = b"\x1e"
 _DERIVE_PERSON = b"bidirkv-lookup1"
 
 
+log = logging.getLogger("bidirkv.router")
+
 # 128 bits: nobody guesses another tenant's salt.
 SALT_HEX_LEN = 32
 ANONYMOUS = b"anonymous"
@@ -54,6 +57,7 @@ TENANT_LEN = 16
 _OVERFLOW_LEN = 2 * TENANT_LEN
 # Tenants remembered across every source, at most (the oldest sources forgotten first).
 MAX_TRACKED_TENANTS = 100_000
+MAX_WARNED_SOURCES = 1024
 
 
 def accounting_tenant(tenant: bytes) -> bytes:
@@ -256,6 +260,7 @@ class Tenants:
         # source -> its own tenants, least recently seen first, with when they were seen
         self._sources: OrderedDict[str, OrderedDict[bytes, float]] = OrderedDict()
         self._tracked = 0
+        self._pooling: OrderedDict[str, None] = OrderedDict()  # sources warned of
 
     def of(self, headers: Mapping[str, str], source: str | None, header: str,
            trusted_header: str | None, cap: int | None, idle_s: float) -> bytes:
@@ -285,7 +290,18 @@ class Tenants:
             known.move_to_end(tenant)
             return True
         if len(known) >= cap:
+            if source not in self._pooling:
+                # Once per source while it pools: behind a proxy, every client is pooled.
+                log.warning("client address %s names more than %d tenants "
+                            "(maxTenantsPerSource): its new ones are pooled into one for "
+                            "the caps and eviction; behind a gateway, set "
+                            "trustedTenantHeader", source, cap)
+            self._pooling[source] = None
+            self._pooling.move_to_end(source)
+            if len(self._pooling) > MAX_WARNED_SOURCES:
+                self._pooling.popitem(last=False)
             return False
+        self._pooling.pop(source, None)
         known[tenant] = now
         self._tracked += 1
         while (len(self._sources) > 1 and max(self._tracked, len(self._sources))
