@@ -9,6 +9,10 @@ Decode role: streams SSE chunks and ends with a params-only chunk
 `{"choices": [], "kv_transfer_params": {...}}` before `data: [DONE]`; a non-streamed
 reply carries the params at the top of its body.
 
+Decode also answers /bidirkv/residency as the plugin does, keeping the notes a router
+leaves beside the requests it handed out a handle for and paging them back on a recall
+(what bidirkv/connector/core/notes.py does), without its bounds or its signature check.
+
 Every request is recorded; behaviour can be changed at run time (fail, hang, stall or
 break mid-stream, return 5xx), and a request the client abandons is counted.
 
