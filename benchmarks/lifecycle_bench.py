@@ -279,6 +279,10 @@ class Trace:
                     bar.set_postfix_str(f"event: {self.events[idx].name}")
                     self._fire(idx, t0)
                     fired += 1
+                    # Think time runs from the later of the answer and the barrier's end:
+                    # a restart waited for does not eat the pause before the next turn.
+                    now = time.monotonic()
+                    due = {i: max(at, now + thinks[i]) for i, at in due.items()}
                     continue
                 if (wait := due[idx] - time.monotonic()) > 0:
                     bar.set_postfix_str(f"conversation {idx} thinks {wait:.0f} s")
