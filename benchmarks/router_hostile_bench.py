@@ -1,0 +1,300 @@
+"""Hostile clients against the router: one run of the figures (not a test).
+
+Each row is a `Row` in ROWS: a router process of its own (its config), fake engine
+processes on 127.0.0.1 (tests/fake_engine.py), a measurement and the aims it is held to.
+A row added later needs only its `measure` and its aims.
+
+- slow uploads: 50 connections that each declare a 4 MiB body and send it at 4 KiB/s
+  (reconnecting whenever the router cuts one off), while a small chat turn goes every
+  25 ms. Aims: the small turn's p99 at most 100 ms above its baseline alone, and no 429
+  (nor 5xx) for any small turn.
+- long model name: 40 requests, each naming a 2,000,000-character model, with tracing
+  to a file (every request sampled, the client's traceparent sampled too). Aim: the
+  router's RSS grows by under 64 MB (a span kept every name whole would be ~80 MB in the
+  export queue alone).
+
+Prints a table, writes out/bench/router-hostile.json and, with matplotlib, a PNG.
+
+    .venv/bin/python benchmarks/router_hostile_bench.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+from router_bench import FAKE, free_port, pct, pin, rss_mb, wait_ready  # noqa: E402
+from router_hardening_bench import small_turns  # noqa: E402
+from router_process import RouterProcess  # noqa: E402
+
+from bidirkv.local.cpu import read_cpu  # noqa: E402
+
+MIB = 1 << 20
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+@dataclass
+class Stand:
+    """What a row's measurement gets: the router's URL and pid, the engines' URLs and the
+    CPUs left to the client side."""
+
+    url: str
+    pid: int
+    engines: tuple[str, str]
+    cpus: set[int] | None
+    tmp: Path
+
+
+@dataclass
+class Row:
+    name: str
+    config: Callable[[Path], dict[str, Any]]  # the router's config beyond its engines
+    measure: Callable[[Stand, argparse.Namespace], Awaitable[dict[str, Any]]]
+    # (aim's name, test of the measurement, the figure shown for it)
+    aims: list[tuple[str, Callable[[dict[str, Any]], bool], Callable[[dict[str, Any]], str]]]
+    figures: dict[str, Any] = field(default_factory=dict)
+
+
+# -- slow uploads ---------------------------------------------------------------------------
+async def slow_upload(host: str, port: int, declared: int, rate: float, stop: asyncio.Event,
+                      tally: dict[str, int]) -> None:
+    """One client that keeps a slow upload open: it declares `declared` bytes and sends
+    them at `rate` bytes/s, opening a new one whenever the router answers or closes."""
+    piece = max(1, int(rate / 4))
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+        except OSError:
+            await asyncio.sleep(0.1)
+            continue
+        tally["opened"] += 1
+        try:
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n{" % declared)
+            await writer.drain()
+            answered = asyncio.ensure_future(reader.readline())
+            while not stop.is_set() and not answered.done():
+                writer.write(b" " * piece)
+                await writer.drain()
+                await asyncio.wait([answered], timeout=0.25)
+            if answered.done() and not answered.cancelled() and answered.exception() is None:
+                status = answered.result().split(b" ")[1:2]
+                key = f"answered_{status[0].decode()}" if status else "closed"
+                tally[key] = tally.get(key, 0) + 1
+            answered.cancel()
+        except (ConnectionError, OSError):
+            tally["closed"] = tally.get("closed", 0) + 1
+        finally:
+            writer.close()
+
+
+async def measure_slow_uploads(stand: Stand, args: argparse.Namespace) -> dict[str, Any]:
+    host, port = "127.0.0.1", int(stand.url.rsplit(":", 1)[1])
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        base, base_status = await small_turns(s, stand.url, time.monotonic() + 4.0)
+        stop = asyncio.Event()
+        tally: dict[str, int] = {"opened": 0}
+        uploads = [asyncio.ensure_future(slow_upload(host, port, 4 * MIB, 4096, stop, tally))
+                   for _ in range(args.slow_uploads)]
+        await asyncio.sleep(0.5)  # all of them open
+        during, during_status = await small_turns(s, stand.url,
+                                                  time.monotonic() + args.seconds)
+        stop.set()
+        await asyncio.gather(*uploads)
+    statuses = base_status + during_status
+    return {"connections": args.slow_uploads, "declared_bytes": 4 * MIB,
+            "upload_rate_bytes_s": 4096, "seconds": args.seconds,
+            "baseline_ms": {"p50": pct(base, 0.5), "p99": pct(base, 0.99), "n": len(base)},
+            "during_ms": {"p50": pct(during, 0.5), "p99": pct(during, 0.99),
+                          "n": len(during)},
+            "added_p99_ms": pct(during, 0.99) - pct(base, 0.99),
+            "small_429": statuses.count(429),
+            "small_5xx": sum(1 for x in statuses if x >= 500),
+            "slow_uploads": tally}
+
+
+# -- long model name, traced ------------------------------------------------------------------
+async def measure_long_model(stand: Stand, args: argparse.Namespace) -> dict[str, Any]:
+    model = "m" * 2_000_000
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]})
+    statuses: list[int] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        for i in range(3):  # warm: the first requests grow the heap whatever they carry
+            async with s.post(stand.url + "/v1/chat/completions", json={
+                    "model": "m", "messages": [{"role": "user", "content": f"w{i}"}]}) as r:
+                await r.read()
+        await asyncio.sleep(0.5)
+        before = rss_mb(stand.pid)
+        peak = before
+        for _ in range(args.long_models):
+            async with s.post(stand.url + "/v1/chat/completions", data=body, headers={
+                    "Content-Type": "application/json", "traceparent": TRACEPARENT}) as r:
+                await r.read()
+                statuses.append(r.status)
+            peak = max(peak, rss_mb(stand.pid))
+        await asyncio.sleep(6.0)  # the batch processor exports every 5 s
+        after = rss_mb(stand.pid)
+    spans = stand.tmp / "spans.jsonl"
+    longest = 0
+    if spans.exists():
+        for line in spans.read_text().splitlines():
+            attrs = json.loads(line).get("attributes", {})
+            longest = max([longest] + [len(v) for v in attrs.values() if isinstance(v, str)])
+    return {"requests": args.long_models, "model_chars": len(model),
+            "rss_before_mb": before, "rss_peak_mb": peak, "rss_after_mb": after,
+            "rss_growth_mb": max(peak, after) - before,
+            "span_file_bytes": spans.stat().st_size if spans.exists() else 0,
+            "longest_attribute_chars": longest,
+            "statuses": {str(k): statuses.count(k) for k in sorted(set(statuses))}}
+
+
+ROWS = [
+    Row("slow uploads", lambda tmp: {},
+        measure_slow_uploads,
+        [("small_p99_added<=100ms", lambda f: f["added_p99_ms"] <= 100,
+          lambda f: f"{f['added_p99_ms']:.1f} ms (p99 {f['baseline_ms']['p99']:.1f} -> "
+                    f"{f['during_ms']['p99']:.1f} ms)"),
+         ("small_429==0", lambda f: f["small_429"] == 0,
+          lambda f: f"{f['small_429']} of {f['baseline_ms']['n'] + f['during_ms']['n']}"),
+         ("small_5xx==0", lambda f: f["small_5xx"] == 0, lambda f: str(f["small_5xx"]))]),
+    Row("2,000,000-char model, traced",
+        lambda tmp: {"tracing": {"file": str(tmp / "spans.jsonl"), "sampleRatio": 1.0}},
+        measure_long_model,
+        [("rss_growth<64MB", lambda f: f["rss_growth_mb"] < 64,
+          lambda f: f"{f['rss_growth_mb']:.1f} MB ({f['rss_before_mb']:.0f} -> "
+                    f"{max(f['rss_peak_mb'], f['rss_after_mb']):.0f} MB)"),
+         ("attributes<=256 chars", lambda f: f["longest_attribute_chars"] <= 256,
+          lambda f: f"{f['longest_attribute_chars']} chars, span file "
+                    f"{f['span_file_bytes'] / 1024:.0f} KiB")]),
+]
+
+
+async def run_row(row: Row, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    cpus = os.sched_getaffinity(0)
+    router_cpus = {max(cpus)} if len(cpus) >= 2 else None
+    other_cpus = (cpus - router_cpus) if router_cpus else None
+    procs = []
+    try:
+        pp, dp = free_port(), free_port()
+        for role, port in (("prefill", pp), ("decode", dp)):
+            procs.append(subprocess.Popen(
+                [sys.executable, str(FAKE), "--role", role, "--port", str(port)],
+                preexec_fn=pin(other_cpus), stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL))
+        engines = (f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}")
+        for u in engines:
+            await wait_ready(u + "/health")
+        rowdir = tmp / row.name.replace(" ", "-").replace(",", "")
+        rowdir.mkdir()
+        cfg = rowdir / "router.json"
+        cfg.write_text(json.dumps({"prefill": [engines[0]], "decode": [engines[1]],
+                                   **row.config(rowdir)}))
+        r = await RouterProcess(cfg, None, rowdir / "router.log",
+                                env={"BIDIRKV_LOG_LEVEL": "WARNING"},
+                                preexec=pin(router_cpus)).start()
+        try:
+            return await row.measure(Stand(r.url, r.proc.pid, engines, other_cpus, rowdir),
+                                     args)
+        finally:
+            r.stop()
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(5)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    result: dict[str, Any] = {"machine": {**read_cpu().to_json(),
+                                          "python": platform.python_version()},
+                              "rows": {}, "aims": {}}
+    with tempfile.TemporaryDirectory(prefix="bidirkv-hostile-") as tmpdir:
+        for row in ROWS:
+            print(f"{row.name} ...", flush=True)
+            figures = await run_row(row, args, Path(tmpdir))
+            result["rows"][row.name] = figures
+            for aim, holds, _ in row.aims:
+                result["aims"][f"{row.name}: {aim}"] = holds(figures)
+    return result
+
+
+def report(r: dict[str, Any]) -> str:
+    m = r["machine"]
+    lines = [f"CPU: {m['model']} ({m['arch']}, {m['isa']}), {m['cores']} cores", "",
+             f"  {'row':<30}{'aim':<26}{'met':<5}figure"]
+    for row in ROWS:
+        figures = r["rows"].get(row.name)
+        if figures is None:
+            continue
+        for aim, holds, shown in row.aims:
+            lines.append(f"  {row.name:<30}{aim:<26}{'yes' if holds(figures) else 'NO':<5}"
+                         f"{shown(figures)}")
+    slow = r["rows"].get("slow uploads")
+    if slow:
+        lines += ["", "slow-upload connections: " + ", ".join(
+            f"{k} {v}" for k, v in sorted(slow["slow_uploads"].items()))]
+    return "\n".join(lines)
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    slow = r["rows"].get("slow uploads")
+    if slow:
+        axes[0].bar(["alone", f"{slow['connections']} slow uploads"],
+                    [slow["baseline_ms"]["p99"], slow["during_ms"]["p99"]])
+        axes[0].set_ylabel("small turn p99 (ms)")
+        axes[0].set_title(f"slow uploads (429s to small turns: {slow['small_429']})")
+    long = r["rows"].get("2,000,000-char model, traced")
+    if long:
+        axes[1].bar(["before", "peak", "after"], [long["rss_before_mb"], long["rss_peak_mb"],
+                                                  long["rss_after_mb"]])
+        axes[1].set_ylabel("router RSS (MB)")
+        axes[1].set_title(f"{long['requests']} x 2,000,000-char model, traced")
+    fig.suptitle(f"router, hostile clients - {r['machine']['model']} ({r['machine']['isa']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--slow-uploads", type=int, default=50)
+    ap.add_argument("--seconds", type=float, default=10.0,
+                    help="how long the small turns run beside the slow uploads")
+    ap.add_argument("--long-models", type=int, default=40)
+    ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench")
+    args = ap.parse_args()
+    result = asyncio.run(run(args))
+    print()
+    print(report(result))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "router-hostile.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out / "router-hostile.png")
+    print(f"\nwrote {args.out / 'router-hostile.json'} and .png")
+    return 0 if all(result["aims"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
