@@ -367,9 +367,10 @@ class RouterKnobs(Section):
     # bodies in flight stays well inside the router pod's 1 GiB.
     max_inflight_body_bytes: Annotated[int, Strict()] = Field(
         default=32 * MIB, ge=1024, le=16 * 1024 * MIB,
-        description="Request bytes the router holds at once; a request past it waits. "
-        "Parsed, a body takes up to ~20x its size: the default stays well inside the "
-        "router pod's 1 GiB memory limit. At least `maxBodyBytes`.")
+        description="Request body bytes the router holds at once (429 past it), charged "
+        "as they arrive; bodies up to 64 KiB keep a reserve of 1/8 of it. Parsed, a body "
+        "takes up to ~20x its size: the default stays well inside the router pod's 1 GiB "
+        "memory limit. At least `maxBodyBytes`.")
     max_inflight_requests: Annotated[int, Strict()] = Field(
         default=512, ge=1, le=1_000_000,
         description="Requests the router serves at once; more wait for a slot.")

@@ -69,8 +69,9 @@ class TracingSpec(_Model):
     )
     sample_ratio: float = Field(
         default=1.0, ge=0, le=1,
-        description="Share of the router's traces sampled when the client sent no "
-        "`traceparent`; a client's sampled flag always wins (parent-based sampling).",
+        description="Share of the router's requests whose traces are sampled, whether or "
+        "not the client sent a `traceparent`: a client's sampled flag does not decide, or "
+        "any client could have every request it sends recorded and exported.",
     )
 
     headers_secret_ref: SecretKeyRef | None = Field(
