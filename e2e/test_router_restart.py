@@ -63,10 +63,11 @@ def notes_held(d_url: str, n: int, timeout: float = 30.0) -> int:
 
 
 def test_a_restarted_router_reuses_what_decode_holds_with_the_reuse_off_output(tmp_path):
-    """Eight conversations, the router stopped as a rollout stops it and started again:
-    every returning turn reads its history back, and its output is the reuse-off one."""
+    """Three conversations (the benchmark, benchmarks/lifecycle_bench.py, runs eight), the
+    router stopped as a rollout stops it and started again: every returning turn reads its
+    history back, and its output is the reuse-off one."""
     fast = {"healthCheckIntervalSeconds": 0.5}
-    convs = [f"c{i}" for i in range(8)]
+    convs = [f"c{i}" for i in range(3)]
     with running_stack(tmp_path) as s:
         def turn(url, cid, msgs):
             status, out = post(url + "/v1/chat/completions",
