@@ -94,3 +94,29 @@ async def test_uploads_in_progress_cannot_take_the_small_bodies_reserve():
         finally:
             for _, w in held:
                 w.close()
+
+
+async def test_a_body_refused_part_way_gives_its_bytes_back_before_the_drain():
+    # 256 KiB bodies, 512 KiB in flight: bodies in progress may hold 448 KiB.
+    kib = 1024
+    async with Cluster(config={"maxBodyBytes": 256 * kib,
+                               "maxInflightBodyBytes": 512 * kib}) as c:
+        intake = c.router.intake
+        held = [await _open_upload(c.url, 256 * kib, b"x" * (100 * kib)) for _ in range(2)]
+        third = await _open_upload(c.url, 200 * kib, b"x" * (40 * kib))
+        try:
+            await asyncio.sleep(0.3)
+            assert intake.inflight_bytes == 240 * kib
+            for _, w in held:  # the first two reach 400 KiB
+                w.write(b"x" * (100 * kib))
+                await w.drain()
+            await asyncio.sleep(0.3)
+            third[1].write(b"x" * (60 * kib))  # past 448 KiB: refused part-way
+            await third[1].drain()
+            status = await asyncio.wait_for(third[0].readline(), 5)
+            assert b" 429 " in status
+            # Its 40 KiB are back while the router still drains what it has not sent.
+            assert intake.inflight_bytes == 400 * kib
+        finally:
+            for _, w in held + [third]:
+                w.close()

@@ -261,6 +261,10 @@ class Intake:
                 f"{cfg.timeouts.body_read_seconds:g} s (timeouts.bodyReadSeconds)",
                 "request_timeout"))
         except ClientError as e:
+            # What it read is dropped: its bytes go back to the budget before the drain,
+            # which may take as long as the client sends.
+            self.inflight_bytes -= charge.bytes
+            charge.bytes = 0
             if e.status == 429:
                 return await drained(request, self._overloaded())
             return await drained(request, json_error(e.status, e.message, e.type, e.param))
