@@ -73,10 +73,12 @@ class Row:
 
 
 # -- slow uploads ---------------------------------------------------------------------------
-async def slow_upload(host: str, port: int, declared: int, rate: float, stop: asyncio.Event,
-                      tally: dict[str, int]) -> None:
-    """One client that keeps a slow upload open: it declares `declared` bytes and sends
-    them at `rate` bytes/s, opening a new one whenever the router answers or closes."""
+# The slow uploads run in a process of their own (on the client's CPUs), so that this one
+# only measures: each client reopens at once whatever the router answered.
+SLOW_UPLOADS = """
+import asyncio, json, sys
+
+async def slow_upload(host, port, declared, rate, stop, tally):
     piece = max(1, int(rate / 4))
     while not stop.is_set():
         try:
@@ -86,9 +88,9 @@ async def slow_upload(host: str, port: int, declared: int, rate: float, stop: as
             continue
         tally["opened"] += 1
         try:
-            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                         b"Content-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n{" % declared)
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\\r\\nHost: x\\r\\n"
+                         b"Content-Type: application/json\\r\\n"
+                         b"Content-Length: %d\\r\\n\\r\\n{" % declared)
             await writer.drain()
             answered = asyncio.ensure_future(reader.readline())
             while not stop.is_set() and not answered.done():
@@ -97,13 +99,26 @@ async def slow_upload(host: str, port: int, declared: int, rate: float, stop: as
                 await asyncio.wait([answered], timeout=0.25)
             if answered.done() and not answered.cancelled() and answered.exception() is None:
                 status = answered.result().split(b" ")[1:2]
-                key = f"answered_{status[0].decode()}" if status else "closed"
+                key = "answered_" + status[0].decode() if status else "closed"
                 tally[key] = tally.get(key, 0) + 1
             answered.cancel()
-        except (ConnectionError, OSError):
+        except OSError:
             tally["closed"] = tally.get("closed", 0) + 1
         finally:
             writer.close()
+
+async def main(host, port, n, declared, rate):
+    stop, tally = asyncio.Event(), {"opened": 0}
+    tasks = [asyncio.ensure_future(slow_upload(host, port, declared, rate, stop, tally))
+             for _ in range(n)]
+    print("open", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    stop.set()
+    await asyncio.gather(*tasks)
+    print(json.dumps(tally), flush=True)
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2]), *map(int, sys.argv[3:6])))
+"""
 
 
 def slow_uploads(rate: int, seconds: float
@@ -111,19 +126,23 @@ def slow_uploads(rate: int, seconds: float
     """The measurement of small turns for `seconds` beside uploads at `rate` bytes/s."""
 
     async def measure(stand: Stand, args: argparse.Namespace) -> dict[str, Any]:
-        host, port = "127.0.0.1", int(stand.url.rsplit(":", 1)[1])
+        port = stand.url.rsplit(":", 1)[1]
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
             base, base_status = await small_turns(s, stand.url, time.monotonic() + 4.0)
-            stop = asyncio.Event()
-            tally: dict[str, int] = {"opened": 0}
-            uploads = [asyncio.ensure_future(slow_upload(host, port, 4 * MIB, rate, stop,
-                                                         tally))
-                       for _ in range(args.slow_uploads)]
+            uploads = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", SLOW_UPLOADS, "127.0.0.1", port,
+                str(args.slow_uploads), str(4 * MIB), str(rate),
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                preexec_fn=pin(stand.cpus))
+            assert uploads.stdin is not None and uploads.stdout is not None
+            await uploads.stdout.readline()  # "open"
             await asyncio.sleep(0.5)  # all of them open
             during, during_status = await small_turns(s, stand.url,
                                                       time.monotonic() + seconds)
-            stop.set()
-            await asyncio.gather(*uploads)
+            uploads.stdin.write(b"stop\n")
+            await uploads.stdin.drain()
+            tally = json.loads(await uploads.stdout.readline())
+            await uploads.wait()
         statuses = base_status + during_status
         return {"connections": args.slow_uploads, "declared_bytes": 4 * MIB,
                 "upload_rate_bytes_s": rate, "seconds": seconds,
