@@ -121,6 +121,12 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2]), *map(int, sys.argv[3:6])))
 """
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def slow_uploads(rate: int, seconds: float
                  ) -> Callable[[Stand, argparse.Namespace], Awaitable[dict[str, Any]]]:
     """The measurement of small turns for `seconds` beside uploads at `rate` bytes/s."""
@@ -137,8 +143,10 @@ def slow_uploads(rate: int, seconds: float
             assert uploads.stdin is not None and uploads.stdout is not None
             await uploads.stdout.readline()  # "open"
             await asyncio.sleep(0.5)  # all of them open
+            cpu0 = cpu_seconds(stand.pid)
             during, during_status = await small_turns(s, stand.url,
                                                       time.monotonic() + seconds)
+            router_cpu = (cpu_seconds(stand.pid) - cpu0) / seconds
             uploads.stdin.write(b"stop\n")
             await uploads.stdin.drain()
             tally = json.loads(await uploads.stdout.readline())
@@ -153,7 +161,7 @@ def slow_uploads(rate: int, seconds: float
                 "added_p99_ms": pct(during, 0.99) - pct(base, 0.99),
                 "small_429": statuses.count(429),
                 "small_5xx": sum(1 for x in statuses if x >= 500),
-                "slow_uploads": tally}
+                "router_cpu_share": router_cpu, "slow_uploads": tally}
 
     return measure
 
@@ -284,8 +292,9 @@ def report(r: dict[str, Any]) -> str:
                          f"{shown(figures)}")
     for name, figures in r["rows"].items():
         if "slow_uploads" in figures:
-            lines.append(f"{name} (connections): " + ", ".join(
-                f"{k} {v}" for k, v in sorted(figures["slow_uploads"].items())))
+            lines.append(f"{name}: router CPU {figures['router_cpu_share']:.0%} of a core; "
+                         "connections " + ", ".join(
+                             f"{k} {v}" for k, v in sorted(figures["slow_uploads"].items())))
     return "\n".join(lines)
 
 
