@@ -120,3 +120,20 @@ async def test_a_body_refused_part_way_gives_its_bytes_back_before_the_drain():
         finally:
             for _, w in held + [third]:
                 w.close()
+
+
+async def test_a_body_refused_part_way_frees_its_slot_while_it_is_drained():
+    async with Cluster(config={"maxInflightRequests": 1, "maxBodyBytes": 4096}) as c:
+        u = urllib.parse.urlsplit(c.url)
+        reader, writer = await asyncio.open_connection(u.hostname, u.port)
+        try:  # no declared length: refused once 4 KiB have arrived, then still sending
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n"
+                         + b"%x\r\n" % 5000 + b"x" * 5000 + b"\r\n")
+            await writer.drain()
+            assert b" 413 " in await asyncio.wait_for(reader.readline(), 5)
+            assert c.router.intake.inflight == 0 and c.router.intake.inflight_bytes == 0
+            assert (await c.chat(U1))["status"] == 200  # the one slot is free
+        finally:
+            writer.close()

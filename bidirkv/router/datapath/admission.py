@@ -113,6 +113,15 @@ class Charge:
         self.bytes = n
 
 
+class _Undrained:
+    """A refusal whose body is still arriving: drained once the request's slot is free."""
+
+    __slots__ = ("resp",)
+
+    def __init__(self, resp: web.Response) -> None:
+        self.resp = resp
+
+
 class _TooSlow(Exception):
     def __init__(self, received: int, after: float) -> None:
         self.received, self.after = received, after
@@ -194,14 +203,19 @@ class Intake:
         self.inflight_bytes += charge.bytes
         try:
             turn = await self._turn(request, kind, trace, t0, charge, None if small else room)
-            if not isinstance(turn, Turn):
-                outcome = "overloaded" if turn.status == 429 else "client_error"
-                metrics.request(kind, outcome)
-                return turn, outcome
-            return await serve(request, turn)
+            if isinstance(turn, Turn):
+                return await serve(request, turn)
         finally:
             self.inflight -= 1
             self.inflight_bytes -= charge.bytes
+        # Refused: the slot and the bytes are free again before the rest of a body refused
+        # part-way is drained, which lasts as long as the client keeps sending.
+        resp = turn.resp if isinstance(turn, _Undrained) else turn
+        outcome = "overloaded" if resp.status == 429 else "client_error"
+        metrics.request(kind, outcome)
+        if isinstance(turn, _Undrained):
+            resp = await drained(request, resp)
+        return resp, outcome
 
     def _overloaded(self) -> web.Response:
         cfg = self.ctx.cfg
@@ -243,7 +257,7 @@ class Intake:
         return b"".join(parts)
 
     async def _turn(self, request: web.Request, kind: str, trace: Trace, t0: float,
-                    charge: Charge, room: int | None) -> Turn | web.Response:
+                    charge: Charge, room: int | None) -> Turn | web.Response | _Undrained:
         """The request's turn, its conversation named (its handle taken); else the
         client's error."""
         ctx = self.ctx
@@ -261,13 +275,8 @@ class Intake:
                 f"{cfg.timeouts.body_read_seconds:g} s (timeouts.bodyReadSeconds)",
                 "request_timeout"))
         except ClientError as e:
-            # What it read is dropped: its bytes go back to the budget before the drain,
-            # which may take as long as the client sends.
-            self.inflight_bytes -= charge.bytes
-            charge.bytes = 0
-            if e.status == 429:
-                return await drained(request, self._overloaded())
-            return await drained(request, json_error(e.status, e.message, e.type, e.param))
+            return _Undrained(self._overloaded() if e.status == 429 else
+                              json_error(e.status, e.message, e.type, e.param))
         # Parsing, validating and hashing a body is work on the loop in one piece per
         # step: big bodies take those steps one body at a time, yielding in between, so a
         # burst of them delays everyone else by one step, not by all of them.
