@@ -44,6 +44,6 @@ def ttft_timeline(runs: Mapping[str, Mapping[str, Any]], modes: Sequence[str],
         ax.set_ylabel("TTFT (ms)")
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("seconds since the first request (shaded: the server stopping)")
-    axes[0, 0].legend(fontsize=7, loc="upper left")
+    axes[0, 0].legend(fontsize=7, loc="upper center", ncol=2)
     fig.suptitle(title, fontsize=11)
     return save(plt, fig, path)
