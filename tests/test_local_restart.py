@@ -3,6 +3,7 @@ start it again with the command, environment and directory it ran with."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -12,6 +13,7 @@ import urllib.request
 
 import pytest
 
+from bidirkv.local import cli
 from bidirkv.local.family import process_start_time, same_process
 from bidirkv.local.procs import Proc
 from bidirkv.local.restart import parse_environ, read_command, restart_server, split_nul
@@ -114,3 +116,20 @@ def test_restart_names_what_it_cannot_restart(tmp_path, router):
     write_state(tmp_path, state)
     with pytest.raises(ValueError, match=r"decode-0 \(pid 4194311\) is not running"):
         restart_server(tmp_path, "decode-0")
+
+
+def test_the_cli_verb_restarts_and_says_what_it_did(tmp_path, router, capsys):
+    _, url, _ = router
+    first = get(url)["pid"]
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    args = p.parse_args(["restart", "router", "--state-dir", str(tmp_path),
+                         "--start-timeout", "30"])
+    assert cli.run(args) == 0
+    assert get(url)["pid"] != first
+    err = capsys.readouterr().err
+    assert f"bidir-kv local restart: router: SIGTERM to pid {first}" in err
+    assert "bidir-kv local restart: router: serving again after" in err
+    bad = p.parse_args(["restart", "decode-9", "--state-dir", str(tmp_path)])
+    assert cli.run(bad) == 1
+    assert "'decode-9' is not a server of this stack" in capsys.readouterr().err
