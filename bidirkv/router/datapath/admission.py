@@ -124,7 +124,8 @@ class _Undrained:
 
 class _TooSlow(Exception):
     def __init__(self, received: int, after: float) -> None:
-        self.received, self.after = received, after
+        self.received = received
+        self.after = after
 
 
 # A client's X-Request-Id is kept only in this shape. vLLM builds the decode request id

@@ -39,34 +39,22 @@ import asyncio
 import contextlib
 import functools
 import logging
-import random
 import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import SpanLimits, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.sampling import (
-    Decision,
-    ParentBased,
-    Sampler,
-    SamplingResult,
-    TraceIdRatioBased,
-)
 from opentelemetry.trace import (
     Span,
     SpanKind,
     Status,
     StatusCode,
-    get_current_span,
     set_span_in_context,
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from bidirkv.router.config import ConfigError, Tracing
-from bidirkv.router.datapath.spanfile import SpanFileExporter
+from bidirkv.router.datapath.sampling import bounded, make_provider
 
 log = logging.getLogger("bidirkv.router")
 
@@ -82,51 +70,7 @@ FAILED_OUTCOMES = frozenset({"unavailable", "upstream_error", "timeout", "stream
 # Leg results that are not failures: a client leaving cancels its legs.
 _LEG_OK = frozenset({"ok", "cancelled"})
 
-# Longest string attribute value kept, in characters: a model name or an id is far
-# shorter, and 2,000,000 characters from a client must not become 2 MB per span queued.
-MAX_ATTRIBUTE_CHARS = 256
-
 _PROPAGATOR = TraceContextTextMapPropagator()
-
-
-def bounded(value: Any) -> Any:
-    """`value`, a string cut to MAX_ATTRIBUTE_CHARS."""
-    if isinstance(value, str) and len(value) > MAX_ATTRIBUTE_CHARS:
-        return value[:MAX_ATTRIBUTE_CHARS]
-    return value
-
-
-class OwnDraw(Sampler):
-    """Sampled at `ratio` by a draw of the router's own: for a client's trace, whose
-    sampled flag and trace id the client chose."""
-
-    def __init__(self, ratio: float) -> None:
-        self.ratio = ratio
-
-    def should_sample(self, parent_context: Any, trace_id: int, name: str,
-                      kind: Any = None, attributes: Any = None, links: Any = None,
-                      trace_state: Any = None) -> SamplingResult:
-        sampled = self.ratio >= 1.0 or random.random() < self.ratio
-        parent = _parent_span_context(parent_context)
-        return SamplingResult(Decision.RECORD_AND_SAMPLE if sampled else Decision.DROP,
-                              attributes if sampled else None,
-                              parent.trace_state if parent is not None else None)
-
-    def get_description(self) -> str:
-        return f"OwnDraw{{{self.ratio}}}"
-
-
-def _parent_span_context(parent_context: Any) -> Any:
-    ctx = get_current_span(parent_context).get_span_context()
-    return ctx if ctx is not None and ctx.is_valid else None
-
-
-def router_sampler(ratio: float) -> Sampler:
-    """The router decides: its own traces by their id at `ratio`, a client's by its own
-    draw at `ratio`; a leg follows its request."""
-    own = OwnDraw(ratio)
-    return ParentBased(TraceIdRatioBased(ratio), remote_parent_sampled=own,
-                       remote_parent_not_sampled=own)
 
 
 def passthrough(headers: Mapping[str, str]) -> Untraced:
@@ -147,28 +91,6 @@ def upstream_attributes(base_url: str, path: str) -> dict[str, Any]:
     shown = f"[{host}]" if ":" in host else host
     return {"server.address": host, "server.port": port,
             "url.full": f"{parts.scheme}://{shown}:{port}{parts.path}{path}"}
-
-
-def make_provider(cfg: Tracing) -> TracerProvider:
-    """A TracerProvider exporting to what `cfg` names; ConfigError when the file cannot
-    be opened."""
-    # OTEL_RESOURCE_ATTRIBUTES (a pod's name, its namespace) adds to the resource;
-    # serviceName wins over OTEL_SERVICE_NAME.
-    provider = TracerProvider(
-        sampler=router_sampler(cfg.sample_ratio),
-        span_limits=SpanLimits(max_attribute_length=MAX_ATTRIBUTE_CHARS),
-        resource=Resource.create({SERVICE_NAME: cfg.service_name}),
-        shutdown_on_exit=False,  # the router shuts it down; atexit would keep it alive
-    )
-    if cfg.file is not None:
-        provider.add_span_processor(BatchSpanProcessor(SpanFileExporter(cfg.file)))
-    if cfg.otlp_endpoint is not None:
-        # Imported only when used: it brings protobuf and requests along.
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        provider.add_span_processor(BatchSpanProcessor(
-            OTLPSpanExporter(endpoint=cfg.otlp_endpoint)))
-    return provider
 
 
 class Untraced:
