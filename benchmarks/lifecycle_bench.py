@@ -16,9 +16,10 @@ stopped by its recorded pids):
   take (bidirkv/local/restart.py).
 The events and what each is judged on are in bidirkv/bench/lifecycle.py. In `drain`
 mode the turns after a decode event wait until the router has seen the drain (its next
-health round, at most `healthCheckIntervalSeconds`), as a pod leaves its Service's
-endpoints before its traffic ends; in `drop` mode they go on at once, and whatever the
-router sends to the killed replica before it notices is what a crash costs. Which decode
+health round reads the replica's report, at most `healthCheckIntervalSeconds`): a turn
+sent before would be placed on the leaving replica again and held there until its next
+turn, behind the next event. In `drop` mode they go on at once: whatever the router sends
+to the killed replica before it notices is what a crash costs. Which decode
 replica holds a conversation is read from the replicas' own counters around each turn
 (one request at a time: the replica whose count grew decoded it, and keeps its KV).
 
