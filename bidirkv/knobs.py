@@ -119,8 +119,8 @@ OwnerLeaseSeconds = Annotated[int, Strict(), Field(
     le=86400,
     description="Decode frees the retained blocks of a router that has not renewed its lease "
     "for this long (the router renews every `router.healthCheckIntervalSeconds`; a router "
-    "that is gone or restarted stops). At least twice that interval; at most "
-    "`decoderKvBlocksTtlSeconds`.",
+    "that is gone stops, a restarted one is the same owner and renews). At least twice that "
+    "interval; at most `decoderKvBlocksTtlSeconds`.",
 )]
 
 
