@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 DEV_STAMP := $(VENV)/.bidirkv-dev
 ENGINE_STAMP := $(VENV)/.bidirkv-engine
 
-.PHONY: install engine test demo crds monitoring lint bench-operator clean
+.PHONY: install engine test demo demo-all crds monitoring lint bench-operator clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,10 @@ test: $(ENGINE_STAMP) $(VLLM_NEXT_STAMP) $(PROMQL_STAMP) $(KUBECTL_STAMP)
 # The local vLLM stack needs the engine stack (installed from this project's own files).
 demo: $(ENGINE_STAMP)
 	$(PY) -m bidirkv.demo
+
+# Every phase: the placement run, vllm bench serve, decode KV pressure, one turn's spans.
+demo-all: $(ENGINE_STAMP)
+	$(PY) -m bidirkv.demo --all
 
 # The CRD and its reference (docs/crd-reference.md) are both generated from
 # bidirkv/operator/api/spec.py (tools/crdref.py is a development tool, not in the package).

@@ -1,19 +1,23 @@
 """`make demo`: the control plane in a few seconds, then a real 1P1D vLLM stack on this
-machine and the multi-turn TTFT benchmark with bidirectional KV transfer ON and OFF.
+machine and the multi-turn TTFT benchmark with bidirectional KV transfer ON and OFF, their
+headline table first; the longer phases behind flags (`--all`: `make demo-all`).
 
 1. Control plane: the in-memory Kubernetes API server, the CRD, the real operator;
    examples/local.yaml applied and its children listed (skip: --skip-control-plane).
 2. The tiny model is built locally (no download).
 3. examples/local.yaml runs as local processes (P, D, router: exactly what the operator
-   renders, pod IPs mapped to 127.0.0.1) and the benchmark runs against the router; then,
-   on the same stack, vllm bench serve against the decode server alone and the router.
+   renders, pod IPs mapped to 127.0.0.1) and the benchmark runs against the router.
 4. The same spec with kvTransfer.bidirectional false (on the servers too, not only the
-   router: pinned blocks on D would steal CPU), the benchmark again, plus the lower bound.
-5. Pressure: decode limited to 128 KV blocks and vLLM's default 480 s retention, more
-   conversations than it can keep, 4 requests in flight (the concurrent benchmark), ON
-   then OFF: retained KV must never make new work wait.
-6. Tables, JSON and PNGs in out/demo/; one returning turn's trace from the router's
-   span file (ON stack), as a tree of its spans.
+   router: pinned blocks on D would steal CPU), the benchmark again, plus the lower bound;
+   the OFF/ON table.
+5. --with-placement: the same benchmark under the spec's placement `cost`.
+   --with-concurrency: vllm bench serve against the decode server alone and the router (on
+   the placement run's stack, or a stack of its own).
+6. --with-pressure: decode limited to 128 KV blocks and vLLM's default 480 s retention,
+   more conversations than it can keep, 4 requests in flight (the concurrent benchmark), ON
+   then OFF: retained KV must never make new work wait (--only-pressure: only this).
+7. Tables, JSON and PNGs in out/demo/; --with-span-tree: one returning turn's trace from
+   the router's span file (ON stack), as a tree of its spans.
 
 Every process started is stopped at the end, on failure, on Ctrl-C and on SIGTERM.
 """
@@ -293,43 +297,26 @@ def data_plane(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]
     print(f"    benchmark: {args.conversations} conversations x {args.turns} turns, "
           f"{added} and {args.output_tokens} output tokens a turn, "
           f"{think.describe()} (seeded), streamed, P prefix caching off (emulated eviction)")
-    concurrency = None
-    if not args.skip_concurrency:
-        from bidirkv import democoncurrency
-
-        def concurrency(stack: Any) -> None:
-            step("concurrency, same stack: decode server alone vs router (P/D), vllm bench "
-                 "serve at concurrency 1 and 4")
-            democoncurrency.measure(stack, args.out)
-
-    # ON always disaggregated: every returning turn reads back what decode kept (what the
-    # per-turn table measures); the placement run, the spec's default `cost`, gets the
-    # concurrency phase (the default is what vllm bench serve should meet).
+    chosen = phases(args)
+    # The headline first: ON and OFF, then their table, before any longer phase.
     on = timed("bidirectional ON, placement alwaysDisaggregate: start the stack from "
-               "examples/local.yaml, benchmark"
-               + ("" if args.skip_concurrency or not args.skip_placement else ", concurrency")
-               + ", stop",
-               lambda: run_phase("on", ALWAYS_DISAGGREGATE, bench_kw, args, lower_bound=False,
-                                 then=concurrency if args.skip_placement else None))
-    cost = None
-    if not args.skip_placement:
-        cost = timed("bidirectional ON, default placement cost (a turn may run whole on a "
-                     "decode server): restart, benchmark"
-                     + ("" if args.skip_concurrency else ", concurrency") + ", stop",
-                     lambda: run_phase("cost", None, bench_kw, args, lower_bound=False,
-                                       then=concurrency))
+               "examples/local.yaml, benchmark, stop",
+               lambda: run_phase("on", ALWAYS_DISAGGREGATE, bench_kw, args, lower_bound=False))
     off = timed("bidirectional OFF (servers and router): restart, benchmark + lower bound, "
                 "stop", lambda: run_phase("off", {"kvTransfer": {"bidirectional": False},
                                                   **ALWAYS_DISAGGREGATE},
                                           bench_kw, args, lower_bound=True))
-    doc = report.compare_document(on, off, {
-        "spec": str(args.spec), "cpu": cpu.to_json(),
-        "dtype": {"dtype": choice.dtype, "picked": choice.picked, "reason": choice.reason}},
-        cost=cost)
+    meta = {"spec": str(args.spec), "cpu": cpu.to_json(),
+            "dtype": {"dtype": choice.dtype, "picked": choice.picked, "reason": choice.reason}}
+    step(f"headline: OFF/ON (median over conversations per turn; {cpu.model}, {choice.dtype})")
+    print(report.comparison_text(report.compare_document(on, off, meta)))
+    cost = extra_runs(chosen, bench_kw, args, timed)
+    doc = report.compare_document(on, off, meta, cost=cost)
     paths = report.write_comparison(
         args.out, doc, f"1P1D vLLM CPU, tiny model, {choice.dtype}\n{cpu.model} ({cpu.isa()})")
-    step(f"results (median over conversations per turn; {cpu.model}, {choice.dtype})")
-    print(report.comparison_text(doc))
+    if cost is not None:
+        step("placement `cost` beside ON, OFF and the bound")
+        print(report.comparison_text(doc))
     print("\nReuse by reason (turns):")
     for label, run in (("ON", on), ("cost", cost), ("OFF", off)):
         if run is not None:
@@ -340,6 +327,54 @@ def data_plane(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0
+
+
+def extra_runs(chosen: frozenset[str], bench_kw: dict[str, Any], args: argparse.Namespace,
+               timed: Callable[[str, Callable[[], Any]], Any]) -> dict[str, Any] | None:
+    """The placement run and the concurrency phase, after the headline; the placement run's
+    document, or None without it."""
+    from bidirkv import democoncurrency
+
+    def concurrency(stack: Any) -> None:
+        step("concurrency, same stack: decode server alone vs router (P/D), vllm bench "
+             "serve at concurrency 1 and 4")
+        democoncurrency.measure(stack, args.out)
+
+    if "placement" in chosen:
+        with_concurrency = "concurrency" in chosen
+        return timed("bidirectional ON, default placement cost (a turn may run whole on a "
+                     "decode server): restart, benchmark"
+                     + (", concurrency" if with_concurrency else "") + ", stop",
+                     lambda: run_phase("cost", None, bench_kw, args, lower_bound=False,
+                                       then=concurrency if with_concurrency else None))
+    if "concurrency" in chosen:
+        timed("concurrency: a stack of its own (alwaysDisaggregate), decode server alone vs "
+              "router, vllm bench serve at concurrency 1 and 4",
+              lambda: democoncurrency.run(args.spec, args.out, patch=ALWAYS_DISAGGREGATE,
+                                          progress=not args.no_progress))
+    return None
+
+
+# Every phase but the headline's (control plane, ON, OFF, the bound), each behind a flag:
+# together they would take `make demo` past 15 minutes on a 2-core AVX2-only machine.
+OPTIONAL_PHASES = ("placement", "concurrency", "pressure", "span-tree")
+
+
+def phases(args: argparse.Namespace) -> frozenset[str]:
+    """The phases a run takes, from its flags: `multi-turn` (ON, OFF and the bound: the
+    headline) unless --only-pressure, `control-plane` unless skipped, and each optional phase
+    with --all or its --with-* flag; a --skip-* flag wins over both."""
+    if args.only_pressure:
+        chosen = {"pressure"}
+    else:
+        chosen = {"multi-turn"} | {
+            name for name in OPTIONAL_PHASES
+            if args.all or getattr(args, "with_" + name.replace("-", "_"))}
+    if not args.skip_control_plane:
+        chosen.add("control-plane")
+    skipped = {"placement": args.skip_placement, "concurrency": args.skip_concurrency,
+               "pressure": args.skip_pressure}
+    return frozenset(name for name in chosen if not skipped.get(name, False))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -358,6 +393,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pause-turn", type=int, default=DEFAULTS["pause_turn"], metavar="N")
     p.add_argument("--warmup-turns", type=int, default=2)
     p.add_argument("--settle", type=float, default=1.0, metavar="SECONDS")
+    p.add_argument("--all", action="store_true",
+                   help="every phase: --with-placement, --with-concurrency, --with-pressure "
+                   "and --with-span-tree (`make demo-all`)")
+    p.add_argument("--with-placement", action="store_true",
+                   help="the multi-turn run under the spec's placement `cost` too")
+    p.add_argument("--with-concurrency", action="store_true",
+                   help="vllm bench serve, decode server alone vs router, concurrency 1 and 4")
+    p.add_argument("--with-pressure", action="store_true",
+                   help="the concurrent run under decode KV pressure, ON then OFF")
+    p.add_argument("--with-span-tree", action="store_true",
+                   help="one returning turn's spans from the ON stack's router, as a tree")
     p.add_argument("--skip-control-plane", action="store_true")
     p.add_argument("--skip-pressure", action="store_true",
                    help="leave out the concurrent run under decode KV pressure")
@@ -399,14 +445,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         with interrupt_on_signals():
-            if not args.skip_control_plane:
+            chosen = phases(args)
+            if "control-plane" in chosen:
                 timed(f"control plane: operator on an in-memory API server, "
                       f"kubectl apply -f {args.spec.name}",
                       lambda: asyncio.run(control_plane(args.spec)))
-            rc = 0 if args.only_pressure else data_plane(args, timed)
-            if rc == 0 and not args.skip_pressure:
+            rc = data_plane(args, timed) if "multi-turn" in chosen else 0
+            if rc == 0 and "pressure" in chosen:
                 pressure(args, timed)
-            if rc == 0 and not args.only_pressure:
+            if rc == 0 and "span-tree" in chosen:
                 show_trace(traces_file(args, "on"))
     except KeyboardInterrupt:
         print("\ndemo: interrupted; every process it started is stopped", file=sys.stderr)
