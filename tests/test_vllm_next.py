@@ -97,6 +97,13 @@ class Source:
         for item in cls.body:
             if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and item.name == name:
                 return item
+            # A class attribute, e.g. a dataclass field the patches read.
+            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) \
+                    and item.target.id == name:
+                return item
+            if isinstance(item, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == name for t in item.targets):
+                return item
         for base in cls.bases:
             if not isinstance(base, ast.Name):
                 continue
