@@ -62,7 +62,8 @@ def _decode_pod(name: str, instance: str = "tiny", drain_s: int = 3) -> dict:
             "metadata": {"name": name, "namespace": "ns1",
                          "labels": {"app.kubernetes.io/name": "bidir-kv",
                                     "app.kubernetes.io/instance": instance,
-                                    "app.kubernetes.io/component": "decode"}},
+                                    "app.kubernetes.io/component": "decode",
+                                    "app.kubernetes.io/managed-by": "bidir-kv-operator"}},
             "spec": {"nodeName": "node-a", "terminationGracePeriodSeconds": 150,
                      "containers": [{"name": "engine", "image": "bidir-kv-vllm:0.1.0",
                                      "env": [{"name": "BIDIRKV_DRAIN_SECONDS",
@@ -104,7 +105,10 @@ async def test_the_status_shows_draining_pods_and_one_event_when_a_drain_runs_ou
         selector = st["decode"]["selector"]
 
         pod = _decode_pod("tiny-decode-1")
-        pod["metadata"]["labels"] = dict(p.split("=") for p in selector.split(","))
+        # The labels the StatefulSet's template gives its pods: the selector's and the
+        # operator's managed-by, which its watch of pods filters on.
+        pod["metadata"]["labels"] = {**dict(p.split("=") for p in selector.split(",")),
+                                     "app.kubernetes.io/managed-by": "bidir-kv-operator"}
         await client.call("POST", "/api/v1/namespaces/ns1/pods", pod)
         # A pod of another resource is not this one's.
         await client.call("POST", "/api/v1/namespaces/ns1/pods",
