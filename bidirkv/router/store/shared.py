@@ -89,6 +89,12 @@ def _value(e: Entry, stored_ms: int) -> bytes:
     return dumps(d)
 
 
+# Calls whose success says the store takes new handles again. A read, or a delete, also
+# answers on a read-only replica or under OOM (noeviction refuses only writes that grow the
+# data), so it leaves the store marked unavailable until a write gets through.
+STORING_OPS = frozenset({"put", "owner"})
+
+
 class Breaker:
     """Every call to the server goes through `call`: a failure raises StoreUnavailable
     (the turn is served without reuse), and after BREAKER_FAILURES in a row calls fail
@@ -123,7 +129,8 @@ class Breaker:
                 self._open_until = time.monotonic() + BREAKER_OPEN_S
             self._on_error(op)
             raise StoreUnavailable(f"handle store {op}: {exc}") from None
-        self.answered = True
+        if op in STORING_OPS:
+            self.answered = True
         self._failures = 0
         return out
 
