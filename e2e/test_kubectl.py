@@ -115,7 +115,8 @@ def _set_status(server, status: dict) -> None:
 def test_get_prints_the_printer_columns(cluster, resource):
     server, kubectl, _ = cluster
     _set_status(server, {"phase": "Pending", "prefill": {"summary": "1/1"},
-                         "decode": {"summary": "0/2", "draining": 1}})
+                         "decode": {"summary": "0/2", "draining": 1,
+                                    "drainingSummary": "1 (3 held)"}})
 
     lines = kubectl("get", resource).stdout.splitlines()
 
@@ -123,7 +124,10 @@ def test_get_prints_the_printer_columns(cluster, resource):
                                 "BIDIRECTIONAL", "PHASE", "AGE"]
     assert len(lines) == 2
     *row, age = lines[1].split()
-    assert row == [NAME, "Qwen/Qwen3-32B", "1/1", "0/2", "1", "true", "Pending"]
+    assert row == [NAME, "Qwen/Qwen3-32B", "1/1", "0/2", "1", "(3", "held)", "true",
+                   "Pending"]
+    # The draining decode pods and the conversations they still hold, in one column.
+    assert lines[1][lines[0].index("DRAINING"):].startswith("1 (3 held) ")
     assert re.fullmatch(r"\d+s|\d+m(\d+s)?", age), age
     # Columns line up under their headers, as kubectl's table printer aligns them.
     assert lines[1].index("Qwen/Qwen3-32B") == lines[0].index("MODEL")

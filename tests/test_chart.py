@@ -22,6 +22,7 @@ from bidirkv.cli import main as cli_main
 from bidirkv.operator.crd.schema import build_crd, crd_yaml
 from bidirkv.operator.main import resolve_priority
 from bidirkv.operator.render.children import render_resource
+from bidirkv.operator.render.netpol import OPERATOR_POD_LABELS, operator_peer
 from kubeapi.crdschema import validate_crd, validate_custom_resource
 from kubeapi.schemas import KUBE_VERSIONS, schema_errors
 from kubeapi.server import running_kubeapi
@@ -211,6 +212,19 @@ def test_operator_deployment(name):
     # The root filesystem is read-only: /tmp is an emptyDir.
     mounts = {v["mountPath"]: v["name"] for v in container["volumeMounts"]}
     assert {v["name"]: v for v in pod["volumes"]}[mounts["/tmp"]]["emptyDir"]
+
+
+@pytest.mark.parametrize("values", [VALUES["default"], VALUES["byo"], {"nameOverride": "llm"}])
+def test_the_engines_network_policy_admits_the_operator_pods(values, example):
+    """The operator reads a draining decode's /metrics on the engine port: the engines'
+    NetworkPolicy lets in pods with the labels the chart gives the operator's, whatever
+    its name (nameOverride, fullnameOverride)."""
+    labels = operator_deployment(render(values)[0])["spec"]["template"]["metadata"]["labels"]
+    assert OPERATOR_POD_LABELS.items() <= labels.items()
+    engines = next(o for o in render_resource(example)
+                   if o["kind"] == "NetworkPolicy" and o["metadata"]["name"].endswith("-engines"))
+    assert operator_peer() in [peer for rule in engines["spec"]["ingress"]
+                               for peer in rule.get("from", [])]
 
 
 def test_custom_values_reach_the_pod():

@@ -1,9 +1,14 @@
-"""Leaving engine pods in the status (bidirkv/operator/reconcile/drainwatch.py, pure), then
-through the controller: the Draining condition and fields, and one DrainTimedOut Event."""
+"""Leaving engine pods in the status (bidirkv/operator/reconcile/drainwatch.py, pure), the
+conversations a draining decode pod still holds (heldcount.py: its engine's gauge, parsed
+and read), then through the controller: the Draining condition and fields, and one
+DrainTimedOut Event."""
 
 from __future__ import annotations
 
 import datetime as dt
+import http.server
+import socket
+import threading
 
 import pytest
 
@@ -14,7 +19,15 @@ from bidirkv.operator.reconcile.drainwatch import (
     leaving,
     newly_timed_out,
     next_look,
+    role_drains,
     timed_out_message,
+)
+from bidirkv.operator.reconcile.heldcount import (
+    fetch_retained,
+    metrics_url,
+    read_held,
+    retained_in,
+    to_read,
 )
 
 T0 = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
@@ -97,8 +110,48 @@ def test_draining_pods_come_sorted_and_only_those_leaving():
     assert draining_pods([], {"drainingPods": [{"name": "gone"}]}, at(0)) == []
 
 
-def entry(name, deadline=120, timed_out=False):
-    return {"name": name, "deadline": stamp(deadline), "timedOut": timed_out}
+def entry(name, deadline=120, timed_out=False, conversations=None):
+    out = {"name": name, "deadline": stamp(deadline), "timedOut": timed_out}
+    if conversations is not None:
+        out["conversations"] = conversations
+    return out
+
+
+# (this pass' reading, the previous entry, the conversations the status lists; None: none)
+HELD = [
+    (3, None, 3),
+    (0, entry("tiny-decode-1", conversations=4), 0),  # a fresh reading replaces the last
+    (None, None, None),                                # never read: unknown, not 0
+    (None, entry("tiny-decode-1", conversations=4), 4),  # a failed read keeps the last
+    (None, entry("tiny-decode-1", 60, conversations=4), None),  # ...of this drain only
+]
+
+
+@pytest.mark.parametrize(("reading", "before", "want"), HELD)
+def test_a_draining_pod_lists_the_conversations_it_holds(reading, before, want):
+    previous = {"drainingPods": [before]} if before else None
+    held = {} if reading is None else {"tiny-decode-1": reading, "tiny-decode-9": 7}
+    (listed,) = draining_pods([pod()], previous, at(10), held)
+    assert listed.get("conversations") == want
+
+
+# (each draining pod's conversations, None: unknown; the role's total, its summary)
+TOTALS = [
+    ([], None, "0"),
+    ([None, None], None, "2"),
+    ([3, 2], 5, "2 (5 held)"),
+    ([3, None], 3, "2 (3+ held)"),
+    ([0], 0, "1 (0 held)"),
+]
+
+
+@pytest.mark.parametrize(("counts", "total", "summary"), TOTALS)
+def test_the_role_sums_what_its_draining_pods_hold(counts, total, summary):
+    listed = [entry(f"d{i}", conversations=n) for i, n in enumerate(counts)]
+    got = role_drains(listed)
+    assert got["draining"] == len(counts) and got["drainingPods"] == listed
+    assert got.get("drainingConversations") == total
+    assert got["drainingSummary"] == summary
 
 
 # (previous status, new status, the pods an Event is posted for)
@@ -136,6 +189,125 @@ def test_what_the_event_and_the_condition_say():
     assert (ok, reason) == (True, "Draining")
     assert msg.startswith(f"decode: tiny-decode-1 (until {stamp(120)}), tiny-decode-2 "
                           f"(until {stamp(120)}, timed out)")
+
+
+def test_the_event_and_the_condition_name_the_conversations_held():
+    msg = timed_out_message("decode", entry("tiny-decode-1", conversations=3), 120)
+    assert "still held 3 conversations at its last reading" in msg and "recompute" in msg
+    one = timed_out_message("decode", entry("tiny-decode-1", conversations=1), 120)
+    assert "1 conversation at" in one and "it recomputes its history" in one
+    _, _, msg = draining_condition({"decode": {"drainingPods": [
+        entry("tiny-decode-1", conversations=3),
+        entry("tiny-decode-2", timed_out=True, conversations=2),
+        entry("tiny-decode-3")]}})
+    assert msg.startswith(
+        f"decode: tiny-decode-1 holds 3 conversations (until {stamp(120)}), tiny-decode-2 "
+        f"(until {stamp(120)}, timed out, still held 2 conversations), tiny-decode-3 "
+        f"(until {stamp(120)})")
+
+
+# -- reading the engine's gauge ----------------------------------------------------------
+NAME = "vllm:bidirkv_retained_requests"
+EXPOSITION = f"""# HELP {NAME} Requests retained for a later turn.
+# TYPE {NAME} gauge
+{NAME}{{engine="0",model_name="m"}} 3.0
+{NAME}{{engine="1",model_name="a}}b \\"q\\" c"}} 2.0
+{NAME}_other{{engine="0"}} 40.0
+vllm:kv_cache_usage_perc{{engine="0"}} 0.5
+"""
+
+# (exposition, count; None: unknown)
+EXPOSITIONS = [
+    (EXPOSITION, 5),  # summed over the server's engines; label values may hold } and "
+    (f"{NAME} 4\n", 4),  # no labels
+    (f"{NAME}{{engine=\"0\"}} 4 1700000000000\n", 4),  # with a timestamp
+    ("vllm:kv_cache_usage_perc 0.5\n", None),  # an engine without the gauge
+    ("", None),
+    (f"{NAME}{{engine=\"0\"}} NaN\n", None),
+    (f"{NAME}{{engine=\"0\"}} -1\n", None),
+    (f"{NAME}{{engine=\"0\"}} 1.5\n", None),
+    (f"{NAME}{{engine=\"0\"}} three\n", None),
+    (f"{NAME}{{engine=\"0\" 3\n", None),  # a label set that never closes
+    (f"{NAME}{{engine=\"0\"}}\n", None),  # no value
+]
+
+
+@pytest.mark.parametrize(("text", "want"), EXPOSITIONS)
+def test_the_gauge_read_from_an_exposition(text, want):
+    assert retained_in(text) == want
+
+
+def _with_port(obj, ip="10.0.0.7", port=8000, name="http"):
+    obj["status"] = {"podIP": ip} if ip else {}
+    obj["spec"]["containers"][0]["ports"] = [{"name": "nixl", "containerPort": 5600},
+                                             {"name": name, "containerPort": port}]
+    return obj
+
+
+@pytest.mark.parametrize(("obj", "want"), [
+    (_with_port(pod()), "http://10.0.0.7:8000/metrics"),
+    (_with_port(pod(), ip="fd00::7", port=8080), "http://[fd00::7]:8080/metrics"),
+    (_with_port(pod(), ip=None), None),            # not scheduled yet: no IP
+    (_with_port(pod(), name="api"), None),         # no port named http
+    (_with_port(pod(), port="8000"), None),
+])
+def test_where_a_pods_engine_serves_its_metrics(obj, want):
+    got = metrics_url(obj)
+    assert (got if got is None else got.split("?")[0]) == want
+    if got is not None:  # only the one gauge is asked for (prometheus_client's filter)
+        assert got.endswith("?name%5B%5D=vllm%3Abidirkv_retained_requests")
+
+
+def test_only_pods_still_draining_are_read():
+    pods = [_with_port(pod("d1")), _with_port(pod("d2", deleted_at=None)),
+            _with_port(pod("d3"), ip=None), _with_port(pod("d4", deleted_at=-200))]
+    assert list(to_read(pods, at(10))) == ["d1"]  # d4's drain ran out: its engine stopped
+
+
+class _Engine(http.server.BaseHTTPRequestHandler):
+    status, body, paths = 200, EXPOSITION, []
+
+    def do_GET(self):  # noqa: N802 - the handler's name
+        type(self).paths.append(self.path)
+        self.send_response(self.status)
+        self.end_headers()
+        self.wfile.write(self.body.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def engine():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Engine)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    _Engine.status, _Engine.body, _Engine.paths = 200, EXPOSITION, []
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def test_the_operator_reads_what_draining_engines_hold(engine):
+    good = _with_port(pod("d1"), ip="127.0.0.1", port=engine)
+    assert await read_held([good], at(10)) == {"d1": 5}
+    assert _Engine.paths[-1].startswith("/metrics?name")
+    # A closed port, an engine that answers an error or garbage: unknown, no error.
+    gone = _with_port(pod("d2"), ip="127.0.0.1", port=closed_port())
+    assert await read_held([good, gone], at(10)) == {"d1": 5}
+    _Engine.status = 503
+    assert fetch_retained(metrics_url(good)) is None
+    _Engine.status, _Engine.body = 200, "<html>not metrics</html>"
+    assert fetch_retained(metrics_url(good)) is None
+
+
+def closed_port() -> int:
+    """A port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # (seconds after T0 now, the status' pods, seconds until the next look)

@@ -11,6 +11,11 @@ conversations that are only kept for reuse. The working set leaves them out:
 where retained blocks are those held or granted and those already being released. It is
 exported as `vllm:bidirkv_kv_working_set_ratio` (0..1, like vLLM's gauge) beside
 bidir-kv's counters (nixl/stats.py); the operator's autoscalers scale decode on it.
+
+A second gauge goes the same way: `vllm:bidirkv_retained_requests`, the requests decode
+retains for a later turn that no read or release acts on yet (one per conversation whose
+next turn has not come back). The operator reads it from a draining decode pod to say in
+its status how many conversations the pod still holds (operator/reconcile/heldcount.py).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from bidirkv.connector.core.residency import Residency
 KV_WORKING_SET_METRIC = "vllm:bidirkv_kv_working_set_ratio"
 # Key of the stats' data (engine core -> API server), next to hooks/tally.py's counters.
 WORKING_SET = "bidirkv_kv_working_set"
+RETAINED_REQUESTS_METRIC = "vllm:bidirkv_retained_requests"
+RETAINED = "bidirkv_retained_requests"
 
 
 def working_set(usage: float, retained_blocks: int, usable_blocks: int) -> float:
@@ -56,6 +63,7 @@ class WorkingSetGauge:
 
     pool: BlockPool | None = None
     last: float | None = None
+    last_retained: int | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def bind(self, pool: BlockPool) -> None:
@@ -79,6 +87,22 @@ class WorkingSetGauge:
                 return None
             self.last = now
         return now
+
+    def readings(self, res: Residency | None) -> dict[str, float | int]:
+        """The gauges that changed since they were last handed over, by stats key: the
+        working set, and the requests retained for a later turn (parked: a granted one
+        is being read back, a releasing one is on its way out; neither waits for a
+        turn). No residency (prefill): no retained count."""
+        out: dict[str, float | int] = {}
+        if (share := self.changed(res)) is not None:
+            out[WORKING_SET] = share
+        if res is not None:
+            parked = res.parked()
+            with self.lock:
+                if parked != self.last_retained:
+                    self.last_retained = parked
+                    out[RETAINED] = parked
+        return out
 
 
 _gauge = WorkingSetGauge()

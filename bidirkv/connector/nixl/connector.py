@@ -150,9 +150,8 @@ class NixlConnector(NixlPullConnector):
         if self._retention is not None:
             self._retention.count()
         data = self._tally.take()
-        share = workingset.gauge().changed(current())
-        if share is not None:
-            data = {**(data or {}), workingset.WORKING_SET: share}
+        if readings := workingset.gauge().readings(current()):
+            data = {**(data or {}), **readings}
         return None if data is None else stats.BidirkvStats(data=data)
 
     @classmethod

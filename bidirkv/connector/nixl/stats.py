@@ -8,7 +8,8 @@ beside NIXL's, so either side's stats aggregate with the other's.
 
 Prometheus: the counters in `METRICS` (each with vLLM's `model_name` and `engine`
 labels, and `_total` added by the client library); labels are bounded (hooks/tally.py).
-One gauge beside them: the KV working set (core/workingset.py), the latest reading.
+Two gauges beside them, each the latest reading (core/workingset.py): the KV working set,
+and the requests retained for a later turn.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ METRICS = (
      "Read grants answered by decode: granted, or the reason refused."),
 )
 
+RETAINED_HELP = ("Requests retained for a later turn that no read or release acts on yet: "
+                 "one per conversation whose next turn has not come back. What a draining "
+                 "decode still holds.")
+# The gauges, by stats key: a later reading replaces an earlier one.
+GAUGES = (workingset.WORKING_SET, workingset.RETAINED)
 WORKING_SET_HELP = ("Share of the KV blocks in use by live work: vLLM's KV usage less the "
                     "blocks retained for a later turn (given up to new work or freed once "
                     "read). What decode autoscales on.")
@@ -69,11 +75,12 @@ class BidirkvStats(NixlKVConnectorStats):
     def reset(self):
         super().reset()
         self.data.update(tally.empty())
-        self.data.pop(workingset.WORKING_SET, None)
+        for key in GAUGES:
+            self.data.pop(key, None)
 
     def is_empty(self) -> bool:
         return (super().is_empty() and tally.is_empty(self.data)
-                and workingset.WORKING_SET not in self.data)
+                and not any(key in self.data for key in GAUGES))
 
     def aggregate(self, other):
         if other.is_empty():
@@ -81,9 +88,9 @@ class BidirkvStats(NixlKVConnectorStats):
         for k in NIXL_KEYS:
             self.data.setdefault(k, []).extend(other.data.get(k) or [])
         tally.merge(self.data, other.data)
-        # A gauge: the later reading replaces the earlier one.
-        if (share := other.data.get(workingset.WORKING_SET)) is not None:
-            self.data[workingset.WORKING_SET] = share
+        for key in GAUGES:
+            if (value := other.data.get(key)) is not None:
+                self.data[key] = value
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -95,6 +102,8 @@ class BidirkvStats(NixlKVConnectorStats):
         out["Retained released early"] = sum((d.get(tally.RELEASED) or {}).values())
         if (share := d.get(workingset.WORKING_SET)) is not None:
             out["KV working set"] = round(share, 4)
+        if (n := d.get(workingset.RETAINED)) is not None:
+            out["Retained requests"] = n
         return out
 
 
@@ -114,6 +123,13 @@ class BidirkvPromMetrics(NixlPromMetrics):
         self._working_set = self._gauge_cls(
             name=workingset.KV_WORKING_SET_METRIC, documentation=WORKING_SET_HELP,
             multiprocess_mode="mostrecent", labelnames=labelnames)
+        self._retained = self._gauge_cls(
+            name=workingset.RETAINED_REQUESTS_METRIC, documentation=RETAINED_HELP,
+            multiprocess_mode="mostrecent", labelnames=labelnames)
+        # Present from the start: an engine that never retained anything reports 0, not
+        # nothing (its first stats come with its first step).
+        for values in per_engine_labelvalues.values():
+            self._retained.labels(*values).set(0)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         data = _with_nixl_keys(dict(transfer_stats_data))
@@ -129,3 +145,5 @@ class BidirkvPromMetrics(NixlPromMetrics):
                 counter.labels(*values).inc(got)
         if (share := data.get(workingset.WORKING_SET)) is not None:
             self._working_set.labels(*values).set(share)
+        if (n := data.get(workingset.RETAINED)) is not None:
+            self._retained.labels(*values).set(n)

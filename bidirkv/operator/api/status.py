@@ -19,6 +19,12 @@ class DrainingPod(_Model):
         description="The pod was still there at its deadline: its drain ran out. A decode "
         "pod's conversations it still held recompute their history on their next turn; a "
         "prefill pod's legs in flight fail.")
+    conversations: int | None = Field(
+        default=None, ge=0,
+        description="The conversations a decode pod still holds (requests retained for a "
+        "later turn that has not come back), as the operator last read them from its "
+        "engine's vllm:bidirkv_retained_requests gauge; absent until a read succeeded. "
+        "Past the deadline: what it held when its drain ran out.")
 
 
 class RoleStatus(_Model):
@@ -35,6 +41,15 @@ class RoleStatus(_Model):
         "holds came back or was released, a prefill pod until its legs in flight are done.")
     draining_pods: list[DrainingPod] = Field(
         default_factory=list, description="The draining pods, each with its deadline.")
+    draining_conversations: int | None = Field(
+        default=None, ge=0,
+        description="Conversations the draining pods still hold, summed over the pods "
+        "whose count was read (decode only; absent when none was).")
+    draining_summary: str = Field(
+        default="0",
+        description="Draining pods and the conversations they hold, for printer columns: "
+        "`0`, `2` (counts unknown), `2 (5 held)`, or `2 (5+ held)` when a pod's count is "
+        "unknown.")
 
 
 class Condition(_Model):

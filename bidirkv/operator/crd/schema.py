@@ -179,10 +179,11 @@ def build_crd() -> dict[str, Any]:
                         {"name": "Decode", "type": "string",
                          "jsonPath": ".status.decode.summary",
                          "description": "Ready/desired decode pods"},
-                        {"name": "Draining", "type": "integer",
-                         "jsonPath": ".status.decode.draining",
+                        {"name": "Draining", "type": "string",
+                         "jsonPath": ".status.decode.drainingSummary",
                          "description": "Decode pods leaving, each until the conversations "
-                         "it holds moved or its drain ran out"},
+                         "it holds moved or its drain ran out, and the conversations they "
+                         "still hold"},
                         {"name": "Bidirectional", "type": "boolean",
                          "jsonPath": ".spec.kvTransfer.bidirectional"},
                         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},

@@ -25,6 +25,7 @@ from bidirkv.operator.reconcile.drainwatch import (
     parse_time,
     timed_out_message,
 )
+from bidirkv.operator.reconcile.heldcount import read_held
 from bidirkv.operator.reconcile.status import compute_status, same_status
 from bidirkv.operator.render.autoscaling import AUTOSCALER_KINDS, SCALED_OBJECT_API_VERSION
 from bidirkv.operator.render.children import (
@@ -222,9 +223,13 @@ class Controller:
         for kind, name in optional_children(owner):
             if (kind, name) not in seen:
                 await self._remove((kind, owner.namespace, name), owner)
+        pods = await self._engine_pods(owner)
         now = self.now()
+        when = parse_time(now)
+        # What each draining decode pod still holds, from its engine (unknown on failure).
+        held = await read_held(pods["decode"], when) if pods and when else {}
         status = compute_status(owner, spec, generation, seen, previous, now, problem,
-                                await self._engine_pods(owner))
+                                pods, held)
         await self._write_status(body, status)
         for role, pod in newly_timed_out(previous, status):
             await self._event(body, "Warning", DRAIN_TIMED_OUT, timed_out_message(

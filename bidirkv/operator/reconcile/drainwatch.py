@@ -11,6 +11,12 @@ a drain that ends early lets vLLM stop, and the pod goes before its deadline).
 The status keeps the draining pods with a `timedOut` mark: the pass that first sees a pod
 past its deadline marks it and says so in one Event (`DrainTimedOut`); later passes find
 the mark and say nothing more.
+
+What a draining decode pod still holds is the one thing the pod itself does not say: its
+engine does, in a gauge the operator reads each pass (heldcount.py). Each draining decode
+pod's entry carries the last reading (`conversations`, absent until one succeeded; a
+failed read keeps the one before, and past the deadline it is what the pod still held
+when its drain ran out), and the role sums them for the printer column.
 """
 
 from __future__ import annotations
@@ -98,9 +104,12 @@ def leaving(pod: Mapping[str, Any]) -> Leaving | None:
 
 
 def draining_pods(pods: Sequence[Mapping[str, Any]], previous: Mapping[str, Any] | None,
-                  now: dt.datetime) -> list[dict[str, Any]]:
-    """The role's draining pods as its status lists them, by name: each with its deadline
-    and whether it outlived it (`previous`: the role's last status, whose marks stay)."""
+                  now: dt.datetime, held: Mapping[str, int] | None = None
+                  ) -> list[dict[str, Any]]:
+    """The role's draining pods as its status lists them, by name: each with its deadline,
+    whether it outlived it (`previous`: the role's last status, whose marks stay) and the
+    conversations it holds (`held`: this pass's readings by pod name; without one, the
+    last reading of the same drain stays)."""
     before = {p.get("name"): p for p in (previous or {}).get("drainingPods") or []}
     out = []
     for pod in pods:
@@ -109,10 +118,41 @@ def draining_pods(pods: Sequence[Mapping[str, Any]], previous: Mapping[str, Any]
             continue
         deadline = format_time(drain.deadline)
         old = before.get(drain.name) or {}
-        timed_out = now >= drain.deadline or (
-            old.get("deadline") == deadline and old.get("timedOut") is True)
-        out.append({"name": drain.name, "deadline": deadline, "timedOut": timed_out})
+        same = old.get("deadline") == deadline
+        timed_out = now >= drain.deadline or (same and old.get("timedOut") is True)
+        entry: dict[str, Any] = {"name": drain.name, "deadline": deadline,
+                                 "timedOut": timed_out}
+        count = (held or {}).get(drain.name)
+        if count is None and same:
+            count = old.get("conversations")
+        if _is_count(count):
+            entry["conversations"] = count
+        out.append(entry)
     return sorted(out, key=lambda p: p["name"])
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def role_drains(listed: list[dict[str, Any]]) -> dict[str, Any]:
+    """The role's status fields of its draining pods: their number, the pods, the
+    conversations they hold (summed over the pods with a reading; absent when none has
+    one) and the printer column's summary: `0`, `2` (counts unknown), `2 (5 held)`, or
+    `2 (5+ held)` when some pod's count is unknown."""
+    counts = [p["conversations"] for p in listed if _is_count(p.get("conversations"))]
+    out: dict[str, Any] = {"draining": len(listed), "drainingPods": listed}
+    summary = str(len(listed))
+    if counts:
+        total = sum(counts)
+        out["drainingConversations"] = total
+        summary += f" ({total}{'+' if len(counts) < len(listed) else ''} held)"
+    out["drainingSummary"] = summary
+    return out
+
+
+def _conversations(n: int) -> str:
+    return f"{n} conversation{'' if n == 1 else 's'}"
 
 
 def newly_timed_out(previous: Mapping[str, Any], status: Mapping[str, Any]
@@ -131,8 +171,15 @@ def newly_timed_out(previous: Mapping[str, Any], status: Mapping[str, Any]
 def timed_out_message(role: str, pod: Mapping[str, Any], drain_seconds: int | None) -> str:
     cap = f"spec.{role}.drainSeconds {drain_seconds}" if drain_seconds is not None \
         else "its drain cap"
-    lost = ("the conversations it still held recompute their history on their next turn"
-            if role == "decode" else "the legs it still served fail")
+    count = pod.get("conversations")
+    if role != "decode":
+        lost = "the legs it still served fail"
+    elif _is_count(count):
+        lost = (f"it still held {_conversations(count)} at its last reading; "
+                f"{'it recomputes its' if count == 1 else 'they recompute their'} history "
+                "on the next turn")
+    else:
+        lost = "the conversations it still held recompute their history on their next turn"
     return (f"{role} pod {pod['name']} was still draining at its deadline "
             f"{pod['deadline']} ({cap}): {lost}")
 
@@ -143,15 +190,25 @@ def draining_condition(status: Mapping[str, Any]) -> tuple[bool, str, str]:
     for role in ROLES:
         pods = (status.get(role) or {}).get("drainingPods") or []
         if pods:
-            names = ", ".join(
-                f"{p['name']} (until {p['deadline']}{', timed out' if p['timedOut'] else ''})"
-                for p in pods)
+            names = ", ".join(_draining_pod(p) for p in pods)
             what = ("its conversations move to the other replicas on their next turn"
                     if role == "decode" else "no new legs, its legs in flight finish")
             parts.append(f"{role}: {names}: {what}")
     if not parts:
         return False, "NoneDraining", "no engine pod is leaving"
     return True, DRAINING, "; ".join(parts)
+
+
+def _draining_pod(pod: Mapping[str, Any]) -> str:
+    """`decode-1 holds 3 conversations (until T)`, `decode-1 (until T, timed out, still
+    held 3 conversations)`, or without a reading `decode-1 (until T)`."""
+    count = pod.get("conversations")
+    known = _is_count(count)
+    if pod.get("timedOut"):
+        held = f", still held {_conversations(count)}" if known else ""
+        return f"{pod['name']} (until {pod['deadline']}, timed out{held})"
+    holds = f" holds {_conversations(count)}" if known else ""
+    return f"{pod['name']}{holds} (until {pod['deadline']})"
 
 
 def next_look(status: Mapping[str, Any], now: dt.datetime) -> float | None:

@@ -11,6 +11,7 @@ from bidirkv.operator.reconcile.drainwatch import (
     draining_condition,
     draining_pods,
     parse_time,
+    role_drains,
 )
 from bidirkv.operator.render.autoscaling import role_replicas
 from bidirkv.operator.render.children import Owner, child_name, router_url, selector_string
@@ -107,10 +108,12 @@ def compute_status(
     now: str,
     problem: tuple[str, str] | None = None,
     pods: Mapping[str, Sequence[dict[str, Any]]] | None = None,
+    held: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """`children` maps (kind, name) to the object as read; `problem` is (reason, message)
     when the spec could not be applied (then the last good counts are kept); `pods`: each
-    role's pods as listed (None: not listed, the last drains are kept)."""
+    role's pods as listed (None: not listed, the last drains are kept); `held`: the
+    conversations each draining decode pod holds, by pod name, as read this pass."""
     status: dict[str, Any] = {"observedGeneration": generation}
     if spec is None:
         # The spec is unusable: keep the counts of what runs, say what is wrong.
@@ -132,7 +135,7 @@ def compute_status(
         seen = ((sts or {}).get("spec") or {}).get("replicas")
         desired = role_replicas(spec, role, {role: seen} if isinstance(seen, int) else None)
         rs = _role_status(owner, desired, sts, role)
-        rs.update(_drains(role, pods, previous, now))
+        rs.update(_drains(role, pods, previous, now, held if role == "decode" else None))
         status[role] = rs
         ok, reason, msg = _readiness(sts, desired, rs["ready"], "pods")
         all_ready &= ok
@@ -191,15 +194,14 @@ def compute_status(
 
 
 def _drains(role: str, pods: Mapping[str, Sequence[dict[str, Any]]] | None,
-            previous: dict[str, Any], now: str) -> dict[str, Any]:
+            previous: dict[str, Any], now: str, held: Mapping[str, int] | None
+            ) -> dict[str, Any]:
     """The role's draining pods (drainwatch.py); without a listing, what was last seen."""
     before = previous.get(role) or {}
     when = parse_time(now)
     if pods is None or when is None:
-        kept = before.get("drainingPods") or []
-        return {"draining": len(kept), "drainingPods": kept}
-    listed = draining_pods(pods.get(role) or [], before, when)
-    return {"draining": len(listed), "drainingPods": listed}
+        return role_drains(before.get("drainingPods") or [])
+    return role_drains(draining_pods(pods.get(role) or [], before, when, held))
 
 
 def same_status(a: dict[str, Any], b: dict[str, Any]) -> bool:

@@ -1,7 +1,11 @@
 """NetworkPolicies that isolate a resource's engines (pure rendering).
 
-- Engines accept HTTP (port 8000) only from this resource's router pods and the
-  `metricsFrom` peers: a forged handle or a direct request needs that port.
+- Engines accept HTTP (port 8000) only from this resource's router pods, the
+  `metricsFrom` peers and the operator's pods: a forged handle or a direct request needs
+  that port. The operator reads a draining decode pod's /metrics there, for the
+  conversations it still holds (operator/reconcile/heldcount.py). It may run in any
+  namespace, so its pods are picked by the labels the chart gives them
+  (charts/bidir-kv/templates/deployment.yaml) in every namespace.
 - Engines accept anything from this resource's other engine pods: the NIXL side channel
   has a fixed port, but UCX (and libfabric over TCP) pick their transfer ports at run
   time, so the policy cannot name them.
@@ -17,6 +21,15 @@ from typing import Any
 
 from bidirkv.operator.api import spec as api
 from bidirkv.roleconfig import ENGINE_PORT, ROLES
+
+# The operator's pods, as the chart labels them (whatever its name or release).
+OPERATOR_POD_LABELS = {"app.kubernetes.io/part-of": "bidir-kv",
+                       "app.kubernetes.io/component": "operator"}
+
+
+def operator_peer() -> dict[str, Any]:
+    """The operator's pods in any namespace."""
+    return {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}
 
 
 def _peers(peers: list[api.PolicyPeer]) -> list[dict[str, Any]]:
@@ -55,7 +68,7 @@ def network_policies(metadata: Any, instance_labels: dict[str, str],
             "ingress": [
                 {"from": [{"podSelector": engines}]},
                 {"from": [{"podSelector": {"matchLabels": router_labels}},
-                          *_peers(np.metrics_from)],
+                          *_peers(np.metrics_from), operator_peer()],
                  "ports": [{"protocol": "TCP", "port": ENGINE_PORT}]},
             ],
         },

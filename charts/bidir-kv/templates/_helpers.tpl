@@ -126,7 +126,8 @@ the requests of a real operator run.
   resources: ["secrets"]
   verbs: ["create", "get"]
 # Engine pods, watched and listed by label: a pod being deleted drains, and the status
-# says which do and until when (only their metadata and spec are read).
+# says which do and until when (only their metadata, spec and pod IP are read: a draining
+# decode pod's engine is asked how many conversations it still holds).
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]
