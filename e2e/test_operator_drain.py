@@ -1,10 +1,15 @@
 """Leaving engine pods through the real operator and an API server over HTTP: a fixed-count
 scale-down keeps the leaving pod in the router's config until it is gone, so its drain can
-move the conversations it holds."""
+move the conversations it holds; the status says which pods drain, until when, and how
+many conversations each still holds, read from its engine's /metrics (the stand-in
+engine of tests/fake_engine.py, on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+
+from fake_engine import FakeEngine
 
 from bidirkv.operator.kube import KINDS
 from kubeapi.operatorenv import api_server, di_path, eventually, resource, running_operator
@@ -95,21 +100,41 @@ async def _drain_events(client):
     return [e for e in out.get("items", []) if e.get("reason") == "DrainTimedOut"]
 
 
+@contextlib.asynccontextmanager
+async def _decode_engine():
+    """A stand-in decode engine on 127.0.0.1: what a pod's engine port serves."""
+    engine = FakeEngine("decode")
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
 async def test_the_status_shows_draining_pods_and_one_event_when_a_drain_runs_out(minimal):
     minimal["spec"]["decode"] = {"replicas": 2}
-    async with api_server() as (server, client), running_operator(client) as op:
+    async with (api_server() as (server, client), running_operator(client) as op,
+                _decode_engine() as engine):
         await client.call("POST", di_path("ns1"), resource(minimal, "ns1"))
         st = await eventually(lambda: _status(client, lambda s: "decode" in s), what="status")
         assert st["decode"]["draining"] == 0
         assert _condition(st, "Draining")["status"] == "False"
         selector = st["decode"]["selector"]
 
+        # The pod's engine: it holds 3 conversations when its drain starts.
+        engine.behaviour.retained_requests = 3
         pod = _decode_pod("tiny-decode-1")
         # The labels the StatefulSet's template gives its pods: the selector's and the
         # operator's managed-by, which its watch of pods filters on.
         pod["metadata"]["labels"] = {**dict(p.split("=") for p in selector.split(",")),
                                      "app.kubernetes.io/managed-by": "bidir-kv-operator"}
+        # The engine port as the operator renders it, and the pod's IP as its kubelet
+        # reports it (status is the kubelet's: dropped on create).
+        pod["spec"]["containers"][0]["ports"] = [
+            {"name": "http", "containerPort": engine.port, "protocol": "TCP"}]
         await client.call("POST", "/api/v1/namespaces/ns1/pods", pod)
+        await client.call("PATCH", "/api/v1/namespaces/ns1/pods/tiny-decode-1/status",
+                          {"status": {"podIP": "127.0.0.1"}}, MERGE)
         # A pod of another resource is not this one's.
         await client.call("POST", "/api/v1/namespaces/ns1/pods",
                           _decode_pod("other-decode-0", instance="other"))
@@ -123,9 +148,15 @@ async def test_the_status_shows_draining_pods_and_one_event_when_a_drain_runs_ou
                               what="1 draining")
         (listed,) = st["decode"]["drainingPods"]
         assert listed["name"] == "tiny-decode-1" and listed["timedOut"] is False
+        # What it still holds, from its engine; the role's total and printer column.
+        assert listed["conversations"] == 3
+        assert st["decode"]["drainingConversations"] == 3
+        assert st["decode"]["drainingSummary"] == "1 (3 held)"
         cond = _condition(st, "Draining")
-        assert cond["status"] == "True" and "tiny-decode-1" in cond["message"]
+        assert cond["status"] == "True"
+        assert "tiny-decode-1 holds 3 conversations" in cond["message"]
         assert st["prefill"]["draining"] == 0
+        assert "drainingConversations" not in st["prefill"]
         assert not await _drain_events(client)
 
         # Past its deadline and still there: its drain ran out. One Event, by itself
@@ -138,6 +169,9 @@ async def test_the_status_shows_draining_pods_and_one_event_when_a_drain_runs_ou
         assert event["type"] == "Warning"
         assert event["involvedObject"]["name"] == "tiny"
         assert "tiny-decode-1" in event["message"] and "recompute" in event["message"]
+        # Past its deadline the engine stopped: the last reading is what was lost.
+        assert "still held 3 conversations" in event["message"]
+        assert st["decode"]["drainingPods"][0]["conversations"] == 3
         await set_pods(client, 2)  # another pass
         await op.idle()
         assert len(await _drain_events(client)) == 1
@@ -147,5 +181,7 @@ async def test_the_status_shows_draining_pods_and_one_event_when_a_drain_runs_ou
         st = await eventually(lambda: _status(client, lambda s: s["decode"]["draining"] == 0),
                               what="none draining")
         assert st["decode"]["drainingPods"] == []
+        assert st["decode"]["drainingSummary"] == "0"
+        assert "drainingConversations" not in st["decode"]
         assert _condition(st, "Draining")["status"] == "False"
         assert len(await _drain_events(client)) == 1

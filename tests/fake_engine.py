@@ -13,6 +13,10 @@ Decode also answers /bidirkv/residency as the plugin does, keeping the notes a r
 leaves beside the requests it handed out a handle for and paging them back on a recall
 (what bidirkv/connector/core/notes.py does), without its bounds or its signature check.
 
+/metrics serves vLLM's Prometheus text with bidir-kv's `vllm:bidirkv_retained_requests`
+gauge (what the operator reads from a draining decode pod): the requests decode handed
+out a handle for and still holds, or the count a test sets.
+
 Every request is recorded; behaviour can be changed at run time (fail, hang, stall or
 break mid-stream, return 5xx), and a request the client abandons is counted.
 
@@ -78,6 +82,10 @@ class Behaviour:
     # call with `"drain": true`; a call with false clears it)
     draining: bool = False
     max_model_len: int = 4096  # what /v1/models reports, as vLLM does
+    # decode: the count /metrics reports as vllm:bidirkv_retained_requests (None: the
+    # requests it handed out a handle for and still holds); prefill reports 0
+    retained_requests: int | None = None
+    metrics_status: int = 200  # /metrics answers with this status
 
 
 class FakeEngine:
@@ -119,6 +127,7 @@ class FakeEngine:
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         if self.role == "decode":
             app.router.add_post("/bidirkv/residency", self._residency)
         return app
@@ -175,6 +184,22 @@ class FakeEngine:
     async def _health(self, request: web.Request) -> web.Response:
         self.health_checks += 1
         return web.json_response({}, status=self.behaviour.health_status)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        """vLLM's /metrics as a decode engine with bidir-kv exports it (one engine)."""
+        if self.behaviour.metrics_status != 200:
+            return web.Response(status=self.behaviour.metrics_status)
+        n = self.behaviour.retained_requests
+        if n is None:
+            n = len(self.issued) if self.role == "decode" else 0
+        labels = f'engine="0",model_name="{self.model}"'
+        text = ("# HELP vllm:bidirkv_retained_requests Requests retained for a later turn.\n"
+                "# TYPE vllm:bidirkv_retained_requests gauge\n"
+                f"vllm:bidirkv_retained_requests{{{labels}}} {float(n)}\n"
+                "# HELP vllm:num_requests_running Requests running.\n"
+                "# TYPE vllm:num_requests_running gauge\n"
+                f"vllm:num_requests_running{{{labels}}} 0.0\n")
+        return web.Response(text=text, content_type="text/plain")
 
     async def _residency(self, request: web.Request) -> web.Response:
         """What the bidir-kv plugin's route answers (bidirkv/connector/endpoint.py), recorded."""

@@ -57,6 +57,17 @@ def _now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """`new` as a merge patch over `old`: fields it no longer has, at any depth of
+    objects, are removed (null deletes; a list is replaced whole)."""
+    patch: dict[str, Any] = {k: None for k in old if k not in new}
+    for k, v in new.items():
+        before = old.get(k)
+        patch[k] = _merge_patch(before, v) if isinstance(v, dict) and isinstance(
+            before, dict) else v
+    return patch
+
+
 def _key(obj: dict[str, Any]) -> Key:
     meta = obj["metadata"]
     return obj["kind"], meta.get("namespace", ""), meta["name"]
@@ -379,9 +390,7 @@ class Controller:
         if same_status(body.get("status") or {}, status):
             return
         meta = body["metadata"]
-        # Fields the new status no longer has are removed (merge patch: null deletes).
-        patch = {k: None for k in (body.get("status") or {}) if k not in status}
-        patch.update(status)
+        patch = _merge_patch(body.get("status") or {}, status)
         result = await self.client.patch_status(api.KIND, meta["namespace"], meta["name"], patch)
         if meta["uid"] in self.owners and result:
             self.owners[meta["uid"]] = result
