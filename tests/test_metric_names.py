@@ -69,3 +69,19 @@ def test_connector_metrics_follow_the_conventions_and_are_listed():
         assert name.startswith("vllm:bidirkv_") and SNAKE.match(name.split(":", 1)[1]), name
         assert label is None or label in BOUNDED_LABELS, (name, label)
         assert f"`{name}_total" in LISTED, name
+
+
+def connector_gauges() -> list[str]:
+    """The gauges the connector exports beside its counters (core/workingset.py)."""
+    from bidirkv.connector.core import workingset
+
+    return [v for k, v in vars(workingset).items() if k.endswith("_METRIC")]
+
+
+def test_connector_gauges_follow_the_conventions_and_are_listed():
+    gauges = connector_gauges()
+    assert "vllm:bidirkv_retained_requests" in gauges and len(gauges) >= 2
+    for name in gauges:
+        assert name.startswith("vllm:bidirkv_") and SNAKE.match(name.split(":", 1)[1]), name
+        assert not name.endswith("_total"), f"{name}: _total is for counters"
+        assert f"`{name}` (gauge)" in LISTED, name
