@@ -35,6 +35,7 @@ from bidirkv.local.engines import (  # noqa: E402
 from bidirkv.local.model import build_model, random_text  # noqa: E402
 from bidirkv.local.procs import Proc, merged_env, stop_all, wait_all_healthy  # noqa: E402
 from bidirkv.operator.api.spec import parse_spec  # noqa: E402
+from bidirkv.operator.reconcile.heldcount import fetch_retained, metrics_url  # noqa: E402
 
 from .vllm_stack import (  # noqa: E402
     KEY,
@@ -157,6 +158,13 @@ def run(tmp_path, procs, router_url, p_url, d_urls):
     wait_for(lambda: f"decode {leaving} is draining" in (tmp_path / "router.log").read_text(),
              "the router to see the drain", 10)
     assert leaver.alive()  # it holds conversations: it waits
+    # Its engine's gauge says how many, read as the operator reads a draining pod's.
+    pod = {"status": {"podIP": "127.0.0.1"},
+           "spec": {"containers": [{"ports": [{"name": "http",
+                                               "containerPort": int(leaving.rsplit(":", 1)[1])}]}]}}
+    held = len(convs[leaving])
+    assert wait_for(lambda: fetch_retained(metrics_url(pod)) == held,
+                    f"the leaving replica's gauge to show {held} retained", 10)
 
     reused = metric_reaches(p_url, "vllm:bidirkv_reused_tokens_total", 0)
     for msgs, ref in zip(nexts, refs, strict=True):
