@@ -216,3 +216,37 @@ async def test_an_entry_cannot_end_twice():
         await r.discard("reuse_failed")
     await r.release()  # nothing held: a no-op
     assert r.ended == reservation.CONSUMED and r.reuse == "hit"
+
+
+async def test_an_extend_at_the_watermark_keeps_the_handle_it_stored(monkeypatch):
+    """The extended handle holds the old one's history on decode: counted once, a replica
+    exactly at its watermark keeps it (auto-named conversations: a new key each turn)."""
+    ends = Ends(monkeypatch)
+    async with Cluster(config={**THRESHOLDS, "retentionWatermark": 1.0,
+                               "healthCheckIntervalSeconds": 0.05}) as c:
+        store, d = c.router.ctx.store, c.d[0]
+
+        async def two_turns(system: str, rid: str) -> int:
+            u1 = [{"role": "system", "content": system}, U1[1]]
+            r1 = await c.chat(u1, headers={"X-Request-Id": rid + "-1"})
+            r2 = await c.chat(u1 + [r1["message"], {"role": "user", "content": "ok"}],
+                              headers={"X-Request-Id": rid + "-2"})
+            assert r2["headers"]["X-Bidirkv-Placement"] == "extend; reason=short_append"
+            return await store.pinned(d.url)
+
+        extended = await two_turns("be brief", "x")  # the blocks of one extended handle
+        y1 = [{"role": "system", "content": "be terse"}, U1[1]]
+        r1 = await c.chat(y1, headers={"X-Request-Id": "y-1"})
+        d.behaviour.num_blocks = 2 * extended  # room for two extended handles, no more
+        for _ in range(100):
+            if c.router.ctx.residency.capacity(d.url) == 2 * extended:
+                break
+            await asyncio.sleep(0.02)
+        r2 = await c.chat(y1 + [r1["message"], {"role": "user", "content": "ok"}],
+                          headers={"X-Request-Id": "y-2"})
+        assert r2["headers"]["X-Bidirkv-Placement"] == "extend; reason=short_append"
+        assert await ends.settled() == [reservation.DISCARDED] * 2
+        assert await d.wait_released("y-1")  # what only the old request held
+        assert await store.pinned(d.url) == 2 * extended
+        assert "y-2" not in d.released and "x-2" not in d.released
+        assert 'reason="watermark"' not in await c.metrics()

@@ -74,19 +74,29 @@ class Case:
 
 # -- the steps ----------------------------------------------------------------------------
 def put(key: str, rid: str | None = None, url: str = D0, blocks: int = 2, engine: str = "e0",
-        ago: float | None = None, **kw: Any) -> Step:
+        ago: float | None = None, extends: str | None = None, **kw: Any) -> Step:
     """Store `key` (request id `rid`, else the key); kw: Kept's other fields; `ago`: kept
-    that many seconds before now."""
+    that many seconds before now; `extends`: the name of a taken handle it replaces."""
     rid = rid or key
 
     async def act(run: Run) -> None:
         run.clock.t += 0.001
         kept_at = run.clock.t - ago if ago is not None else kw.get("kept_at")
         fields = {k: v for k, v in kw.items() if k != "kept_at"}
+        if extends is not None:
+            fields["replaces"] = run.taken[extends]
         await run.store.put(Kept(key.encode(), b'{"rid":"%s"}' % rid.encode(), url, engine,
                                  100, request_id=rid, blocks=blocks, kept_at=kept_at,
                                  **fields))
     return Step(f"put {key}", act, method="put")
+
+
+def extend(name: str, key: str, rid: str, **kw: Any) -> Step:
+    """The holder of the handle taken under `name` extends it: the turn's new handle
+    `key` (request id `rid`) replaces it in the same put; the taken one is still the
+    turn's to end (discard)."""
+    step = put(key, rid, extends=name, **kw)
+    return Step(f"extend {name} -> {key}", step.act, method="put")
 
 
 def put_prefix(tenant: bytes, text: str, rid: str) -> Step:
@@ -334,6 +344,38 @@ CASES = [
         put("k3", blocks=3, max_pinned=7),
         evicted(watermark=["k3", "k2"]),
         call("pinned", 6, D0),
+    ]),
+    # The extended handle covers the old one's history plus the new turn, and decode
+    # holds that history once: counting both would trim what is really under the bounds.
+    Case("an extend counts the history it shares with the handle it replaces once", [
+        put("other", blocks=2),
+        put("conv", blocks=6),
+        look("conv", HIT),
+        extend("conv", "conv2", "conv2", blocks=7, max_pinned=10),  # 9 really pinned
+        call("pinned", 9, D0), call("count", 2),
+        evicted(),
+        discard("conv", "extended"),  # the turn's end: D frees what only it held
+        evicted(extended=["conv"]),
+        look("other", HIT), release("other"),
+        look("conv2", HIT),
+        # A superseded handle its turn releases unused does not come back beside its
+        # successor.
+        extend("conv2", "conv3", "conv3", blocks=8, max_pinned=10),
+        release("conv2"),
+        look("conv2", MISS), call("count", 2),
+        evicted(extended=["conv"], replaced=["conv2"]),
+    ], max_entries=2),
+    Case("an extend's new handle is not the victim of its own put", [
+        put("a", blocks=3), put("b", blocks=3), put("c", blocks=4),
+        look("c", HIT),
+        # An explicit id: the same key. 12 blocks over a watermark of 10: not the newest
+        # handle (this one) goes, but the next expected back last.
+        extend("c", "c", "c2", blocks=6, max_pinned=10),
+        evicted(watermark=["b"]),
+        call("pinned", 9, D0),
+        discard("c", "extended"),
+        evicted(watermark=["b"], extended=["c"]),
+        look("c", HIT, "c2"),
     ]),
 ]
 

@@ -126,7 +126,7 @@ class Conversations:
                 prefix_len=prefix_len, chars=self.held_chars(turn, collector),
                 prompt_key=self.prompt_key(turn),
                 request_id=rid, blocks=handle_blocks(kv), max_pinned=limit,
-                gap=turn.gap,
+                gap=turn.gap, replaces=turn.handle.superseded,
                 tenant_max_pinned=int(share * limit) if limit is not None and share < 1
                 else None)
             await ctx.store.put(kept)

@@ -95,6 +95,12 @@ class Reservation:
         """The holder itself takes the whole turn on top of what it keeps."""
         self.reuse = "extended"
 
+    @property
+    def superseded(self) -> Entry | None:
+        """The entry the turn's next handle replaces in the store (`Kept.replaces`): the
+        one its holder is extending, while the turn still holds it."""
+        return self.held if self.reuse == "extended" else None
+
     def count_once(self, metrics: Any) -> None:
         if not self.counted:
             metrics.reuse_outcome(self.reuse)

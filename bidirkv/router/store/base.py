@@ -44,7 +44,13 @@ EXPIRED = "expired"
 class Kept:
     """A handle decode kept, as `Store.put` takes it, and the block bounds of its replica
     at this moment (None: unbounded): `max_pinned` (the watermark) and `tenant_max_pinned`
-    (the tenant's share of it), kept once it is stored."""
+    (the tenant's share of it), kept once it is stored.
+
+    `replaces`: the entry this handle supersedes when its holder extended it (the turn
+    holds it reserved). The new handle shares its history on decode, so the put takes
+    the old one out of every count and bound in the same step, and never picks the new
+    one as a victim of its own bounds; ending the old one (its blocks that only it held)
+    is left to the turn (`discard`)."""
 
     key: bytes
     params: bytes
@@ -61,6 +67,7 @@ class Kept:
     gap: float | None = None
     max_pinned: int | None = None
     tenant_max_pinned: int | None = None
+    replaces: Entry | None = None
 
 
 # eq=False: an entry is one stored handle; the stores tell a replaced one from its

@@ -33,6 +33,14 @@ from bidirkv.router.store.base import (
 Tenants = dict[bytes | None, OrderedDict[bytes, Entry]]
 
 
+def _first_but(entries: OrderedDict[bytes, Entry], spare: Entry | None) -> Entry | None:
+    """The oldest of `entries` other than `spare`."""
+    for entry in entries.values():
+        if entry is not spare:
+            return entry
+    return None
+
+
 class Index:
     """The entries in store order and, kept in step with them, what the bounds take
     entries by: blocks pinned per replica, per tenant its entries (oldest first), per
@@ -138,6 +146,9 @@ class InProcessStore:
         self._on_evict = on_evict
         # The gap a handle without one is ranked by (a moving average of the gaps stored).
         self.prior_gap: float | None = None
+        # Reserved entries an extend's put took out of the indexes (Kept.replaces): no
+        # longer counted, but still a turn's to end, and so to hand to `on_evict`.
+        self._superseded: set[Entry] = set()
 
     def __len__(self) -> int:
         return len(self.ix.entries)
@@ -173,6 +184,10 @@ class InProcessStore:
 
     # -- writes and the bounds ------------------------------------------------------------
     async def put(self, kept: Kept) -> None:
+        """An extend's put (`kept.replaces`) takes the old handle out of the counts
+        first and spares the new one from its own bounds (see Kept)."""
+        if kept.replaces is not None and self.ix.remove(kept.replaces):
+            self._superseded.add(kept.replaces)
         old = self.ix.entries.get(kept.key)
         if old is not None:
             self._drop("replaced", [old])
@@ -182,25 +197,30 @@ class InProcessStore:
             self.prior_gap = next_gap(self.prior_gap, kept.gap)
         self.ix.add(entry, rank_gap(entry, self.prior_gap),
                     self._wall() + entry.expires_at - now)
-        self._trim()
-        self._trim_tenant(kept.tenant)
+        spare = entry if kept.replaces is not None else None
+        self._trim(spare)
+        self._trim_tenant(kept.tenant, spare)
         if kept.tenant_max_pinned is not None:
-            self._trim_tenant_replica(kept.decode_url, kept.tenant, kept.tenant_max_pinned)
+            self._trim_tenant_replica(kept.decode_url, kept.tenant, kept.tenant_max_pinned,
+                                      spare)
         if kept.max_pinned is not None:
-            await self.trim_replica(kept.decode_url, kept.max_pinned)
+            self._trim_replica(kept.decode_url, kept.max_pinned, "watermark", spare)
 
-    def _trim(self) -> None:
-        """The entry bound: the oldest entry of the tenant holding the most."""
+    def _trim(self, spare: Entry | None = None) -> None:
+        """The entry bound: the oldest entry of the tenant holding the most (never
+        `spare`)."""
         doomed = []
         ix = self.ix
         while len(ix.entries) > self.max_entries:
             mine = ix.by_tenant.get(ix.tenant_entries.heaviest())
-            old = next(iter((mine or ix.entries).values()))
+            old = (_first_but(mine, spare) if mine else None) or _first_but(ix.entries, spare)
+            if old is None:
+                break
             ix.remove(old)
             doomed.append(old)
         self._evicted("lru", doomed)
 
-    def _trim_tenant(self, tenant: bytes | None) -> None:
+    def _trim_tenant(self, tenant: bytes | None, spare: Entry | None = None) -> None:
         """The tenant's own entry cap: its oldest unreserved entries go first, chosen
         before any is removed, so a put costs what it drops, not the tenant's size."""
         if self.max_per_tenant is None:
@@ -210,12 +230,13 @@ class InProcessStore:
         for entry in self.ix.by_tenant.get(tenant, {}).values():
             if excess <= 0:
                 break
-            if not entry.reserved:
+            if not entry.reserved and entry is not spare:
                 doomed.append(entry)
                 excess -= 1
         self._drop("tenant_cap", doomed)
 
-    def _trim_tenant_replica(self, url: str, tenant: bytes | None, max_blocks: int) -> None:
+    def _trim_tenant_replica(self, url: str, tenant: bytes | None, max_blocks: int,
+                             spare: Entry | None = None) -> None:
         """The tenant's unreserved handles on the replica, expected back last first,
         until it pins at most `max_blocks` there."""
         tally = self.ix.rep_blocks.get(url)
@@ -224,7 +245,8 @@ class InProcessStore:
         now = self._wall()
         while excess > 0:
             # One that pins nothing would free nothing.
-            victim = self.ix.victim(url, tenant, now, lambda e: e.reserved or not e.blocks)
+            victim = self.ix.victim(url, tenant, now,
+                                    lambda e: e.reserved or not e.blocks or e is spare)
             if victim is None:
                 break
             self.ix.remove(victim)
@@ -234,17 +256,24 @@ class InProcessStore:
 
     async def trim_replica(self, decode_url: str, max_blocks: int,
                            reason: str = "watermark") -> int:
+        return self._trim_replica(decode_url, max_blocks, reason)
+
+    def _trim_replica(self, decode_url: str, max_blocks: int, reason: str,
+                      spare: Entry | None = None) -> int:
         """Drop unreserved handles of the replica until it pins at most `max_blocks`: of
         the tenant pinning the most there, the one expected back last (else, all of
-        theirs reserved, the first to go of any tenant's there)."""
+        theirs reserved, the first to go of any tenant's there); never `spare`."""
         ix, doomed, now = self.ix, [], self._wall()
+
+        def skip(e: Entry) -> bool:
+            return e.reserved or e is spare
         while ix.pinned.get(decode_url, 0) > max_blocks:
             tally = ix.rep_blocks.get(decode_url)
             tenant = tally.heaviest() if tally is not None else None
-            victim = ix.victim(decode_url, tenant, now)
+            victim = ix.victim(decode_url, tenant, now, skip)
             if victim is None:
                 free = [e for t in list(ix.orders.get(decode_url, {}))
-                        if (e := ix.victim(decode_url, t, now)) is not None]
+                        if (e := ix.victim(decode_url, t, now, skip)) is not None]
                 victim = max(free, key=lambda e: release_key(
                     now, e.kept_at, rank_gap(e, self.prior_gap)), default=None)
             if victim is None:
@@ -288,19 +317,30 @@ class InProcessStore:
         return outcome, None
 
     async def release(self, entry: Entry) -> None:
-        """P was never asked: the handle is still good for the next attempt."""
+        """P was never asked: the handle is still good for the next attempt, unless an
+        extend's handle took its place."""
+        if self._ended_superseded(entry):
+            self._evicted("replaced", [entry])
         entry.reserved = False
 
     async def consume(self, entry: Entry) -> None:
         """P read the blocks; D has freed them, the handle is spent."""
         self.ix.remove(entry)
+        self._ended_superseded(entry)
 
     async def discard(self, entry: Entry, reason: str) -> None:
         self.forget(entry, reason)
 
     def forget(self, entry: Entry, reason: str) -> None:
-        if self.ix.remove(entry):
+        if self.ix.remove(entry) or self._ended_superseded(entry):
             self._evicted(reason, [entry])
+
+    def _ended_superseded(self, entry: Entry) -> bool:
+        """Whether `entry` was superseded by an extend and not yet ended (now it is)."""
+        if entry in self._superseded:
+            self._superseded.remove(entry)
+            return True
+        return False
 
     async def end(self, key: bytes) -> bool:
         """The client ended the conversation: drop its handle (reserved or not)."""

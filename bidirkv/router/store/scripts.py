@@ -104,7 +104,8 @@ return {old, redis.call('ZCARD', KEYS[2]),
 
 
 # Take entries while a bound is exceeded, in one round trip. ARGV: prefix, kind, replica
-# url, tenant, bound, limit, now (Unix seconds). Kinds, and whose entry goes:
+# url, tenant, bound, limit, now (Unix seconds), spare (a key never taken: the handle an
+# extend's put just stored; '' for none). Kinds, and whose entry goes:
 #   count       all entries > bound: the tenant with the most entries, its oldest
 #   pin         blocks on the replica > bound: the tenant pinning the most there
 #   tenant      the tenant's entries > bound: the tenant's oldest
@@ -116,7 +117,14 @@ return {old, redis.call('ZCARD', KEYS[2]),
 TRIM = _UNINDEX + """
 local p, kind, url, t = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local bound, limit, now = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local spare = ARGV[8] or ''
 local function score(z, m) return tonumber(redis.call('ZSCORE', z, m) or '0') end
+-- The first of a sorted set's two ends other than the spared key: its member and score.
+local function first(z, rev)
+  local top = redis.call(rev and 'ZREVRANGE' or 'ZRANGE', z, 0, 1, 'WITHSCORES')
+  if top[1] == spare then return top[3], top[4] end
+  return top[1], top[2]
+end
 local function heaviest(z)
   local top = redis.call('ZREVRANGE', z, 0, 0)
   return top[1] or ''
@@ -144,13 +152,13 @@ local function by_value(index)
   local due_z, back_z = p .. 'rto:' .. rt, p .. 'rte:' .. rt
   for _ = 1, 64 do
     local k, z
-    local due = redis.call('ZRANGE', due_z, 0, 0, 'WITHSCORES')
-    if #due > 0 and tonumber(due[2]) < now then
-      k, z = due[1], 'rto:' .. rt
+    local due, due_at = first(due_z)
+    if due and tonumber(due_at) < now then
+      k, z = due, 'rto:' .. rt
     else
-      local back = redis.call('ZREVRANGE', back_z, 0, 0)
-      if #back == 0 then return nil end
-      k, z = back[1], 'rte:' .. rt
+      k = first(back_z, true)
+      if not k then return nil end
+      z = 'rte:' .. rt
     end
     if redis.call('ZSCORE', p .. index, k) then return k, z end
     redis.call('ZREM', due_z, k)
@@ -167,10 +175,10 @@ for _ = 1, limit do
     local k, valued = by_value(index)
     if k then m, index = {k}, valued end
   end
-  if #m == 0 then m = redis.call('ZRANGE', p .. index, 0, 0) end
+  if #m == 0 then m = {first(p .. index)} end
   if #m == 0 and fallback then
     index = fallback
-    m = redis.call('ZRANGE', p .. index, 0, 0)
+    m = {first(p .. index)}
   end
   if #m == 0 then break end
   local k = m[1]

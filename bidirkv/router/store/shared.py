@@ -156,6 +156,9 @@ class RedisStore:
         # The gap a handle without one is ranked by: this router's moving average of the
         # gaps it stored (base.rank_gap).
         self.prior_gap: float | None = None
+        # Entries this router took that an extend's put replaced (Kept.replaces), until
+        # their turn ends them.
+        self._superseded: set[Entry] = set()
 
     @classmethod
     def from_url(cls, url: str, password: str | None, ttl_seconds: float, max_entries: int,
@@ -258,25 +261,36 @@ class RedisStore:
         entry = Entry.of(kept, now + self.ttl, now)
         if kept.gap is not None:
             self.prior_gap = next_gap(self.prior_gap, kept.gap)
+        if kept.replaces is not None:
+            # Taken out of the store at lookup, so counted nowhere already; the mark
+            # keeps a release from storing it again beside its successor.
+            self._superseded.add(kept.replaces)
         old, (count, pinned, mine, mine_pinned) = await self._store(entry,
                                                                     only_if_absent=False)
         if old is not None:
             self._evicted("replaced", [old])
         t = kept.tenant.hex() if kept.tenant is not None else ""
+        spare = entry.key.hex() if kept.replaces is not None else ""
         if self.max_per_tenant is not None and mine > self.max_per_tenant:
             self._evicted("tenant_cap", await self._trim_index(
-                "tenant", "", t, self.max_per_tenant))
+                "tenant", "", t, self.max_per_tenant, spare))
         if count > self.max_entries:
-            await self._trim()
+            self._evicted("lru", await self._trim_index("count", "", "", self.max_entries,
+                                                        spare))
         cap = kept.tenant_max_pinned
         if cap is not None and mine_pinned > cap:
             self._evicted("tenant_cap", await self._trim_index(
-                "tenantpin", kept.decode_url, t, cap))
+                "tenantpin", kept.decode_url, t, cap, spare))
         if kept.max_pinned is not None and pinned > kept.max_pinned:
-            await self.trim_replica(kept.decode_url, kept.max_pinned)
+            self._evicted("watermark", await self._trim_index(
+                "pin", kept.decode_url, "", kept.max_pinned, spare))
 
     async def release(self, entry: Entry) -> None:
         """P was never asked: back in the store, unless a newer handle took its place."""
+        if entry in self._superseded:
+            self._superseded.remove(entry)
+            self._evicted("replaced", [entry])
+            return
         if entry.expires_at <= self._clock():
             self._evicted("ttl", [entry])
             return
@@ -285,12 +299,13 @@ class RedisStore:
             self._evicted("replaced", [entry])
 
     async def consume(self, entry: Entry) -> None:
-        return None  # taken at lookup: nothing left in the store
+        self._superseded.discard(entry)  # taken at lookup: nothing left in the store
 
     async def discard(self, entry: Entry, reason: str) -> None:
-        self._evicted(reason, [entry])
+        self.forget(entry, reason)
 
     def forget(self, entry: Entry, reason: str) -> None:
+        self._superseded.discard(entry)
         self._evicted(reason, [entry])  # taken at lookup: only the blocks remain
 
     async def end(self, key: bytes) -> bool:
@@ -309,14 +324,13 @@ class RedisStore:
                 out.append(e)
         return out
 
-    async def _trim_index(self, kind: str, url: str, tenant: str, bound: int) -> list[Entry]:
+    async def _trim_index(self, kind: str, url: str, tenant: str, bound: int,
+                          spare: str = "") -> list[Entry]:
+        """TRIM (scripts.py); `spare`: a key it never takes (hex)."""
         raw = await self.breaker.call("trim", self._trim_script, keys=[],
                                       args=[self.prefix, kind, url, tenant, bound, TRIM_LIMIT,
-                                            repr(self._clock())])
+                                            repr(self._clock()), spare])
         return [_entry(v) for v in raw or ()]
-
-    async def _trim(self) -> None:
-        self._evicted("lru", await self._trim_index("count", "", "", self.max_entries))
 
     async def trim_replica(self, decode_url: str, max_blocks: int,
                            reason: str = "watermark") -> int:
