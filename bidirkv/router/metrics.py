@@ -128,12 +128,26 @@ class Metrics:
         self._reuse = {o: self.reuse.labels(o) for o in REUSE_OUTCOMES}
         self._ttft = {}
         self._leg = {}
+        self._placed = {}
+        self._reused = {}
 
     def request(self, route: str, outcome: str) -> None:
         child = self._req.get((route, outcome))
         if child is None:
             child = self._req[(route, outcome)] = self.requests.labels(route, outcome)
         child.inc()
+
+    def placed(self, path: str, reason: str) -> None:
+        child = self._placed.get((path, reason))
+        if child is None:
+            child = self._placed[(path, reason)] = self.placements.labels(path, reason)
+        child.inc()
+
+    def reused(self, source: str, tokens: int) -> None:
+        child = self._reused.get(source)
+        if child is None:
+            child = self._reused[source] = self.tokens_reused.labels(source)
+        child.inc(tokens)
 
     def reuse_outcome(self, outcome: str) -> None:
         self._reuse[outcome].inc()

@@ -158,7 +158,7 @@ class Legs:
             if entry.num_tokens >= ctx.cfg.kv_recompute_threshold:
                 ctx.metrics.tokens_offered.inc(entry.num_tokens)
             if report is not None and report.reused_tokens:
-                ctx.metrics.tokens_reused.labels(report.source).inc(report.reused_tokens)
+                ctx.metrics.reused(report.source, report.reused_tokens)
 
     async def decode_leg(self, request: web.Request, turn: Turn, p: Backend,
                          p_body: dict[str, Any], d: Backend, rid: str

@@ -69,7 +69,7 @@ class Placing:
                                 holder_draining=holder is not None and holder.draining),
                          turn.modes.placement, ctx.costs.costs)
         turn.placed = decision
-        ctx.metrics.placements.labels(decision.path, decision.reason).inc()
+        ctx.metrics.placed(decision.path, decision.reason)
         if decision.path == EXTEND:
             return holder
         if decision.path == ON_DECODE:
