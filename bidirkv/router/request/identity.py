@@ -34,6 +34,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
+from functools import lru_cache
 from typing import Any
 
 from bidirkv.router.codec import canonical
@@ -58,6 +59,8 @@ _OVERFLOW_LEN = 2 * TENANT_LEN
 # Tenants remembered across every source, at most (the oldest sources forgotten first).
 MAX_TRACKED_TENANTS = 100_000
 MAX_WARNED_SOURCES = 1024
+# Salts, labels and explicit keys kept per router (a few hundred bytes each).
+KEYED_CACHE = 4096
 
 
 def accounting_tenant(tenant: bytes) -> bytes:
@@ -147,10 +150,16 @@ class ChatHistory:
 class LookupKeys:
     """Every lookup key of one router: tenants, explicit ids, chat histories, prompts."""
 
-    __slots__ = ("_key",)
+    __slots__ = ("_key", "cache_salt", "conversation_label", "explicit_key")
 
     def __init__(self, handle_key: bytes | None = None) -> None:
         self._key = derive_hash_key(handle_key) if handle_key else _PROCESS_HASH_KEY
+        # Pure in their arguments and asked for on every turn of a conversation: the
+        # conversations in use hash once, not per turn (bounded: a bot's fresh ids only
+        # push older ones out).
+        self.cache_salt = lru_cache(KEYED_CACHE)(self._cache_salt)
+        self.conversation_label = lru_cache(KEYED_CACHE)(self._conversation_label)
+        self.explicit_key = lru_cache(KEYED_CACHE)(self._explicit_key)
 
     def _hasher(self, *parts: bytes) -> Any:
         h = hashlib.blake2b(digest_size=16, key=self._key)
@@ -170,14 +179,14 @@ class LookupKeys:
         group = self._hasher(b"overflow", source.encode("utf-8", "surrogatepass")).digest()
         return group + isolation_tenant(tenant)
 
-    def conversation_label(self, tenant: bytes, conversation_id: str) -> str:
+    def _conversation_label(self, tenant: bytes, conversation_id: str) -> str:
         """For logs and spans: correlates one conversation's lines without its id. Keyed
         and per tenant, so a guessed id cannot be tested against it and one id of two
         tenants reads as two; the same on every replica that holds the handle key."""
         return self._hasher(b"label", isolation_tenant(tenant),
                             conversation_id.encode("utf-8", "surrogatepass")).hexdigest()[:10]
 
-    def cache_salt(self, tenant: bytes, client_salt: str | None = None) -> str:
+    def _cache_salt(self, tenant: bytes, client_salt: str | None = None) -> str:
         """The tenant's `cache_salt`: vLLM's prefix cache (and the connector's digests)
         match only requests of one salt, so no tenant's timing can tell whether another's
         prompt is cached. The same salt turn after turn: a tenant's own conversations
@@ -188,7 +197,7 @@ class LookupKeys:
             h.update(client_salt.encode("utf-8", "surrogatepass"))
         return h.hexdigest()[:SALT_HEX_LEN]
 
-    def explicit_key(self, tenant: bytes, conversation_id: str) -> bytes:
+    def _explicit_key(self, tenant: bytes, conversation_id: str) -> bytes:
         return self._hasher(b"id", isolation_tenant(tenant),
                             conversation_id.encode("utf-8", "surrogatepass")).digest()
 
