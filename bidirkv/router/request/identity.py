@@ -120,13 +120,16 @@ def canonical_message(message: Mapping[str, Any]) -> bytes:
     tokens D computed for them are the connector's concern (verified reuse), not the
     router's.
     """
+    # Plain text and no tool calls (most messages) skip the helpers' calls.
+    content = message.get("content")
+    calls = message.get("tool_calls")
     return canonical(
         [
             message.get("role"),
-            _content(message.get("content")),
+            content if type(content) is str else _content(content),
             message.get("name"),
             message.get("tool_call_id"),
-            _tool_calls(message.get("tool_calls")),
+            None if calls is None else _tool_calls(calls),
         ]
     )
 
