@@ -188,3 +188,24 @@ async def test_the_prefix_index_forgets_dropped_entries():
     await s.put(Kept(completion_key(t, "abc"), b"x", D0, tenant=t, prefix_len=3))
     await put(s, b"other", "other")  # LRU-evicts the prefix entry
     assert s.ix.lengths == {}
+
+
+async def test_a_stored_handle_costs_little_beside_its_params():
+    """The in-process store's own cost per handle (entry, indexes, return order), its
+    params apart: 100k handles must fit a small pod (docs/benchmarks.md#router-overhead)."""
+    import tracemalloc
+
+    s = InProcessStore(600, 10**6, None)
+    n, params = 20_000, b'{"remote_block_ids":[[1,2,3]]}'
+    keys = [i.to_bytes(16, "big") for i in range(n)]
+    rids = [f"chatcmpl-{i:032x}" for i in range(n)]
+    tracemalloc.start()
+    try:
+        for key, rid in zip(keys, rids, strict=True):
+            await s.put(Kept(key, params, D0, "engine-0", 1023, tenant=bytes(16),
+                             request_id=rid, blocks=64, gap=2.5, max_pinned=10**9))
+        per_handle = tracemalloc.get_traced_memory()[0] / n
+    finally:
+        tracemalloc.stop()
+    assert len(s) == n
+    assert per_handle < 560, per_handle  # 481 measured; 694 with three OrderedDicts

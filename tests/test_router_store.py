@@ -12,6 +12,7 @@ in tests/test_router_handlestore.py.
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -380,6 +381,11 @@ CASES = [
 ]
 
 
+# One server for the module: each run its own prefix (an object's id may be reused once
+# it is freed, and a prefix reused would see the keys an earlier case left).
+PREFIXES = itertools.count()
+
+
 @pytest.fixture(scope="module")
 def redis_server():
     server = started()
@@ -394,7 +400,8 @@ async def open_store(kind: str, case: Case, run: Run, request: Any) -> Any:
     else:
         server = request.getfixturevalue("redis_server")
         store = RedisStore.from_url(server.url, None, case.ttl, case.max_entries,
-                                    run.on_evict, prefix=f"case{id(run)}:", clock=run.clock)
+                                    run.on_evict, prefix=f"case{next(PREFIXES)}:",
+                                    clock=run.clock)
         await store.start()
     store.configure(case.ttl, case.max_entries, case.max_per_tenant)
     return store

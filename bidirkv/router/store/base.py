@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import itertools
 import math
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -105,6 +104,11 @@ class Entry:
     gap: float | None = None
     reserved: bool = False
 
+    def __lt__(self, other: Entry) -> bool:
+        # Ties in the return orders go by key (no rule of the store): a heap item is
+        # (time, entry), without a counter of its own (~44 bytes a handle, two heaps).
+        return self.key < other.key
+
     @classmethod
     def of(cls, kept: Kept, expires_at: float, now: float) -> Entry:
         """The entry a put stores; `now` (Unix seconds) stands for an unknown `kept_at`."""
@@ -163,7 +167,6 @@ def rank_gap(entry: Entry, prior: float | None) -> float:
     return prior or 0.0
 
 
-_SEQ = itertools.count()  # ties go to the handle stored first
 # Below this many items a heap is never rebuilt: rebuilding would cost more than it saves.
 _COMPACT_MIN = 64
 
@@ -178,15 +181,14 @@ class ReturnOrder:
     __slots__ = ("_due", "_back")
 
     def __init__(self) -> None:
-        self._due: list[tuple[float, int, Entry]] = []
-        self._back: list[tuple[float, int, Entry]] = []
+        self._due: list[tuple[float, Entry]] = []
+        self._back: list[tuple[float, Entry]] = []
 
     def add(self, entry: Entry, gap: float, expires: float = math.inf) -> None:
         """`expires`: when the handle expires, on the clock of `kept_at` (an expired one
         is overdue whatever its gap)."""
-        seq = next(_SEQ)
-        heapq.heappush(self._due, (overdue_at(entry.kept_at, gap, expires), seq, entry))
-        heapq.heappush(self._back, (-expected_at(entry.kept_at, gap), seq, entry))
+        heapq.heappush(self._due, (overdue_at(entry.kept_at, gap, expires), entry))
+        heapq.heappush(self._back, (-expected_at(entry.kept_at, gap), entry))
 
     def victim(self, now: float, live: Callable[[Entry], bool],
                skip: Callable[[Entry], bool]) -> Entry | None:
@@ -194,27 +196,27 @@ class ReturnOrder:
         pinning nothing); dead ones met on the way are discarded."""
         due = self._top(self._due, live, skip)
         if due is not None and due[0] < now:
-            return due[2]
+            return due[1]
         back = self._top(self._back, live, skip)
-        return back[2] if back is not None else None
+        return back[1] if back is not None else None
 
     def compact(self, live: Callable[[Entry], bool], alive: int) -> None:
         """Rebuild the heaps without dead items once they outnumber the `alive` ones."""
         for heap in (self._due, self._back):
             if len(heap) > max(_COMPACT_MIN, 2 * alive):
-                heap[:] = [item for item in heap if live(item[2])]
+                heap[:] = [item for item in heap if live(item[1])]
                 heapq.heapify(heap)
 
     @staticmethod
-    def _top(heap: list[tuple[float, int, Entry]], live: Callable[[Entry], bool],
-             skip: Callable[[Entry], bool]) -> tuple[float, int, Entry] | None:
+    def _top(heap: list[tuple[float, Entry]], live: Callable[[Entry], bool],
+             skip: Callable[[Entry], bool]) -> tuple[float, Entry] | None:
         aside = []  # skipped, not dead: back on the heap after the look
         found = None
         while heap:
             item = heap[0]
-            if not live(item[2]):
+            if not live(item[1]):
                 heapq.heappop(heap)
-            elif skip(item[2]):
+            elif skip(item[1]):
                 aside.append(heapq.heappop(heap))
             else:
                 found = item

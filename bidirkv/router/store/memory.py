@@ -11,6 +11,7 @@ The rules it keeps are the store's (base.py); `Index` holds what they look entri
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -33,7 +34,7 @@ from bidirkv.router.store.base import (
 Tenants = dict[bytes | None, OrderedDict[bytes, Entry]]
 
 
-def _first_but(entries: OrderedDict[bytes, Entry], spare: Entry | None) -> Entry | None:
+def _first_but(entries: dict[bytes, Entry], spare: Entry | None) -> Entry | None:
     """The oldest of `entries` other than `spare`."""
     for entry in entries.values():
         if entry is not spare:
@@ -44,15 +45,21 @@ def _first_but(entries: OrderedDict[bytes, Entry], spare: Entry | None) -> Entry
 class Index:
     """The entries in store order and, kept in step with them, what the bounds take
     entries by: blocks pinned per replica, per tenant its entries (oldest first), per
-    replica per tenant likewise with their blocks and return order, per tenant the prompt
-    lengths stored. An OrderedDict entry costs ~110 bytes: 100k handles are held in three
-    of them."""
+    replica per tenant their number, blocks and return order, per tenant the prompt
+    lengths stored. An OrderedDict entry costs ~105 bytes, a dict's ~52: only the
+    tenants' entries, taken from the oldest at every put over a bound, are OrderedDicts.
+    All entries are a dict (in store order too; only the sweep reads its oldest, once a
+    round, where a dict may first pass over the slots of entries removed since it last
+    grew), and a replica's own handles are found by a pass over all of them (a replica
+    leaving is rare; a pass over 100k takes milliseconds)."""
 
     def __init__(self) -> None:
-        self.entries: OrderedDict[bytes, Entry] = OrderedDict()
+        self.entries: dict[bytes, Entry] = {}
         self.pinned: dict[str, int] = {}
         self.by_tenant: Tenants = {}
-        self.by_rep: dict[str, Tenants] = {}
+        self.rep_count: dict[str, dict[bytes | None, int]] = {}
+        # One bytes object per tenant, shared by its entries (each turn's is a new one).
+        self.tenant_names: dict[bytes, bytes] = {}
         self.tenant_entries = Weights()
         self.rep_blocks: dict[str, Weights] = {}
         self.orders: dict[str, dict[bytes | None, ReturnOrder]] = {}
@@ -64,16 +71,21 @@ class Index:
     def add(self, entry: Entry, gap: float, expires_wall: float) -> None:
         """Index `entry`, ranked by `gap`; `expires_wall`: its expiry on the clock of
         `kept_at`."""
+        if entry.tenant is not None:
+            entry.tenant = self.tenant_names.setdefault(entry.tenant, entry.tenant)
+        if entry.engine_id is not None:  # one per decode engine, parsed anew each turn
+            entry.engine_id = sys.intern(entry.engine_id)
         key, url, tenant, blocks = entry.key, entry.decode_url, entry.tenant, entry.blocks
         self.entries[key] = entry
         self.pinned[url] = self.pinned.get(url, 0) + blocks
         self.by_tenant.setdefault(tenant, OrderedDict())[key] = entry
-        self.by_rep.setdefault(url, {}).setdefault(tenant, OrderedDict())[key] = entry
+        counts = self.rep_count.setdefault(url, {})
+        alive = counts[tenant] = counts.get(tenant, 0) + 1
         self.tenant_entries.add(tenant, 1)
         self.rep_blocks.setdefault(url, Weights()).add(tenant, blocks)
         order = self.orders.setdefault(url, {}).setdefault(tenant, ReturnOrder())
         order.add(entry, gap, expires_wall)
-        order.compact(self.live, len(self.by_rep[url][tenant]))
+        order.compact(self.live, alive)
         if tenant is not None and entry.prefix_len > 0:
             self.lengths.setdefault(tenant, Lengths()).add(entry.prefix_len)
 
@@ -85,7 +97,7 @@ class Index:
         self._unindex(entry)
         url = entry.decode_url
         left = self.pinned.get(url, 0) - entry.blocks
-        if left > 0 or url in self.by_rep:
+        if left > 0 or url in self.rep_count:
             self.pinned[url] = left
         else:
             self.pinned.pop(url, None)
@@ -99,20 +111,26 @@ class Index:
                 lengths.remove(entry.prefix_len)
                 if not lengths.counts:
                     del self.lengths[tenant]
-        tenants = self.by_rep.get(url, {})
-        for index in (self.by_tenant, tenants):
-            entries = index.get(tenant)
-            if entries is not None:
-                entries.pop(key, None)
-                if not entries:
-                    del index[tenant]
+        entries = self.by_tenant.get(tenant)
+        if entries is not None:
+            entries.pop(key, None)
+            if not entries:
+                del self.by_tenant[tenant]
+                if tenant is not None:
+                    self.tenant_names.pop(tenant, None)
+        tenants = self.rep_count.get(url, {})
+        left = tenants.get(tenant, 0) - 1
+        if left > 0:
+            tenants[tenant] = left
+        else:
+            tenants.pop(tenant, None)
         orders = self.orders.get(url, {})
         if tenant not in tenants:  # its last handle there: the heaps hold only dead ones
             orders.pop(tenant, None)
         if not orders:
             self.orders.pop(url, None)
         if not tenants:
-            self.by_rep.pop(url, None)
+            self.rep_count.pop(url, None)
         self.tenant_entries.add(tenant, -1)
         tally = self.rep_blocks.get(url)
         if tally is not None:
@@ -354,10 +372,11 @@ class InProcessStore:
     async def drop_replica(self, decode_url: str, reason: str,
                            keep_engine_id: str | None = None) -> int:
         """Drop every handle of one decode replica (except those of `keep_engine_id`)."""
+        if decode_url not in self.ix.rep_count:
+            return 0
         return self._drop(reason, [
-            e for entries in self.ix.by_rep.get(decode_url, {}).values()
-            for e in entries.values()
-            if keep_engine_id is None or e.engine_id != keep_engine_id])
+            e for e in self.ix.entries.values() if e.decode_url == decode_url
+            and (keep_engine_id is None or e.engine_id != keep_engine_id)])
 
     async def sweep(self) -> int:
         """Drop expired entries. Insertion order is (nearly) expiry order, so stop early."""
