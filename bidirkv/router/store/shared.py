@@ -156,8 +156,7 @@ class RedisStore:
         # The gap a handle without one is ranked by: this router's moving average of the
         # gaps it stored (base.rank_gap).
         self.prior_gap: float | None = None
-        # Entries this router took that an extend's put replaced (Kept.replaces), until
-        # their turn ends them.
+        # Taken entries an extend's put replaced (Kept.replaces): a release drops them.
         self._superseded: set[Entry] = set()
 
     @classmethod
@@ -261,9 +260,7 @@ class RedisStore:
         entry = Entry.of(kept, now + self.ttl, now)
         if kept.gap is not None:
             self.prior_gap = next_gap(self.prior_gap, kept.gap)
-        if kept.replaces is not None:
-            # Taken out of the store at lookup, so counted nowhere already; the mark
-            # keeps a release from storing it again beside its successor.
+        if kept.replaces is not None:  # counted nowhere (taken at lookup): only marked
             self._superseded.add(kept.replaces)
         old, (count, pinned, mine, mine_pinned) = await self._store(entry,
                                                                     only_if_absent=False)
@@ -275,8 +272,7 @@ class RedisStore:
             self._evicted("tenant_cap", await self._trim_index(
                 "tenant", "", t, self.max_per_tenant, spare))
         if count > self.max_entries:
-            self._evicted("lru", await self._trim_index("count", "", "", self.max_entries,
-                                                        spare))
+            self._evicted("lru", await self._trim_index("count", "", "", self.max_entries, spare))
         cap = kept.tenant_max_pinned
         if cap is not None and mine_pinned > cap:
             self._evicted("tenant_cap", await self._trim_index(
