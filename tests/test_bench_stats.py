@@ -196,3 +196,12 @@ def test_bench_config_refuses_nonsense():
         BenchConfig(url="http://x", new_tokens=0)
     with pytest.raises(ValueError, match=">= 0"):
         BenchConfig(url="http://x", settle_s=-1)
+
+
+def test_run_document_is_json_and_never_holds_the_handle_key():
+    import json
+
+    from bidirkv.bench.report import run_document
+    cfg = BenchConfig(url="http://127.0.0.1:1", handle_key=b"secret-key")
+    text = json.dumps(run_document(cfg, [], 1.0))
+    assert "secret-key" not in text and "handle_key" not in text

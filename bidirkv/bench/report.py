@@ -42,6 +42,13 @@ METHOD = {
 }
 
 
+def config_json(cfg: BenchConfig) -> dict[str, Any]:
+    """The run's settings as JSON; the handle key is a secret (and bytes): never written."""
+    doc = asdict(cfg)
+    doc.pop("handle_key", None)
+    return doc
+
+
 def run_document(cfg: BenchConfig, records: Sequence[TurnRecord], wall_s: float,
                  loadavg: Mapping[str, float] | None = None,
                  retention_cap_s: float | None = None) -> dict[str, Any]:
@@ -50,7 +57,7 @@ def run_document(cfg: BenchConfig, records: Sequence[TurnRecord], wall_s: float,
     recs = [r.to_json() for r in records]
     return {
         "kind": RUN_KIND,
-        "config": asdict(cfg),
+        "config": config_json(cfg),
         "wall_s": wall_s,
         "reuse_reasons": turns.summary(recs, retention_cap_s),
         "host": {"cpus": os.cpu_count(), "cpu": read_cpu().to_json(),
