@@ -1,9 +1,9 @@
 """Tenants against decode's retention: one run of the figures (not a test).
 
 Each row is a `Row` in ROWS: a measurement, the figures it returns, and the aims they are
-held to. A row added later (an extend at the retention watermark, `cache_salt` TTFT
-across tenants, both on real vLLM) needs only its `measure`, its aims and a line of the
-table.
+held to; a new row needs only its `measure`, its aims and a line of the table. The two
+rows on real vLLM share one 1P1D stack of the tiny model (e2e/vllm_stack.py's spec, float32,
+decode of DECODE_BLOCKS blocks, `retentionWatermark` WATERMARK), each with its own router.
 
 - decode reclaim, many tenants: N tenant labels each hold `--entries` retained requests
   of one block (gaps spread, some without one); the scheduler step's own call,
@@ -14,6 +14,17 @@ table.
   the median at the fewest (a scan over every tenant per release grows with them, 100x
   here). `--residency-at REV` times the residency.py of an earlier commit instead, for a
   before-and-after in one sitting.
+- an extend at the watermark: under `thresholds` (extends up to 4,000 new tokens), a
+  conversation of 1,600 then +1,800 then +200 words (tokens of the tiny model): turn 2 is
+  extended on decode, whose history then fills about 26 of the 32 blocks retention may
+  pin. Aim: turn 3 still reuses it (placed `extend` or `read_back`); the router's handle
+  count before and after each turn and decode's prefix-cache hits are shown beside.
+- `cache_salt` across tenants: under `cost` (a first turn runs whole on the idle decode,
+  where retention keeps every tenant's prompt), tenant A sends a prompt, then A repeats
+  it, tenant B sends it and B sends a fresh one of the same length, `--samples` times with
+  a new prompt each, streamed, timed to the first content byte
+  (bidirkv/bench/client.py). Aims: B on A's prompt within 0.8-1.25x of fresh (p50), and
+  A's repeat faster than fresh.
 
 Prints a table, writes out/bench/tenancy.json and, with matplotlib, docs/img/tenancy.png.
 
@@ -27,6 +38,7 @@ Prints a table, writes out/bench/tenancy.json and, with matplotlib, docs/img/ten
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import platform
@@ -42,6 +54,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "tests"))  # e2e/vllm_stack.py's otlp_receiver
 
 from bidirkv.connector.core.residency import Residency  # noqa: E402
 from bidirkv.local.cpu import read_cpu  # noqa: E402
@@ -127,12 +140,174 @@ def reclaim_table(f: dict[str, Any]) -> list[str]:
     return lines
 
 
+# -- real vLLM: one 1P1D stack for the rows below ---------------------------------------------
+DECODE_BLOCKS = 64   # small decode KV: one long conversation reaches the watermark
+WATERMARK = 0.5      # retention budget: 32 blocks of 128 tokens
+
+
+def vllm_stack(args: argparse.Namespace) -> Any:
+    """The stack both real-vLLM rows share, started on first use (closed by `run`)."""
+    if getattr(args, "stack", None) is None:
+        from bidirkv.local.model import build_model
+        from e2e.vllm_stack import running_stack, spec_for
+
+        root = (args.out / "tenancy-stack").resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        doc = spec_for(build_model(root / "model", dtype="float32"))
+        doc["kvTransfer"]["retentionWatermark"] = WATERMARK
+        args.stack = args.closing.enter_context(running_stack(
+            root, doc, {"decode": ["--num-gpu-blocks-override", str(DECODE_BLOCKS)]}))
+    return args.stack
+
+
+def router_metric(url: str, name: str, **labels: str) -> float:
+    from e2e.vllm_stack import metric
+    if not labels:
+        return metric(url, name)
+    import re
+    import urllib.request
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$", text, re.M):
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def measure_salt(args: argparse.Namespace) -> dict[str, Any]:
+    from bidirkv.bench.client import chat as timed_chat
+    from bidirkv.local.model import random_text
+    from e2e.vllm_stack import MODEL, metric, metric_reaches, running_router
+
+    s = vllm_stack(args)
+    kinds = ("A repeats its prompt", "B sends A's prompt", "B sends a fresh prompt")
+    ttft: dict[str, list[float]] = {k: [] for k in kinds}
+    hits: dict[str, list[float]] = {k: [] for k in kinds}
+    # `cost`: a first turn runs whole on decode when both are idle, where retention keeps
+    # every tenant's prompt (the stack's spec names `alwaysDisaggregate`); the cap lets
+    # decode take the whole prompt
+    cost = {"policy": "cost", "maxLocalPrefillTokens": 4000}
+    with running_router(s, "router-salt", placement=cost) as (url, _):
+
+        def ask(text: str, who: str) -> tuple[float, float]:
+            q, h = metric(s.d_url, "vllm:prefix_cache_queries_total"), metric(
+                s.d_url, "vllm:prefix_cache_hits_total")
+            body = {"model": MODEL, "messages": [{"role": "user", "content": text}],
+                    "stream": True, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            reply = timed_chat(url, body, {"Authorization": f"Bearer {who}"}, timeout=120)
+            metric_reaches(s.d_url, "vllm:prefix_cache_queries_total", q + 1)
+            return reply.ttft_s * 1000, metric(s.d_url, "vllm:prefix_cache_hits_total") - h
+
+        ask(random_text(args.salt_words, seed=7000), "a")  # the router learns a prompt
+        for i in range(args.samples):
+            prompt = random_text(args.salt_words, seed=7100 + i)
+            ask(prompt, "a")
+            for kind, text, who in ((kinds[0], prompt, "a"), (kinds[1], prompt, "b"),
+                                    (kinds[2], random_text(args.salt_words, seed=7500 + i),
+                                     "b")):
+                ms, hit = ask(text, who)
+                ttft[kind].append(ms)
+                hits[kind].append(hit)
+            print(f"  sample {i + 1}: " + ", ".join(f"{ttft[k][-1]:.0f} ms" for k in kinds),
+                  flush=True)
+        placements = {d: router_metric(url, "bidirkv_router_placements_total", decision=d)
+                      for d in ("extend", "decode", "read_back", "prefill", "move")}
+    figures = {k: {"p50_ms": statistics.median(v), "p90_ms": pct(v, 0.9), "runs_ms": v,
+                   "decode_prefix_hits_median": statistics.median(hits[k])}
+               for k, v in ttft.items()}
+    fresh = figures[kinds[2]]["p50_ms"]
+    return {"samples": args.samples, "prompt_words": args.salt_words, "kinds": figures,
+            "b_on_a_over_fresh": figures[kinds[1]]["p50_ms"] / fresh,
+            "a_repeat_over_fresh": figures[kinds[0]]["p50_ms"] / fresh,
+            "placements": placements}
+
+
+def salt_table(f: dict[str, Any]) -> list[str]:
+    lines = [f"  {'request':<26}{'TTFT p50':>10}{'p90':>9}{'decode hits':>13}"
+             f"  ({f['samples']} samples, {f['prompt_words']}-word prompts)"]
+    lines += [f"  {k:<26}{v['p50_ms']:>8.0f}ms{v['p90_ms']:>7.0f}ms"
+              f"{v['decode_prefix_hits_median']:>13.0f}" for k, v in f["kinds"].items()]
+    lines.append(f"  placements: {f['placements']}")
+    return lines
+
+
+def measure_extend(args: argparse.Namespace) -> dict[str, Any]:
+    from bidirkv.local.model import random_text
+    from e2e.vllm_stack import chat, metric, running_router, stream, stream_text
+
+    s = vllm_stack(args)
+    cap = {"policy": "thresholds", "localPrefillTokens": 4000, "maxLocalPrefillTokens": 4000}
+    turns = []
+    with running_router(s, "router-extend", placement=cap) as (url, _):
+        warm = chat([{"role": "user", "content": random_text(50, seed=8999)}], stream=True)
+        stream_text(stream(url + "/v1/chat/completions", warm))  # learns a token count
+        messages: list[dict] = []
+        for n, words in enumerate((1600, 1800, 200), 1):
+            messages.append({"role": "user", "content": random_text(words, seed=9000 + n)})
+            before = {d: router_metric(url, "bidirkv_router_placements_total", decision=d)
+                      for d in ("extend", "read_back", "prefill", "decode", "move")}
+            reuse = metric(s.d_url, "vllm:prefix_cache_hits_total")
+            handles = router_metric(url, "bidirkv_router_handles")
+            text = stream_text(stream(url + "/v1/chat/completions",
+                                      chat(list(messages), stream=True)))
+            messages.append({"role": "assistant", "content": text})
+            time.sleep(0.5)  # the router's put and decode's step stats land after the reply
+            after = {d: router_metric(url, "bidirkv_router_placements_total", decision=d)
+                     for d in before}
+            turns.append({
+                "turn": n, "new_words": words,
+                "placement": [d for d in before if after[d] > before[d]],
+                "handles_before": handles,
+                "handles_after": router_metric(url, "bidirkv_router_handles"),
+                "decode_prefix_hits": metric(s.d_url, "vllm:prefix_cache_hits_total")
+                - reuse,
+                "router_reuse": {o: router_metric(url, "bidirkv_router_reuse_total", outcome=o)
+                                 for o in ("hit", "extended", "miss")},
+                "evictions": {r: router_metric(url, "bidirkv_router_handle_evictions_total",
+                                               reason=r)
+                              for r in ("extended", "watermark", "pressure")},
+            })
+            print(f"  turn {n}: {turns[-1]['placement']}, handles "
+                  f"{turns[-1]['handles_before']:.0f} -> {turns[-1]['handles_after']:.0f}, "
+                  f"decode hits {turns[-1]['decode_prefix_hits']:.0f}", flush=True)
+    last = turns[-1]
+    return {"decode_blocks": DECODE_BLOCKS, "watermark": WATERMARK, "turns": turns,
+            "turn3_reused": bool({"extend", "read_back"} & set(last["placement"]))}
+
+
+def extend_table(f: dict[str, Any]) -> list[str]:
+    lines = [f"  {'turn':>5} {'placement':<12}{'handles':>10}  evictions"
+             f"  (decode {f['decode_blocks']} blocks, watermark {f['watermark']})"]
+    lines += [f"  {t['turn']:>5} {','.join(t['placement']) or '-':<12}"
+              f"{t['handles_before']:>4.0f} ->{t['handles_after']:>2.0f}"
+              f"  {t['evictions']}, decode hits "
+              f"{t['decode_prefix_hits']:.0f}" for t in f["turns"]]
+    return lines
+
 ROWS = [
     Row("decode reclaim, many tenants", measure_reclaim,
         [("median grows <=10x over the tenants", lambda f: f["growth"] <= 10.0,
           lambda f: f"{f['growth']:.2f}x ({f['points'][0]['tenants']} -> "
                     f"{f['points'][-1]['tenants']} tenants)")],
         reclaim_table),
+    Row("an extend at the watermark", measure_extend,
+        [("turn 3 still reused", lambda f: f["turn3_reused"],
+          lambda f: ",".join(f["turns"][-1]["placement"]) or "-")],
+        extend_table),
+    Row("cache_salt across tenants", measure_salt,
+        [("B on A's prompt within 0.8-1.25x fresh",
+          lambda f: 0.8 <= f["b_on_a_over_fresh"] <= 1.25,
+          lambda f: f"{f['b_on_a_over_fresh']:.2f}x"),
+         ("A's repeat faster than fresh", lambda f: f["a_repeat_over_fresh"] < 1.0,
+          lambda f: f"{f['a_repeat_over_fresh']:.2f}x")],
+        salt_table),
 ]
 
 
@@ -140,12 +315,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"machine": {**read_cpu().to_json(),
                                           "python": platform.python_version()},
                               "rows": {}, "aims": {}}
-    for row in ROWS:
-        print(f"{row.name} ...", flush=True)
-        figures = row.measure(args)
-        result["rows"][row.name] = figures
-        for aim, holds, _ in row.aims:
-            result["aims"][f"{row.name}: {aim}"] = holds(figures)
+    with contextlib.ExitStack() as args.closing:
+        args.stack = None
+        for row in ROWS:
+            if args.rows and row.name not in args.rows:
+                continue
+            print(f"{row.name} ...", flush=True)
+            figures = row.measure(args)
+            result["rows"][row.name] = figures
+            for aim, holds, _ in row.aims:
+                result["aims"][f"{row.name}: {aim}"] = holds(figures)
     return result
 
 
@@ -206,6 +385,11 @@ def main() -> int:
                     help="time residency.py as it was at this commit (default: this tree)")
     ap.add_argument("--before", type=Path, metavar="JSON",
                     help="a tenancy.json of an earlier run (--residency-at) to plot beside")
+    ap.add_argument("--rows", nargs="+", metavar="NAME",
+                    help="run only these rows (their names as printed)")
+    ap.add_argument("--samples", type=int, default=10, help="cache_salt: samples of each")
+    ap.add_argument("--salt-words", type=int, default=1200,
+                    help="cache_salt: prompt length in words (tokens of the tiny model)")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench")
     ap.add_argument("--img", type=Path, default=ROOT / "docs" / "img" / "tenancy.png")
     args = ap.parse_args()
