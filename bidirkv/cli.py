@@ -31,7 +31,12 @@ def _render(args: argparse.Namespace) -> int:
 
     from bidirkv.operator.api.spec import SpecError
     from bidirkv.operator.render.children import render_resource
+    from bidirkv.operator.render.netpol import namespace_error
 
+    if args.operator_namespace is not None and (
+            problem := namespace_error(args.operator_namespace)):
+        print(f"bidir-kv render: --operator-namespace: {problem}", file=sys.stderr)
+        return 2
     try:
         with (sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")) as fh:
             docs = [d for d in yaml.safe_load_all(fh) if d]
@@ -48,7 +53,7 @@ def _render(args: argparse.Namespace) -> int:
                   "DisaggregatedInference is rendered)", file=sys.stderr)
             continue
         try:
-            out += render_resource(doc)
+            out += render_resource(doc, operator_namespace=args.operator_namespace)
         except SpecError as exc:
             name = (doc.get("metadata") or {}).get("name", "?")
             print(f"bidir-kv render: {name}: {exc}", file=sys.stderr)
@@ -125,6 +130,10 @@ def build_parser(running: str | None = None) -> argparse.ArgumentParser:
 
     p = sub.add_parser("render", help="print every child manifest of a DisaggregatedInference")
     p.add_argument("-f", "--file", required=True, help="YAML file ('-' for stdin)")
+    p.add_argument("--operator-namespace", default=None, metavar="NS",
+                   help="the operator's namespace, whose operator pods the engines' "
+                   "NetworkPolicy admits (the operator's POD_NAMESPACE); default: each "
+                   "resource's own")
     p.set_defaults(func=_render)
 
     p = sub.add_parser("crd", help="print the CustomResourceDefinition, or apply it (--apply)")

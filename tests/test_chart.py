@@ -20,7 +20,7 @@ import yaml
 from bidirkv.cli import build_parser
 from bidirkv.cli import main as cli_main
 from bidirkv.operator.crd.schema import build_crd, crd_yaml
-from bidirkv.operator.main import resolve_priority
+from bidirkv.operator.main import NAMESPACE_ENV, operator_options, resolve_priority
 from bidirkv.operator.render.children import render_resource
 from bidirkv.operator.render.netpol import OPERATOR_POD_LABELS, operator_peer
 from kubeapi.crdschema import validate_crd, validate_custom_resource
@@ -202,6 +202,7 @@ def test_operator_deployment(name):
     assert args.verbose is values.get("verbose", False)
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env[NAMESPACE_ENV]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
 
     # The liveness probe calls the endpoint `--liveness` serves.
     m = re.fullmatch(r"http://0\.0\.0\.0:(\d+)(/\S*)", args.liveness)
@@ -218,13 +219,27 @@ def test_operator_deployment(name):
 def test_the_engines_network_policy_admits_the_operator_pods(values, example):
     """The operator reads a draining decode's /metrics on the engine port: the engines'
     NetworkPolicy lets in pods with the labels the chart gives the operator's, whatever
-    its name (nameOverride, fullnameOverride)."""
-    labels = operator_deployment(render(values)[0])["spec"]["template"]["metadata"]["labels"]
+    its name (nameOverride, fullnameOverride), from the namespace the chart tells it
+    (POD_NAMESPACE, from the downward API), which is the release's."""
+    deploy = operator_deployment(render(values)[0])
+    labels = deploy["spec"]["template"]["metadata"]["labels"]
     assert OPERATOR_POD_LABELS.items() <= labels.items()
-    engines = next(o for o in render_resource(example)
-                   if o["kind"] == "NetworkPolicy" and o["metadata"]["name"].endswith("-engines"))
-    assert operator_peer() in [peer for rule in engines["spec"]["ingress"]
-                               for peer in rule.get("from", [])]
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env[NAMESPACE_ENV]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    # What the downward API gives the pod: the namespace its Deployment creates it in.
+    downward = {NAMESPACE_ENV: deploy["metadata"]["namespace"]}
+    args = build_parser().parse_args(container["command"][1:] + container["args"])
+    options = operator_options(args, downward)
+    assert options["operator_namespace"] == NAMESPACE
+    engines = next(o for o in render_resource(
+        example, operator_namespace=options["operator_namespace"])
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"].endswith("-engines"))
+    peers = [peer for rule in engines["spec"]["ingress"] for peer in rule.get("from", [])]
+    assert operator_peer(NAMESPACE) in peers
+    assert operator_peer(NAMESPACE)["namespaceSelector"] == {
+        "matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}}
+    assert not any(peer.get("namespaceSelector") == {} for peer in peers)
 
 
 def test_custom_values_reach_the_pod():

@@ -8,6 +8,8 @@ import hashlib
 import logging
 import os
 import socket
+import sys
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -17,6 +19,7 @@ from bidirkv.operator.api import spec as api
 from bidirkv.operator.kube import ApiError, KubeClient, load_configuration, request
 from bidirkv.operator.reconcile.controller import Controller
 from bidirkv.operator.render.children import MANAGED_BY
+from bidirkv.operator.render.netpol import namespace_error
 
 # What the operator watches besides its own resource: the kinds it writes.
 CHILD_RESOURCES = [
@@ -35,6 +38,10 @@ MANAGED_SELECTOR = ",".join(f"{k}={v}" for k, v in MANAGED.items())
 # kopf's peering resources (kopf.dev, the group kopf looks for first).
 PEERING_GROUP_VERSION = "kopf.dev/v1"
 PEERING_WAIT_SECONDS = 60.0
+# The operator's own namespace, which the chart's Deployment sets from the pod's
+# metadata.namespace (the downward API): the engines' NetworkPolicy admits its pods from
+# there only (render/netpol.py).
+NAMESPACE_ENV = "POD_NAMESPACE"
 
 log = logging.getLogger("bidirkv.operator")
 
@@ -118,12 +125,19 @@ async def run_operator(
     liveness_endpoint: str | None = None,
     peering_name: str | None = None,
     priority: int = 0,
+    operator_namespace: str | None = None,
     controller: Controller | None = None,
 ) -> None:
+    """`controller`: one made by the caller (tests), which must render for the same
+    `operator_namespace` when that is given."""
+    if (controller is not None and operator_namespace is not None
+            and operator_namespace != controller.operator_namespace):
+        raise ValueError(f"operator_namespace {operator_namespace!r} differs from the given "
+                         f"controller's {controller.operator_namespace!r}")
     if peering_name is not None:
         await ensure_peering(configuration, peering_name, namespaces)
     if controller is None:
-        controller = Controller(KubeClient(configuration))
+        controller = Controller(KubeClient(configuration), operator_namespace=operator_namespace)
     registry = build_registry(controller, configuration)
     try:
         await kopf.operator(
@@ -221,13 +235,28 @@ def _priority(value: str) -> int | str:
             f"{value!r} is neither an integer nor 'auto'") from None
 
 
-def operator_options(args: argparse.Namespace) -> dict[str, Any]:
-    """`bidir-kv operator` arguments as keyword arguments of `run_operator`."""
+def operator_namespace(environ: Mapping[str, str] = os.environ) -> str | None:
+    """This operator's namespace, from `NAMESPACE_ENV`; None when that is unset or empty
+    (run by hand), and a ValueError naming it when it is no namespace name."""
+    value = environ.get(NAMESPACE_ENV, "")
+    if not value:
+        return None
+    problem = namespace_error(value)
+    if problem:
+        raise ValueError(f"{NAMESPACE_ENV}: {problem}")
+    return value
+
+
+def operator_options(args: argparse.Namespace,
+                     environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """`bidir-kv operator` arguments (and its environment) as keyword arguments of
+    `run_operator`; a ValueError names a bad environment variable."""
     return {
         "namespaces": tuple(args.namespace),
         "liveness_endpoint": args.liveness,
         "peering_name": args.peering,
         "priority": resolve_priority(args.priority),
+        "operator_namespace": operator_namespace(environ),
     }
 
 
@@ -252,8 +281,16 @@ def run(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    try:
+        options = operator_options(args)
+    except ValueError as exc:
+        print(f"bidir-kv operator: {exc}", file=sys.stderr)
+        return 2
+    if options["operator_namespace"] is None:
+        log.info("%s is not set: the engines' NetworkPolicy admits operator pods of each "
+                 "resource's own namespace only, so a draining decode pod's held "
+                 "conversations may stay unknown", NAMESPACE_ENV)
     configuration = load_configuration(args.kubeconfig)
-    options = operator_options(args)
     if args.peering is not None:
         log.info("peering %r with priority %d", args.peering, options["priority"])
     asyncio.run(run_operator(configuration, **options))

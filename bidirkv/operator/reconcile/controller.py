@@ -43,6 +43,7 @@ from bidirkv.operator.render.handlekey import (
 )
 from bidirkv.operator.render.monitoring import POD_MONITOR_API_VERSION
 from bidirkv.operator.render.naming import child_name
+from bidirkv.operator.render.netpol import namespace_error
 from bidirkv.roleconfig import ROLES
 
 log = logging.getLogger("bidirkv.operator")
@@ -81,8 +82,15 @@ class Controller:
         debounce: float = 0.05,
         max_backoff: float = 60.0,
         now: Callable[[], str] = _now,
+        operator_namespace: str | None = None,
     ):
+        """`operator_namespace`: the namespace this operator's pods run in, the one the
+        engines' NetworkPolicy admits them from (None: not known; render/netpol.py)."""
+        problem = None if operator_namespace is None else namespace_error(operator_namespace)
+        if problem:
+            raise ValueError(f"operator namespace: {problem}")
         self.client = client
+        self.operator_namespace = operator_namespace
         self.debounce = debounce
         self.max_backoff = max_backoff
         self.now = now
@@ -201,7 +209,8 @@ class Controller:
         previous = body.get("status") or {}
         try:
             spec = api.parse_spec(body.get("spec") or {})
-            desired = render(owner, spec, await self._observed_replicas(owner, spec))
+            desired = render(owner, spec, await self._observed_replicas(owner, spec),
+                             operator_namespace=self.operator_namespace)
         except api.SpecError as exc:
             await self._report_invalid(body, owner, generation, previous, str(exc))
             return

@@ -1,8 +1,9 @@
 """Pure rendering: a DisaggregatedInference -> every child object the operator owns.
 
 No I/O here, so every rendering rule is tested without an API server and
-`bidir-kv render -f FILE` prints exactly what the operator would write. The engines'
-children are in engine.py, the router's in router.py, names in naming.py.
+`bidir-kv render -f FILE --operator-namespace NS` prints exactly what an operator running
+in NS would write. The engines' children are in engine.py, the router's in router.py,
+names in naming.py.
 """
 
 from __future__ import annotations
@@ -55,11 +56,14 @@ def name_errors(owner: Owner) -> list[str]:
 
 
 def render(owner: Owner, spec: api.DisaggregatedInferenceSpec,
-           observed: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+           observed: Mapping[str, int] | None = None, *,
+           operator_namespace: str | None = None) -> list[dict[str, Any]]:
     """Every child object, in the order they are best created (config before users).
 
     `observed`: the replicas each autoscaled role's StatefulSet was last seen with (the
-    autoscaler's choice), by role; the router's config lists that many pods."""
+    autoscaler's choice), by role; the router's config lists that many pods.
+    `operator_namespace`: where the operator runs, the one namespace whose operator pods
+    the engines admit (None: unknown, the resource's own; netpol.py)."""
     errors = name_errors(owner)
     if errors:
         raise api.SpecError("; ".join(errors))
@@ -78,7 +82,8 @@ def render(owner: Owner, spec: api.DisaggregatedInferenceSpec,
     ]
     children += network_policies(lambda c: child_metadata(owner, c), instance_labels(owner),
                                  selector_labels(owner, "router"), ROUTER_CONTAINER_PORT,
-                                 ROUTER_METRICS_PORT, spec)
+                                 ROUTER_METRICS_PORT, spec,
+                                 operator_namespace=operator_namespace)
     monitor = pod_monitor(owner, spec)
     if monitor is not None:
         children.append(monitor)
@@ -92,7 +97,8 @@ def optional_children(owner: Owner) -> list[tuple[str, str]]:
             *autoscaler_keys(owner, ROLES)]
 
 
-def render_resource(obj: dict[str, Any]) -> list[dict[str, Any]]:
+def render_resource(obj: dict[str, Any], *,
+                    operator_namespace: str | None = None) -> list[dict[str, Any]]:
     """Render from a whole DisaggregatedInference object (as read from a file or the API)."""
     meta = obj.get("metadata") or {}
     if not meta.get("name"):
@@ -102,4 +108,5 @@ def render_resource(obj: dict[str, Any]) -> list[dict[str, Any]]:
         namespace=meta.get("namespace") or "default",
         uid=meta.get("uid") or "00000000-0000-0000-0000-000000000000",
     )
-    return render(owner, api.parse_spec(obj.get("spec") or {}))
+    return render(owner, api.parse_spec(obj.get("spec") or {}),
+                  operator_namespace=operator_namespace)

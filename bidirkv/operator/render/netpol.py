@@ -3,9 +3,12 @@
 - Engines accept HTTP (port 8000) only from this resource's router pods, the
   `metricsFrom` peers and the operator's pods: a forged handle or a direct request needs
   that port. The operator reads a draining decode pod's /metrics there, for the
-  conversations it still holds (operator/reconcile/heldcount.py). It may run in any
-  namespace, so its pods are picked by the labels the chart gives them
-  (charts/bidir-kv/templates/deployment.yaml) in every namespace.
+  conversations it still holds (operator/reconcile/heldcount.py). Its pods are picked by
+  the labels the chart gives them (charts/bidir-kv/templates/deployment.yaml) in the
+  operator's own namespace, which the chart passes in (POD_NAMESPACE, operator/main.py);
+  a podSelector alone would match only the engines' namespace, and beside an empty
+  namespaceSelector any pod so labelled in any namespace. Not told its namespace (run
+  by hand), the rule admits pods so labelled in the engines' namespace only.
 - Engines accept anything from this resource's other engine pods: the NIXL side channel
   has a fixed port, but UCX (and libfabric over TCP) pick their transfer ports at run
   time, so the policy cannot name them.
@@ -17,6 +20,7 @@ of the KV transport is the security groups' job.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from bidirkv.operator.api import spec as api
@@ -25,11 +29,26 @@ from bidirkv.roleconfig import ENGINE_PORT, ROLES
 # The operator's pods, as the chart labels them (whatever its name or release).
 OPERATOR_POD_LABELS = {"app.kubernetes.io/part-of": "bidir-kv",
                        "app.kubernetes.io/component": "operator"}
+# The label the API server gives every namespace (Kubernetes 1.22 on): its name.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+# A namespace name is a DNS-1123 label.
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
-def operator_peer() -> dict[str, Any]:
-    """The operator's pods in any namespace."""
-    return {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}
+def namespace_error(value: str) -> str | None:
+    """Why `value` cannot be a namespace's name, or None."""
+    if len(value) > 63 or not _NAMESPACE.match(value):
+        return (f"{value!r} is not a namespace name (up to 63 of a-z 0-9 -, starting and "
+                "ending alphanumeric)")
+    return None
+
+
+def operator_peer(operator_namespace: str | None) -> dict[str, Any]:
+    """The operator's pods in `operator_namespace`; when None, in the engines' own."""
+    peer: dict[str, Any] = {"podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}
+    if operator_namespace is not None:
+        peer["namespaceSelector"] = {"matchLabels": {NAMESPACE_NAME_LABEL: operator_namespace}}
+    return peer
 
 
 def _peers(peers: list[api.PolicyPeer]) -> list[dict[str, Any]]:
@@ -52,8 +71,10 @@ def engine_selector(instance_labels: dict[str, str]) -> dict[str, Any]:
 
 def network_policies(metadata: Any, instance_labels: dict[str, str],
                      router_labels: dict[str, str], router_port: int, metrics_port: int,
-                     spec: api.DisaggregatedInferenceSpec) -> list[dict[str, Any]]:
-    """`metadata(component)` gives a child's metadata; labels select this resource's pods."""
+                     spec: api.DisaggregatedInferenceSpec, *,
+                     operator_namespace: str | None) -> list[dict[str, Any]]:
+    """`metadata(component)` gives a child's metadata; labels select this resource's pods;
+    `operator_namespace`: where the operator's pods run (None: unknown)."""
     np = spec.network_policy
     if not np.enabled:
         return []
@@ -68,7 +89,7 @@ def network_policies(metadata: Any, instance_labels: dict[str, str],
             "ingress": [
                 {"from": [{"podSelector": engines}]},
                 {"from": [{"podSelector": {"matchLabels": router_labels}},
-                          *_peers(np.metrics_from), operator_peer()],
+                          *_peers(np.metrics_from), operator_peer(operator_namespace)],
                  "ports": [{"protocol": "TCP", "port": ENGINE_PORT}]},
             ],
         },
