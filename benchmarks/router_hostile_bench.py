@@ -17,6 +17,7 @@ A row added later needs only its `measure` and its aims.
 Prints a table, writes out/bench/router-hostile.json and, with matplotlib, a PNG.
 
     .venv/bin/python benchmarks/router_hostile_bench.py
+    .venv/bin/python benchmarks/router_hostile_bench.py --rows "2,000,000-char model, traced"
 """
 
 from __future__ import annotations
@@ -25,13 +26,11 @@ import argparse
 import asyncio
 import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +39,10 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from router_bench import FAKE, free_port, pct, pin, rss_mb, wait_ready  # noqa: E402
-from router_hardening_bench import small_turns  # noqa: E402
+import rows  # noqa: E402
+from router_bench import pct, pin, rss_mb  # noqa: E402
+from router_hardening_bench import engine_processes, small_turns, split_cpus  # noqa: E402
 from router_process import RouterProcess  # noqa: E402
-
-from bidirkv.local.cpu import read_cpu  # noqa: E402
 
 MIB = 1 << 20
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -67,9 +65,7 @@ class Row:
     name: str
     config: Callable[[Path], dict[str, Any]]  # the router's config beyond its engines
     measure: Callable[[Stand, argparse.Namespace], Awaitable[dict[str, Any]]]
-    # (aim's name, test of the measurement, the figure shown for it)
-    aims: list[tuple[str, Callable[[dict[str, Any]], bool], Callable[[dict[str, Any]], str]]]
-    figures: dict[str, Any] = field(default_factory=dict)
+    aims: list[rows.Aim]
 
 
 # -- slow uploads ---------------------------------------------------------------------------
@@ -201,8 +197,7 @@ async def measure_long_model(stand: Stand, args: argparse.Namespace) -> dict[str
             "statuses": {str(k): statuses.count(k) for k in sorted(set(statuses))}}
 
 
-def small_turn_aims() -> list[tuple[str, Callable[[dict[str, Any]], bool],
-                                      Callable[[dict[str, Any]], str]]]:
+def small_turn_aims() -> list[rows.Aim]:
     return [("small_p99_added<=100ms", lambda f: f["added_p99_ms"] <= 100,
              lambda f: f"{f['added_p99_ms']:.1f} ms (p99 {f['baseline_ms']['p99']:.1f} -> "
                        f"{f['during_ms']['p99']:.1f} ms)"),
@@ -232,20 +227,8 @@ ROWS = [
 
 
 async def run_row(row: Row, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    cpus = os.sched_getaffinity(0)
-    router_cpus = {max(cpus)} if len(cpus) >= 2 else None
-    other_cpus = (cpus - router_cpus) if router_cpus else None
-    procs = []
-    try:
-        pp, dp = free_port(), free_port()
-        for role, port in (("prefill", pp), ("decode", dp)):
-            procs.append(subprocess.Popen(
-                [sys.executable, str(FAKE), "--role", role, "--port", str(port)],
-                preexec_fn=pin(other_cpus), stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL))
-        engines = (f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}")
-        for u in engines:
-            await wait_ready(u + "/health")
+    router_cpus, other_cpus = split_cpus()
+    async with engine_processes(other_cpus) as engines:
         rowdir = tmp / f"row-{len(list(tmp.iterdir()))}"
         rowdir.mkdir()
         cfg = rowdir / "router.json"
@@ -259,29 +242,17 @@ async def run_row(row: Row, args: argparse.Namespace, tmp: Path) -> dict[str, An
                                      args)
         finally:
             r.stop()
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait(5)
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    result: dict[str, Any] = {"machine": {**read_cpu().to_json(),
-                                          "python": platform.python_version()},
-                              "rows": {}, "aims": {}}
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    # Each row on an event loop of its own: it starts and stops its own processes anyway.
     with tempfile.TemporaryDirectory(prefix="bidirkv-hostile-") as tmpdir:
-        for row in ROWS:
-            print(f"{row.name} ...", flush=True)
-            figures = await run_row(row, args, Path(tmpdir))
-            result["rows"][row.name] = figures
-            for aim, holds, _ in row.aims:
-                result["aims"][f"{row.name}: {aim}"] = holds(figures)
-    return result
+        return rows.run_rows(ROWS, lambda row: asyncio.run(run_row(row, args, Path(tmpdir))),
+                             args.rows)
 
 
 def report(r: dict[str, Any]) -> str:
-    m = r["machine"]
-    lines = [f"CPU: {m['model']} ({m['arch']}, {m['isa']}), {m['cores']} cores", "",
+    lines = [rows.cpu_line(r["machine"]), "",
              f"  {'row':<30}{'aim':<26}{'met':<5}figure"]
     for row in ROWS:
         figures = r["rows"].get(row.name)
@@ -299,12 +270,8 @@ def report(r: dict[str, Any]) -> str:
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = rows.pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     slow = {n: f for n, f in r["rows"].items() if "slow_uploads" in f}
@@ -327,21 +294,15 @@ def plot(r: dict[str, Any], path: Path) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = rows.parser(__doc__, ROWS)
     ap.add_argument("--slow-uploads", type=int, default=50)
     ap.add_argument("--seconds", type=float, default=10.0,
                     help="how long the small turns run beside the slow uploads")
     ap.add_argument("--long-models", type=int, default=40)
-    ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench")
-    args = ap.parse_args()
-    result = asyncio.run(run(args))
-    print()
-    print(report(result))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "router-hostile.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out / "router-hostile.png")
-    print(f"\nwrote {args.out / 'router-hostile.json'} and .png")
-    return 0 if all(result["aims"].values()) else 1
+    args = rows.parse(ap, ROWS)
+    result = run(args)
+    return rows.finish(result, report(result), args.out, "router-hostile",
+                       lambda path: plot(result, path))
 
 
 if __name__ == "__main__":

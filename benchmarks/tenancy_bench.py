@@ -41,7 +41,6 @@ import argparse
 import contextlib
 import gc
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -55,9 +54,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "tests"))  # e2e/vllm_stack.py's otlp_receiver
+sys.path.insert(2, str(ROOT / "benchmarks"))
+
+import rows  # noqa: E402
 
 from bidirkv.connector.core.residency import Residency  # noqa: E402
-from bidirkv.local.cpu import read_cpu  # noqa: E402
 
 RETENTION_S = 900.0  # the entries' deadline: far beyond the run, so none nears expiry
 
@@ -66,8 +67,7 @@ RETENTION_S = 900.0  # the entries' deadline: far beyond the run, so none nears 
 class Row:
     name: str
     measure: Callable[[argparse.Namespace], dict[str, Any]]
-    # (aim's name, test of the figures, the figure shown for it)
-    aims: list[tuple[str, Callable[[dict[str, Any]], bool], Callable[[dict[str, Any]], str]]]
+    aims: list[rows.Aim]
     # the lines of the printed table for this row's figures
     table: Callable[[dict[str, Any]], list[str]]
 
@@ -312,25 +312,13 @@ ROWS = [
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    result: dict[str, Any] = {"machine": {**read_cpu().to_json(),
-                                          "python": platform.python_version()},
-                              "rows": {}, "aims": {}}
     with contextlib.ExitStack() as args.closing:
         args.stack = None
-        for row in ROWS:
-            if args.rows and row.name not in args.rows:
-                continue
-            print(f"{row.name} ...", flush=True)
-            figures = row.measure(args)
-            result["rows"][row.name] = figures
-            for aim, holds, _ in row.aims:
-                result["aims"][f"{row.name}: {aim}"] = holds(figures)
-    return result
+        return rows.run_rows(ROWS, lambda row: row.measure(args), args.rows)
 
 
 def report(r: dict[str, Any]) -> str:
-    m = r["machine"]
-    lines = [f"CPU: {m['model']} ({m['arch']}, {m['isa']}), {m['cores']} cores"]
+    lines = [rows.cpu_line(r["machine"])]
     for row in ROWS:
         figures = r["rows"].get(row.name)
         if figures is None:
@@ -343,15 +331,9 @@ def report(r: dict[str, Any]) -> str:
 
 
 def plot(r: dict[str, Any], path: Path, before: dict[str, Any] | None = None) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    plt = rows.pyplot()
     f = r["rows"].get("decode reclaim, many tenants")
-    if not f:
+    if plt is None or not f:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [p["tenants"] for p in f["points"]]
@@ -376,7 +358,7 @@ def plot(r: dict[str, Any], path: Path, before: dict[str, Any] | None = None) ->
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = rows.parser(__doc__, ROWS)
     ap.add_argument("--tenants", type=int, nargs="+", default=[50, 500, 5000])
     ap.add_argument("--entries", type=int, default=8, help="retained requests per tenant")
     ap.add_argument("--releases", type=int, default=200)
@@ -385,14 +367,11 @@ def main() -> int:
                     help="time residency.py as it was at this commit (default: this tree)")
     ap.add_argument("--before", type=Path, metavar="JSON",
                     help="a tenancy.json of an earlier run (--residency-at) to plot beside")
-    ap.add_argument("--rows", nargs="+", metavar="NAME",
-                    help="run only these rows (their names as printed)")
     ap.add_argument("--samples", type=int, default=10, help="cache_salt: samples of each")
     ap.add_argument("--salt-words", type=int, default=1200,
                     help="cache_salt: prompt length in words (tokens of the tiny model)")
-    ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench")
     ap.add_argument("--img", type=Path, default=ROOT / "docs" / "img" / "tenancy.png")
-    args = ap.parse_args()
+    args = rows.parse(ap, ROWS)
     for name in ("entries", "releases", "repeats"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} {getattr(args, name)}: must be at least 1")
@@ -401,13 +380,8 @@ def main() -> int:
     args.tenants = sorted(args.tenants)
     before = json.loads(args.before.read_text()) if args.before else None
     result = run(args)
-    print()
-    print(report(result))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tenancy.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.img, before)
-    print(f"\nwrote {args.out / 'tenancy.json'} and {args.img}")
-    return 0 if all(result["aims"].values()) else 1
+    return rows.finish(result, report(result), args.out, "tenancy",
+                       lambda path: plot(result, path, before), args.img)
 
 
 if __name__ == "__main__":
