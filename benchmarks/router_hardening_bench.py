@@ -414,7 +414,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await d.start()
             url = await link.start()
             cfg = tmp / "router.json"
-            cfg.write_text(json.dumps({"prefill": [p.url], "decode": [d.url]}))
+            # Every turn on the two-leg path: a returning turn's reuse is then a handle on
+            # its prefill leg, what the hit rate counts (`cost`, the default, extends most
+            # of these short turns on decode instead, with no prefill leg to count).
+            cfg.write_text(json.dumps({"prefill": [p.url], "decode": [d.url],
+                                       "placement": {"policy": "alwaysDisaggregate"}}))
             for name in ("a", "b"):
                 routers.append(await RouterProcess(cfg, url, tmp / f"{name}.log",
                                                    env={"BIDIRKV_LOG_LEVEL": "WARNING"}
