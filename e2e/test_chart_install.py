@@ -283,6 +283,8 @@ def chart_operator(manifest: list[dict], kubeconfig: pathlib.Path, pod_name: str
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     monkeypatch.setenv("POD_ID", pod_name)  # the downward API's value in that pod
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    monkeypatch.setenv("POD_NAMESPACE", RELEASE_NS)
     args = build_parser().parse_args(argv[1:] + ["--kubeconfig", str(kubeconfig)])
     options = operator_options(args)
     # The liveness endpoint the probe calls: same path, the container's port; bound to
@@ -295,7 +297,8 @@ def chart_operator(manifest: list[dict], kubeconfig: pathlib.Path, pod_name: str
     options["liveness_endpoint"] = urlunsplit(url._replace(netloc=f"127.0.0.1:{local_port}"))
 
     configuration = load_configuration(args.kubeconfig)
-    controller = Controller(KubeClient(configuration), debounce=0.02)
+    controller = Controller(KubeClient(configuration), debounce=0.02,
+                            operator_namespace=options["operator_namespace"])
     stop, ready = threading.Event(), threading.Event()
     errors: list[BaseException] = []
 
