@@ -4,24 +4,20 @@ draining decode pod's operator reads (operator/reconcile/heldcount.py)."""
 
 from __future__ import annotations
 
-import functools
-from types import SimpleNamespace
-
 import pytest
+from decode_gauges import engine_metrics, on_engine, residency, retain
 
 from bidirkv.connector.core import workingset
-from bidirkv.connector.core.residency import Residency
 from bidirkv.operator.reconcile.heldcount import RETAINED_REQUESTS_METRIC, retained_in
 
 
 def test_the_reading_counts_parked_requests_and_goes_out_when_it_changed():
     gauge = workingset.WorkingSetGauge()  # no block pool bound: only the count
-    res = Residency(clock=lambda: 0.0)
+    res = residency()
     assert gauge.readings(None) == {}  # prefill: no residency, no count
     assert gauge.readings(res) == {workingset.RETAINED: 0}
     assert gauge.readings(res) == {}  # unchanged: an idle engine says nothing
-    for rid in ("a", "b", "c"):
-        res.retain(rid, 2, "r", deadline=1000.0)
+    retain(res, a=2, b=2, c=2)
     assert gauge.readings(res) == {workingset.RETAINED: 3}
     assert res.grant("a") == (True, "granted")  # its turn came back: it is being read
     res.release(["b"])  # the router let it go
@@ -53,22 +49,14 @@ def test_stats_carry_the_latest_count():
 
 
 def test_prometheus_exports_the_count_per_engine_from_the_start():
-    pytest.importorskip("vllm")
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    reg, prom = engine_metrics()
     from prometheus_client.exposition import generate_latest
 
-    from bidirkv.connector.nixl.connector import NixlConnector
-
-    reg = CollectorRegistry()
-    types = {t: functools.partial(t, registry=reg) for t in (Gauge, Counter, Histogram)}
-    prom = NixlConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), types,
-                                            ["model_name", "engine"],
-                                            {0: ["m", "0"], 1: ["m", "1"]})
     name = RETAINED_REQUESTS_METRIC
-    assert reg.get_sample_value(name, {"model_name": "m", "engine": "0"}) == 0
+    assert reg.get_sample_value(name, on_engine(0)) == 0
     prom.observe({workingset.RETAINED: 3}, 0)
     prom.observe({workingset.RETAINED: 2}, 1)
     prom.observe({workingset.WORKING_SET: 0.5}, 0)  # the other gauge leaves it as it was
-    assert reg.get_sample_value(name, {"model_name": "m", "engine": "0"}) == 3
+    assert reg.get_sample_value(name, on_engine(0)) == 3
     # The operator's reading of the exposition: both engines' counts.
     assert retained_in(generate_latest(reg).decode()) == 5

@@ -3,14 +3,12 @@ value reaching vLLM's connector stats and Prometheus beside bidir-kv's counters.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import pytest
+from decode_gauges import engine_metrics, on_engine, residency, retain
 
 from bidirkv.connector.core import workingset
-from bidirkv.connector.core.residency import Residency
 from bidirkv.operator.render.autoscaling import KV_WORKING_SET_METRIC
 
 # (vLLM's usage, retained blocks, usable blocks, working set)
@@ -32,12 +30,10 @@ def test_working_set_against_the_table(usage, retained, usable, expected):
 
 
 def test_retained_blocks_are_held_granted_and_releasing_ones():
-    res = Residency(clock=lambda: 0.0)
+    res = residency()
     assert workingset.retained_blocks(None) == 0
     assert workingset.retained_blocks(res) == 0
-    res.retain("a", 4, "r", deadline=1000.0)
-    res.retain("b", 3, "r", deadline=1000.0)
-    res.retain("c", 2, "r", deadline=1000.0)
+    retain(res, a=4, b=3, c=2)
     assert workingset.retained_blocks(res) == 9
     assert res.grant("a") == (True, "granted")  # freed once prefill's read completes
     assert res.release(["b"]) == 3  # on its way out, still allocated in vLLM
@@ -59,13 +55,13 @@ class Pool:
 
 def test_the_gauge_reads_the_bound_pool_and_reports_changes_only():
     gauge = workingset.WorkingSetGauge()
-    res = Residency(clock=lambda: 0.0)
+    res = residency()
     assert gauge.value(res) is None and gauge.changed(res) is None  # no pool yet
     pool = Pool(num_gpu_blocks=101, free=40)  # 60 of 100 usable blocks in use
     gauge.bind(pool)
     assert gauge.changed(res) == pytest.approx(0.6)
     assert gauge.changed(res) is None  # unchanged: no stats for an idle engine
-    res.retain("a", 20, "r", deadline=1000.0)  # 20 of the 60 only kept for reuse
+    retain(res, a=20)  # 20 of the 60 only kept for reuse
     assert gauge.changed(res) == pytest.approx(0.4)
     pool.free = 10  # live work grows
     assert gauge.changed(res) == pytest.approx(0.7)
@@ -103,25 +99,17 @@ def test_stats_carry_the_latest_reading():
 
 
 def test_prometheus_exports_the_working_set_per_engine():
-    pytest.importorskip("vllm")
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
+    reg, prom = engine_metrics()
     from bidirkv.connector.hooks import tally
-    from bidirkv.connector.nixl.connector import NixlConnector
 
-    reg = CollectorRegistry()
-    types = {t: functools.partial(t, registry=reg) for t in (Gauge, Counter, Histogram)}
-    prom = NixlConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), types,
-                                            ["model_name", "engine"],
-                                            {0: ["m", "0"], 1: ["m", "1"]})
     got = reg.get_sample_value
     prom.observe({workingset.WORKING_SET: 0.4}, 0)
     prom.observe({workingset.WORKING_SET: 0.9}, 1)
     prom.observe({tally.REUSED_TOKENS: 5}, 0)  # counters alone leave the gauge as it was
-    assert got(KV_WORKING_SET_METRIC, {"model_name": "m", "engine": "0"}) == 0.4
-    assert got(KV_WORKING_SET_METRIC, {"model_name": "m", "engine": "1"}) == 0.9
+    assert got(KV_WORKING_SET_METRIC, on_engine(0)) == 0.4
+    assert got(KV_WORKING_SET_METRIC, on_engine(1)) == 0.9
     prom.observe({workingset.WORKING_SET: 0.1}, 0)
-    assert got(KV_WORKING_SET_METRIC, {"model_name": "m", "engine": "0"}) == 0.1
+    assert got(KV_WORKING_SET_METRIC, on_engine(0)) == 0.1
 
 
 def test_the_connectors_stats_hand_over_the_gauge_when_it_changed(monkeypatch):
