@@ -28,14 +28,18 @@ MAC_HEX = 32
 
 @lru_cache(maxsize=16)
 def _keyed(key: bytes) -> hmac.HMAC:
-    # Every decode leg and residency call signs with the same key (or the few of a
-    # rotation): the key's HMAC state is set up once, and a copy of it costs about half
-    # of `hmac.new` with the key each time.
     return hmac.new(key, digestmod=hashlib.sha256)
 
 
+def keyed_sha256(key: bytes) -> hmac.HMAC:
+    """A fresh HMAC-SHA256 under `key`, to be updated. Every decode leg, residency call
+    and note is signed with one key (or the few of a rotation): the key's state is set up
+    once, and a copy of it costs about half of `hmac.new` with the key each time."""
+    return _keyed(key).copy()
+
+
 def _hmac_hex(key: bytes, msg: bytes) -> str:
-    h = _keyed(key).copy()
+    h = keyed_sha256(key)
     h.update(msg)
     return h.hexdigest()
 

@@ -48,6 +48,16 @@ def test_a_note_gives_back_the_kept_record_on_the_replica_it_is_recalled_from():
                   "u").kept_at == 5.0
 
 
+def test_a_note_is_the_same_bytes_older_routers_made():
+    # Notes outlive the process that signed them (a rollout recalls an older release's):
+    # the form and the MAC are pinned, whatever the encoder keeps cached.
+    assert encode(NK, KEPT, 0.0) == (
+        '1.2qjacR1oJgI4Ezm91XZq_Q.["a2tra2tra2tra2tra2tra2tra2tra2tra2tra2tra2s=",'
+        '"{\\"remote_request_id\\": \\"d-1\\", \\"bidirkv_wire\\": 1, '
+        '\\"remote_block_ids\\": [[1, 2, 3]]}","eng-1",40,"dHR0dHR0dHR0dHR0dHR0dA==",0,3,'
+        '120,"AAAAAnBwcHBwcHBwcHBwcHBwcHA=",1000.0,12.5]')
+
+
 @pytest.mark.parametrize("name, rid, note", [
     ("another request's", "d-2", lambda n: n),
     ("another key's", "d-1", lambda n: encode(note_key(b"x" * 64), KEPT, 0.0)),

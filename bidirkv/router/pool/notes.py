@@ -19,12 +19,14 @@ recalled handle decode no longer holds is a miss, never a wrong read.
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import hmac
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from bidirkv.proof import keyed_sha256
 from bidirkv.router.codec import dumps, dumps_kept, loads
 from bidirkv.router.store.base import Entry, Kept
 from bidirkv.wire import MAX_NOTE_LEN, VERSION_KEY, version_problem
@@ -47,7 +49,8 @@ def note_key(handle_key: bytes) -> bytes:
 
 
 def _b64(b: bytes | None) -> str | None:
-    return None if b is None else base64.b64encode(b).decode()
+    # base64.b64encode's own call, less its checks for an alphabet a note never uses.
+    return None if b is None else binascii.b2a_base64(b, newline=False).decode()
 
 
 def _unb64(s: Any) -> bytes | None:
@@ -59,9 +62,9 @@ def _unb64(s: Any) -> bytes | None:
 
 
 def _mac(key: bytes, request_id: str, payload: bytes) -> str:
-    # One-shot: the C digest, without building an HMAC object per note.
-    digest = hmac.digest(key, request_id.encode() + b"\0" + payload, "sha256")
-    return base64.urlsafe_b64encode(digest[:MAC_LEN]).decode().rstrip("=")
+    h = keyed_sha256(key)
+    h.update(request_id.encode() + b"\0" + payload)
+    return base64.urlsafe_b64encode(h.digest()[:MAC_LEN]).decode().rstrip("=")
 
 
 def encode(key: bytes, kept: Kept, kept_at: float) -> str | None:
