@@ -18,8 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
-import uuid
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -138,7 +138,9 @@ def request_id(client_id: str | None) -> str:
     """The client's request id when it is short and plain, else a fresh one."""
     if client_id and _REQUEST_ID.fullmatch(client_id):
         return client_id
-    return uuid.uuid4().hex
+    # 32 hex characters like uuid4().hex, at a quarter of its cost: nothing reads a
+    # version from it.
+    return os.urandom(16).hex()
 
 
 # What of a client's string a log line shows: LOGGED_CHARS characters, escaped, so no
