@@ -1,5 +1,6 @@
-"""How a leg fails and what the client is told: the upstream failure kinds, how an
-aiohttp error reads, and the answers a failed or impossible leg gives."""
+"""How a leg fails and what the client is told: the upstream failure kinds, how a client
+error reads (the legs' own client, engineconn.py, or aiohttp's for probes and the rest),
+and the answers a failed or impossible leg gives."""
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ import math
 import aiohttp
 from aiohttp import web
 
+from bidirkv.router.datapath.engineconn import (
+    ConnectError,
+    ConnectTimeout,
+    Disconnected,
+    EngineHTTPError,
+    ProtocolError,
+)
 from bidirkv.router.datapath.replies import json_error, json_response
 from bidirkv.router.pool.backends import Backend
 from bidirkv.router.request.validation import error_body
@@ -44,22 +52,33 @@ class UpstreamFailure(Exception):
 
 
 def classify(exc: BaseException) -> tuple[str, str]:
-    """(kind, detail) of an aiohttp/asyncio failure."""
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+    """(kind, detail) of a client failure: connect (the connection could not be opened
+    or was lost), timeout, or protocol (an answer that is not HTTP as the legs read it)."""
+    if isinstance(exc, ConnectTimeout | aiohttp.ConnectionTimeoutError):
         return "connect", "connect timeout"
+    if isinstance(exc, ProtocolError):
+        return "protocol", str(exc)
+    if isinstance(exc, ConnectError):
+        cause = exc.__cause__
+        return "connect", type(cause).__name__ if cause is not None else "connect failed"
+    if isinstance(exc, Disconnected):
+        return "connect", "disconnected"
     if isinstance(exc, TimeoutError):
         return "timeout", "timed out"
     return "connect", type(exc).__name__
 
 
-UPSTREAM_FAILURES = (aiohttp.ClientError, TimeoutError, OSError)
+UPSTREAM_FAILURES = (EngineHTTPError, aiohttp.ClientError, TimeoutError, OSError)
 _RESET = (errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED)
 
 
 def stale_connection(exc: BaseException) -> bool:
     """True for how a request fails on a kept-alive connection the engine had already
-    closed: a disconnect or a reset. A failed connect is never one (that is a new
-    connection, and the engine is not listening)."""
+    closed: a disconnect or a reset before any of the answer (with the legs' client, on
+    a connection that had carried a request before). A failed connect is never one
+    (that is a new connection, and the engine is not listening)."""
+    if isinstance(exc, Disconnected):
+        return exc.before_head and exc.reused
     if isinstance(exc, aiohttp.ClientConnectorError):
         return False
     if isinstance(exc, aiohttp.ServerDisconnectedError | ConnectionResetError

@@ -1,0 +1,230 @@
+"""The legs' HTTP/1.1 client (bidirkv/router/datapath/enginehttp.py) against real servers
+on 127.0.0.1: aiohttp's server, and a raw asyncio server that answers with exact bytes."""
+
+import asyncio
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+from aiohttp import web
+
+from bidirkv.router.datapath.engineconn import (
+    HEAD_LIMIT,
+    HIGH_WATER,
+    ConnectError,
+    Disconnected,
+    ProtocolError,
+)
+from bidirkv.router.datapath.enginehttp import EngineHTTP
+from bidirkv.router.datapath.failures import classify, stale_connection
+
+pytestmark = pytest.mark.timeout(30)
+
+T = SimpleNamespace(sock_connect=5.0, total=None, sock_read=None)
+H = {"Content-Type": "application/json", "X-Request-Id": "rid-1"}
+
+
+@contextlib.asynccontextmanager
+async def aiohttp_engine(handler):
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", handler)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def raw_engine(*replies):
+    """Answers the n-th request on a connection with replies[n] (bytes, or a coroutine
+    function taking the writer); past the last one it closes the connection."""
+    seen = []
+
+    async def serve(reader, writer):
+        try:
+            for reply in replies:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                seen.append((head, await reader.readexactly(length)))
+                if callable(reply):
+                    await reply(writer)
+                else:
+                    writer.write(reply)
+                    await writer.drain()
+            await reader.read(1)  # the next request, if any, is not answered
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", seen
+    finally:
+        server.close()
+
+
+async def echo(request):
+    return web.Response(body=await request.read(), headers={"X-Peer": str(
+        request.transport.get_extra_info("peername")[1])})
+
+
+async def settle(client, open_connections):
+    for _ in range(100):
+        if client.open_connections == open_connections:
+            return
+        await asyncio.sleep(0.01)
+    assert client.open_connections == open_connections
+
+
+async def test_a_kept_alive_connection_carries_the_second_request():
+    async with aiohttp_engine(echo) as url:
+        client = EngineHTTP()
+        async with await client.post(url, "/v1/x", b'{"a": 1}', H, T) as r1:
+            assert r1.status == 200 and await r1.read() == b'{"a": 1}' and not r1.reused
+        async with await client.post(url, "/v1/x", b"two", H, T) as r2:
+            assert r2.reused and await r2.read() == b"two"
+        assert client.open_connections == 1
+        client.close()
+        await settle(client, 0)
+
+
+async def test_content_length_chunked_and_close_delimited_bodies():
+    chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+               b"5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nX-Trailer: t\r\n\r\n")
+    length = b"HTTP/1.1 201 Created\r\nContent-Length: 3\r\n\r\nabc"
+
+    async def until_close(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nto the end")
+        writer.close()
+
+    async with raw_engine(chunked, length, until_close) as (url, seen):
+        client = EngineHTTP()
+        r = await client.post(url, "/a", b"{}", H, T)
+        assert r.status == 200 and await r.read() == b"hello world"
+        r.close()
+        r = await client.post(url, "/b", b"[]", H, T)
+        assert r.reused and r.status == 201 and await r.read() == b"abc"
+        r.close()
+        r = await client.post(url, "/c", b"", H, T)
+        assert r.reused and await r.read() == b"to the end"
+        r.close()
+        await settle(client, 0)  # read until close: not pooled
+        assert [s[0].split(b" ")[1] for s in seen] == [b"/a", b"/b", b"/c"]
+        assert b"host: 127.0.0.1:" in seen[0][0].lower() and seen[1][1] == b"[]"
+
+
+async def test_a_head_over_the_bound_is_a_protocol_failure():
+    big = b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * HEAD_LIMIT + b"\r\n\r\n"
+    async with raw_engine(big) as (url, _):
+        client = EngineHTTP()
+        with pytest.raises(ProtocolError) as e:
+            await client.post(url, "/", b"{}", H, T)
+        assert classify(e.value)[0] == "protocol"
+        await settle(client, 0)
+
+
+async def test_a_reused_connection_lost_before_the_head_is_stale_a_new_one_is_not():
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    async with raw_engine(ok) as (url, _):
+        client = EngineHTTP()
+        async with await client.post(url, "/", b"{}", H, T) as r:
+            assert await r.read() == b"ok"
+        with pytest.raises(Disconnected) as e:
+            await client.post(url, "/", b"{}", H, T)  # the engine closes it unanswered
+        assert e.value.reused and stale_connection(e.value)
+    async with raw_engine() as (url, _):  # closes every connection unanswered
+        with pytest.raises(Disconnected) as e:
+            await client.post(url, "/", b"{}", H, T)
+        assert not e.value.reused and not stale_connection(e.value)
+        assert classify(e.value)[0] == "connect"
+
+
+async def test_connect_refused_is_a_connect_failure_never_stale():
+    async with raw_engine() as (url, _):
+        pass  # closed: nothing listens on its port now
+    with pytest.raises(ConnectError) as e:
+        await EngineHTTP().post(url, "/", b"{}", H, T)
+    assert classify(e.value) == ("connect", "ConnectionRefusedError")
+    assert not stale_connection(e.value)
+
+
+async def test_a_read_timeout_is_a_timeout_and_closes_the_connection():
+    async def head_then_nothing(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        await asyncio.sleep(30)
+
+    async with raw_engine(head_then_nothing) as (url, _):
+        client = EngineHTTP()
+        r = await client.post(url, "/", b"{}", H, SimpleNamespace(
+            sock_connect=5.0, total=None, sock_read=0.05))
+        assert await r.readany() == b"abc"
+        with pytest.raises(TimeoutError) as e:
+            await r.readany()
+        assert classify(e.value)[0] == "timeout"
+        r.close()
+        await settle(client, 0)
+
+
+async def test_a_cancelled_read_closes_its_connection():
+    async def one_event_then_wait(request):
+        out = web.StreamResponse()
+        await out.prepare(request)
+        await out.write(b"data: 1\n\n")
+        await asyncio.sleep(30)
+        return out
+
+    async with aiohttp_engine(one_event_then_wait) as url:
+        client = EngineHTTP()
+        r = await client.post(url, "/", b"{}", H, T)
+        assert await r.readany() == b"data: 1\n\n"
+        reading = asyncio.ensure_future(r.readany())
+        await asyncio.sleep(0.05)
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        r.close()
+        await settle(client, 0)  # closed, not pooled half-read
+        r = await client.post(url, "/", b"{}", H, T)
+        assert not r.reused
+        r.close()
+        await settle(client, 0)
+
+
+async def test_a_header_with_cr_or_lf_is_refused_before_anything_is_sent():
+    client = EngineHTTP()
+    for bad in ({"Authorization": "Bearer x\r\nX-Evil: 1"}, {"X-A\nB": "v"}):
+        with pytest.raises(ValueError, match="CR or LF"):
+            await client.post("http://127.0.0.1:9", "/", b"{}", {**H, **bad}, T)
+    assert client.open_connections == 0
+
+
+async def test_reading_pauses_while_the_unread_body_is_over_the_high_water_mark():
+    size = 8 * HIGH_WATER
+
+    async def big(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        writer.write(b"x" * size)
+        await writer.drain()
+
+    async with raw_engine(big) as (url, _):
+        client = EngineHTTP()
+        r = await client.post(url, "/", b"{}", H, T)
+        conn = r._conn
+        for _ in range(100):
+            if conn.paused:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert conn.paused and HIGH_WATER < conn.buffered < size
+        body = await r.read()
+        assert len(body) == size and not conn.paused
+        r.close()
+        assert client.open_connections == 1  # read whole: pooled
+        client.close()
