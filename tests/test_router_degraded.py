@@ -137,9 +137,10 @@ async def test_prefill_only_request_retries_a_stale_connection_and_another_prefi
         await without_health_rounds(c)
         await decodes_down(c)
         c.router.ctx.prefill.backends[1].outstanding += 1  # so that p0 is tried first
-        c.p[0].behaviour.close_next = 1  # check_health left a kept-alive connection
+        assert (await c.chat(U1, stream=True))["status"] == 200  # a kept-alive connection
+        c.p[0].behaviour.close_next = 1
         assert (await c.chat(U1, stream=True))["status"] == 200
-        assert len(c.p[0].generations()) == 2 and c.router.ctx.prefill.backends[0].healthy
+        assert len(c.p[0].generations()) == 3 and c.router.ctx.prefill.backends[0].healthy
         c.p[0].behaviour.fail_next = 1
         assert (await c.chat(U1, stream=True))["status"] == 200
         c.router.ctx.prefill.backends[1].outstanding -= 1

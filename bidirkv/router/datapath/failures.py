@@ -4,7 +4,6 @@ and the answers a failed or impossible leg gives."""
 
 from __future__ import annotations
 
-import errno
 import math
 
 import aiohttp
@@ -69,22 +68,14 @@ def classify(exc: BaseException) -> tuple[str, str]:
 
 
 UPSTREAM_FAILURES = (EngineHTTPError, aiohttp.ClientError, TimeoutError, OSError)
-_RESET = (errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED)
 
 
 def stale_connection(exc: BaseException) -> bool:
     """True for how a request fails on a kept-alive connection the engine had already
-    closed: a disconnect or a reset before any of the answer (with the legs' client, on
-    a connection that had carried a request before). A failed connect is never one
-    (that is a new connection, and the engine is not listening)."""
-    if isinstance(exc, Disconnected):
-        return exc.before_head and exc.reused
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return False
-    if isinstance(exc, aiohttp.ServerDisconnectedError | ConnectionResetError
-                  | BrokenPipeError | ConnectionAbortedError):
-        return True
-    return isinstance(exc, aiohttp.ClientOSError) and exc.errno in _RESET
+    closed: the connection, one that had carried a request before, lost before any of
+    the answer. A failed connect is never one (that is a new connection, and the engine
+    is not listening)."""
+    return isinstance(exc, Disconnected) and exc.before_head and exc.reused
 
 
 def unavailable(role: str, health_interval_s: float) -> web.Response:

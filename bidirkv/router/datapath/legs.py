@@ -9,7 +9,6 @@ import logging
 import time
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from bidirkv.proof import make_proof
@@ -21,6 +20,7 @@ from bidirkv.router.datapath.bodies import (
     prefill_payload,
 )
 from bidirkv.router.datapath.context import Context
+from bidirkv.router.datapath.enginehttp import Response
 from bidirkv.router.datapath.failures import (
     UPSTREAM_FAILURES,
     Unavailable,
@@ -201,7 +201,7 @@ class Legs:
         result, status = "cancelled", None
         alone = d.outstanding == 0
         d.outstanding += 1
-        resp: aiohttp.ClientResponse | None = None
+        resp: Response | None = None
         try:
             try:
                 async with asyncio.timeout(self._first_byte_s(turn)):
@@ -219,7 +219,7 @@ class Legs:
                         out = await self.relay.whole(turn, d, body, t, leg)
                         result = "ok"
                         return out, result
-                    first = await resp.content.readany()
+                    first = await resp.readany()
                     if alone:
                         self._learn_first_byte(turn, leg, time.perf_counter() - t)
                 if not first:

@@ -7,13 +7,13 @@ import contextlib
 import logging
 import time
 
-import aiohttp
 from aiohttp import web
 
 from bidirkv.router.codec import dumps, loads
 from bidirkv.router.datapath.bodies import PARAMS_MARKER
 from bidirkv.router.datapath.context import Context
 from bidirkv.router.datapath.conversations import Conversations
+from bidirkv.router.datapath.enginehttp import Response
 from bidirkv.router.datapath.failures import UPSTREAM_FAILURES, classify
 from bidirkv.router.datapath.health import Health
 from bidirkv.router.datapath.replies import json_response, placement_header
@@ -58,7 +58,7 @@ class Relay:
             turn.placed, self.ctx.cfg.placement_header)})
 
     async def stream(self, request: web.Request, turn: Turn, d: Backend,
-                     resp: aiohttp.ClientResponse, first: bytes, t: float, leg: str
+                     resp: Response, first: bytes, t: float, leg: str
                      ) -> tuple[web.StreamResponse, str]:
         keeps = leg in (DECODE, EXTEND)
         collector = MessageCollector(turn.kind == CHAT) if turn.collects and keeps else None
@@ -81,7 +81,7 @@ class Relay:
             self.ctx.metrics.observe_ttft(turn.kind, True, time.perf_counter() - turn.t0)
             while True:
                 try:
-                    data = await resp.content.readany()
+                    data = await resp.readany()
                 except UPSTREAM_FAILURES as exc:
                     kind, detail = classify(exc)
                     self.ctx.metrics.observe_leg(leg, "error", time.perf_counter() - t)

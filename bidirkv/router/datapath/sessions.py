@@ -8,8 +8,8 @@ head: the engine is fine, only the connection was not. Taking the engine out for
 would turn one stall into a health-check interval of errors.
 
 So a POST to P that fails that way on a reused connection, before the response head
-arrived, is sent once more to the same P on a new connection: `fresh` keeps no pool, so
-the retry cannot pick another stale connection. It carries the same X-Request-Id and
+arrived, is sent once more to the same P on a new connection (never a pooled one, so the
+retry cannot pick another stale connection). It carries the same X-Request-Id and
 body, as the other prefill retries do. That includes a decode handle: P admits a handle
 once (its replay guard refuses a second use as `replayed`, and D grants no read of
 blocks it freed), so if the first request did reach P the retry is served without
@@ -19,21 +19,23 @@ an ordinary prefill failure (`bidirkv/router/datapath/legs.py`).
 The decode leg is not retried here: it carries a single-use proof and reads P's
 blocks, so it keeps its own retry on another replica with a fresh prefill.
 
-`Clients` holds the sessions; the other parts of the router post through it.
+`Clients` holds the clients: the legs' own (enginehttp.py) for the two legs, and an
+aiohttp session for everything else (health probes, /v1/models, residency calls); the
+other parts of the router post through it.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
-from contextvars import ContextVar
 from typing import Any
 
 import aiohttp
 
 from bidirkv.router.codec import loads
 from bidirkv.router.datapath.bodies import upstream_headers
+from bidirkv.router.datapath.engineconn import KEEPALIVE_S
+from bidirkv.router.datapath.enginehttp import EngineHTTP, Response
 from bidirkv.router.datapath.failures import (
     UPSTREAM_FAILURES,
     UpstreamFailure,
@@ -47,68 +49,38 @@ from bidirkv.router.pool.backends import Backend
 log = logging.getLogger("bidirkv.router")
 
 STALE_RETRY = "prefill_stale_connection"
-KEEPALIVE_S = 4.0
 
 
-# Set while a request gets its connection (in the requesting task's context): True when
-# that connection had already carried a request, i.e. it came from the keep-alive pool.
-_REUSED: ContextVar[bool] = ContextVar("bidirkv_connection_reused", default=False)
-
-
-class _Connector(aiohttp.TCPConnector):
-    """Remembers which connections already carried a request. aiohttp's tracing
-    (`on_connection_reuseconn`) says the same, but costs ~15 us on every request."""
-
-    def __init__(self, **kw: Any) -> None:
-        super().__init__(**kw)
-        self._carried: weakref.WeakSet[Any] = weakref.WeakSet()
-
-    async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
-        conn = await super().connect(req, traces, timeout)
-        proto = conn.protocol
-        if proto is not None:
-            if proto in self._carried:
-                _REUSED.set(True)
-            else:
-                self._carried.add(proto)
-        return conn
-
-
-def _session(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
+def open_session() -> aiohttp.ClientSession:
+    """Keep-alive connections for the router's calls other than the legs."""
+    # Idle connections are dropped before vLLM's server drops them (uvicorn's 5 s
+    # keep-alive), so after an idle gap the first request does not meet a closed one.
+    connector = aiohttp.TCPConnector(limit=4096, limit_per_host=0, ttl_dns_cache=10,
+                                     keepalive_timeout=KEEPALIVE_S)
     return aiohttp.ClientSession(
         connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",),
         cookie_jar=aiohttp.DummyCookieJar(),
     )
 
 
-def open_sessions() -> tuple[aiohttp.ClientSession, aiohttp.ClientSession]:
-    """(pooled, fresh): keep-alive connections for everything, and a session that opens
-    a new connection for each request (only the stale-connection retries use it)."""
-    # Idle connections are dropped before vLLM's server drops them (uvicorn's 5 s
-    # keep-alive), so after an idle gap the first request does not meet a closed one.
-    pooled = _session(_Connector(limit=4096, limit_per_host=0, ttl_dns_cache=10,
-                                 keepalive_timeout=KEEPALIVE_S))
-    fresh = _session(aiohttp.TCPConnector(limit=0, force_close=True, ttl_dns_cache=10))
-    return pooled, fresh
-
-
 class Clients:
-    """The router's two client sessions; POSTs with the stale-connection retry, and the
-    prefill leg's request."""
+    """The router's clients: the legs' POSTs (with the stale-connection retry, and the
+    prefill leg's request) and a session for the rest."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
         self.session: aiohttp.ClientSession | None = None
-        self.fresh: aiohttp.ClientSession | None = None
+        self.engines: EngineHTTP | None = None
 
     def open(self) -> aiohttp.ClientSession:
-        self.session, self.fresh = open_sessions()
+        self.session, self.engines = open_session(), EngineHTTP()
         return self.session
 
     async def close(self) -> None:
-        for session in (self.session, self.fresh):
-            if session is not None:
-                await session.close()
+        if self.engines is not None:
+            self.engines.close()
+        if self.session is not None:
+            await self.session.close()
 
     @property
     def pooled(self) -> aiohttp.ClientSession:
@@ -117,29 +89,28 @@ class Clients:
 
     async def post(self, b: Backend, path: str, payload: bytes | Callable[[], bytes],
                    rid: str, auth: str | None, timeout: aiohttp.ClientTimeout,
-                   retry_stale: bool = True, span: Leg = UNTRACED) -> aiohttp.ClientResponse:
+                   retry_stale: bool = True, span: Leg = UNTRACED) -> Response:
         """The response, its head read; the caller closes it. A callable payload is built
         again for the stale-connection retry: the body carries a single-use proof, which
         the engine may have seen on the first attempt. `span`: the upstream request's
-        span, whose context the request carries (the retry gets a span of its own)."""
-        assert self.session is not None and self.fresh is not None
+        span, whose context the request carries (the retry gets a span of its own).
+        `timeout`: its sock_connect, total and sock_read bound the request."""
+        engines = self.engines
+        assert engines is not None, "the router has not started"
         headers = upstream_headers(rid, auth, span.headers)
-        _REUSED.set(False)
         try:
-            return await self.session.post(
-                b.url + path, data=payload() if callable(payload) else payload,
-                headers=headers, timeout=timeout)
+            return await engines.post(b.url, path, payload() if callable(payload) else payload,
+                                      headers, timeout)
         except UPSTREAM_FAILURES as exc:
-            if not retry_stale or not _REUSED.get() or not stale_connection(exc):
+            if not retry_stale or not stale_connection(exc):
                 raise
             self.metrics.retries.labels(STALE_RETRY).inc()
             log.info("kept-alive connection to %s failed before a response (%s); retrying "
                      "on a new connection rid=%s", b.url, classify(exc)[1], rid)
             span.resend("stale_connection")
             headers = upstream_headers(rid, auth, span.headers)
-        return await self.fresh.post(
-            b.url + path, data=payload() if callable(payload) else payload,
-            headers=headers, timeout=timeout)
+        return await engines.post(b.url, path, payload() if callable(payload) else payload,
+                                  headers, timeout, fresh=True)
 
     async def post_prefill(self, p: Backend, path: str,
                            payload: bytes | Callable[[], bytes], rid: str,
