@@ -137,3 +137,24 @@ async def test_a_body_refused_part_way_frees_its_slot_while_it_is_drained():
             assert (await c.chat(U1))["status"] == 200  # the one slot is free
         finally:
             writer.close()
+
+
+async def test_a_body_here_whole_before_it_is_read_is_charged_and_bounded_as_one_chunk():
+    # Chunked (no declared length) and sent in one write with its head: the router finds
+    # it complete, reads it without a deadline, and still holds it to maxBodyBytes.
+    async with Cluster(config={"maxBodyBytes": 4096}) as c:
+        u = urllib.parse.urlsplit(c.url)
+        for content, status in (("x" * 5000, b" 413 "), ("hi", b" 200 ")):
+            body = json.dumps({"messages": [{"role": "user", "content": content}]}).encode()
+            reader, writer = await asyncio.open_connection(u.hostname, u.port)
+            try:
+                writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                             b"Content-Type: application/json\r\n"
+                             b"Transfer-Encoding: chunked\r\n\r\n"
+                             b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+                await writer.drain()
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            finally:
+                writer.close()
+            assert status in head.split(b"\r\n", 1)[0], head
+        assert c.router.intake.inflight_bytes == 0

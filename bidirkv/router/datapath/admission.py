@@ -234,6 +234,13 @@ class Intake:
         timeouts.bodyReadSeconds."""
         cfg = self.ctx.cfg
         limit = cfg.max_body_bytes
+        content = request.content
+        if content.is_eof():
+            # All of it came with the headers (most bodies do): no read waits, so there
+            # is no pace or deadline to keep, and it is one chunk, as readany gives it.
+            body = content.read_nowait()
+            self._take(body, len(body), limit, charge, room)
+            return body
         loop = asyncio.get_running_loop()
         start = loop.time()
         end = start + cfg.timeouts.body_read_seconds
@@ -241,16 +248,9 @@ class Intake:
         size = 0
         try:
             async with asyncio.timeout_at(min(end, upload_deadline(start, 0))) as timer:
-                while chunk := await request.content.readany():
+                while chunk := await content.readany():
                     size += len(chunk)
-                    if size > limit:
-                        raise ClientError(413, f"request body is over the limit of {limit} "
-                                          "bytes (maxBodyBytes)", type_="request_too_large")
-                    if room is not None:
-                        if self.inflight_bytes + len(chunk) > room:
-                            raise ClientError(429, "", type_="overloaded")
-                        charge.bytes += len(chunk)
-                        self.inflight_bytes += len(chunk)
+                    self._take(chunk, size, limit, charge, room)
                     parts.append(chunk)
                     timer.reschedule(min(end, upload_deadline(start, size)))
         except TimeoutError:
@@ -258,6 +258,19 @@ class Intake:
                 raise _TooSlow(size, loop.time() - start) from None
             raise
         return b"".join(parts)
+
+    def _take(self, chunk: bytes, size: int, limit: int, charge: Charge,
+              room: int | None) -> None:
+        """Charge `chunk`, which brings the body to `size` bytes: 413 past `limit`, 429
+        past `room`."""
+        if size > limit:
+            raise ClientError(413, f"request body is over the limit of {limit} "
+                              "bytes (maxBodyBytes)", type_="request_too_large")
+        if room is not None:
+            if self.inflight_bytes + len(chunk) > room:
+                raise ClientError(429, "", type_="overloaded")
+            charge.bytes += len(chunk)
+            self.inflight_bytes += len(chunk)
 
     async def _turn(self, request: web.Request, kind: str, trace: Trace, t0: float,
                     charge: Charge, room: int | None) -> Turn | web.Response | _Undrained:
