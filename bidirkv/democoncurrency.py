@@ -19,7 +19,7 @@ OUT = ROOT / "out" / "demo"
 
 def run(spec_path: pathlib.Path, out: pathlib.Path, *, concurrencies: tuple[int, ...] = (1, 4),
         num_prompts: int = 48, progress: bool = True, patch: dict[str, Any] | None = None,
-        rounds: int = 1) -> list[dict[str, Any]]:
+        rounds: int = 1, pin_client: bool = True) -> list[dict[str, Any]]:
     """Start a stack from the spec, measure it (`measure`), stop it."""
     from bidirkv.local.cli import prepare_stack, tiny_model_for
 
@@ -29,16 +29,20 @@ def run(spec_path: pathlib.Path, out: pathlib.Path, *, concurrencies: tuple[int,
     with stack:
         stack.start(progress=progress)
         return measure(stack, out, concurrencies=concurrencies, num_prompts=num_prompts,
-                       rounds=rounds)
+                       rounds=rounds, pin_client=pin_client)
 
 
 def measure(stack: Any, out: pathlib.Path, *, concurrencies: tuple[int, ...] = (1, 4),
-            num_prompts: int = 48, rounds: int = 1) -> list[dict[str, Any]]:
+            num_prompts: int = 48, rounds: int = 1, pin_client: bool = True
+            ) -> list[dict[str, Any]]:
     """vllm bench serve against a running stack's decode server alone, then its router;
     the table, the aims, JSON and a plot. Prompts are fresh per run (a new seed), so
-    whatever the stack served before is in no cache they hit."""
+    whatever the stack served before is in no cache they hit. With `pin_client` the load
+    generator runs on the router's cores (bidirkv/local/cpuset.py), off decode's, where
+    it would wait behind decode's spinning threads for both targets alike."""
     from bidirkv.bench import pdload
     from bidirkv.local.cpu import read_cpu
+    from bidirkv.local.cpuset import pinned_thread
 
     spec = stack.spec.model
     served, model = spec.served_name or spec.name, spec.name
@@ -60,9 +64,14 @@ def measure(stack: Any, out: pathlib.Path, *, concurrencies: tuple[int, ...] = (
     print(f"    router placement: {policy}", flush=True)
     # The single server is the decode server; through the router all three serve.
     serving = {pdload.SINGLE: ("decode",), pdload.ROUTER: ("prefill", "decode", "router")}
-    results = pdload.run_matrix(targets, served, model, concurrencies, num_prompts,
-                                on_result=shown, rounds=rounds,
-                                cpu=lambda label: stack.cpu_seconds(serving[label]))
+    choice = stack.plan.cpu_choice
+    client = choice.cores if pin_client and choice is not None else None
+    print(f"    {stack.cpu_line()}; the load generator "
+          + ("too" if client is not None else "on any core"), flush=True)
+    with pinned_thread(client):
+        results = pdload.run_matrix(targets, served, model, concurrencies, num_prompts,
+                                    on_result=shown, rounds=rounds,
+                                    cpu=lambda label: stack.cpu_seconds(serving[label]))
     print(pdload.table(results, aims))
     decided = placements(stack.router_url)
     print("    the router's placements: " + (", ".join(f"{k} {v:g}" for k, v in decided.items())
@@ -102,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="runs per target and concurrency, alternating (the aims compare "
                    "each round's pair, then take the median)")
+    p.add_argument("--free-client", action="store_true",
+                   help="leave the load generator on any core (default: the router's "
+                   "cores, off decode's)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.rounds < 1:
@@ -110,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     patch = {"router": {"placement": {"policy": args.placement}}} if args.placement else None
     run(args.spec, args.out.resolve(), concurrencies=tuple(args.concurrency or (1, 4)),
         num_prompts=args.num_prompts, progress=not args.no_progress, patch=patch,
-        rounds=args.rounds)
+        rounds=args.rounds, pin_client=not args.free_client)
     print(f"done in {time.monotonic() - t:.0f} s")
     return 0
 

@@ -11,6 +11,7 @@ import pytest
 from bidirkv.local.engines import LOCAL_OWNER, rendered_container
 from bidirkv.local.plan import (
     ENGINE_ENV_PREFIXES,
+    cpu_line,
     local_spec,
     merge_patch,
     plan_stack,
@@ -208,3 +209,18 @@ def test_local_addresses_come_from_render_itself(spec, tmp_path):
                                "protocol": "TCP"},
                               {"name": "nixl", "containerPort": server.nixl_port,
                                "protocol": "TCP"}]
+
+
+def test_the_router_is_planned_off_the_cores_decode_binds(raw, spec, tmp_path):
+    ports = [9000, 9001, 9002, 9003, 9004]
+    plan = plan_stack(spec, ports, tmp_path, available_cores=frozenset({0, 1}))
+    assert plan.router.cpus == frozenset({0})  # examples/local.yaml binds decode to core 1
+    assert cpu_line(plan) == "router on cores 0 (decode binds 1)"
+    assert plan_stack(spec, ports, tmp_path).router.cpus is None  # cores unknown
+    free = merge_patch(raw, {"decode": {"extraEnv": [
+        {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "auto"}]}})
+    plan = plan_stack(local_spec(free, tmp_path), ports, tmp_path,
+                      available_cores=frozenset({0, 1}))
+    assert plan.router.cpus is None
+    assert cpu_line(plan) == ("router not pinned: decode-0's VLLM_CPU_OMP_THREADS_BIND is "
+                              "'auto': vLLM picks the cores when it starts")

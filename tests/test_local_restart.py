@@ -42,6 +42,9 @@ SERVER = textwrap.dedent("""
 """)
 
 
+ONE_CORE = frozenset({max(os.sched_getaffinity(0))})
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -61,9 +64,10 @@ def router(tmp_path):
     workdir = tmp_path / "work"
     workdir.mkdir()
     url = f"http://127.0.0.1:{port}"
+    # On one core, as `local up` may pin the router (local/cpuset.py).
     proc = Proc("router", [sys.executable, str(script), str(port)],
                 {**os.environ, "MARKER": "same-env"}, tmp_path / "router.log",
-                url + "/ready").start(cwd=str(workdir))
+                url + "/ready", cpus=ONE_CORE).start(cwd=str(workdir))
     proc.wait_healthy(30)
     write_state(tmp_path, StackState(spec_file="x.yaml", router_url=url, procs=[
         ProcRecord("router", "router", proc.pid, proc.started_at, url,
@@ -82,6 +86,7 @@ def test_proc_fields_parse():
     me = read_command(os.getpid())
     assert me.env.get("PATH") == os.environ.get("PATH")
     assert me.cwd == os.getcwd()
+    assert me.cpus == os.sched_getaffinity(0)
     with pytest.raises(ValueError, match=r"cannot read how pid 4194311 was started"):
         read_command(2 ** 22 + 7)
 
@@ -99,6 +104,7 @@ def test_restart_starts_the_same_command_again_and_records_it(tmp_path, router, 
     again = get(url)
     assert again["pid"] == done.record.pid != first["pid"]
     assert again["marker"] == "same-env" and again["cwd"] == str(workdir)
+    assert os.sched_getaffinity(again["pid"]) == ONE_CORE
     rec = read_state(tmp_path).record("router")
     assert (rec.pid, rec.started_at) == (done.record.pid, process_start_time(rec.pid))
     assert lines[0].startswith("router: SIGKILL" if drop else "router: SIGTERM")

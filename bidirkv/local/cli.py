@@ -64,6 +64,7 @@ def prepare_stack(spec_file: str | os.PathLike[str], state_dir: pathlib.Path, *,
                   progress: bool = True):
     """Spec file -> LocalStack (not started): the steps `local up`, the demo and the e2e
     test share."""
+    from bidirkv.local.cpuset import allowed_cores
     from bidirkv.local.plan import local_spec, merge_patch, plan_stack, ports_needed, read_spec_file
     from bidirkv.local.ports import free_ports, sequential_ports
     from bidirkv.local.stack import LocalStack
@@ -77,7 +78,8 @@ def prepare_stack(spec_file: str | os.PathLike[str], state_dir: pathlib.Path, *,
     n = len(ports_needed(spec))
     ports = sequential_ports(port_base, n) if port_base is not None else free_ports(n)
     state_dir = pathlib.Path(state_dir).resolve()
-    stack = LocalStack(plan_stack(spec, ports, state_dir), state_dir, str(spec_file))
+    stack = LocalStack(plan_stack(spec, ports, state_dir, available_cores=allowed_cores()),
+                       state_dir, str(spec_file))
     stack.dtype_choice = choice
     stack.spec = spec
     return stack
@@ -129,6 +131,7 @@ def _up(args: argparse.Namespace) -> int:
                               tiny_model=args.tiny_model, progress=not args.no_progress)
         print(f"{PROG} up: {read_cpu().describe()}; {stack.dtype_choice.line()}",
               file=sys.stderr)
+        print(f"{PROG} up: {stack.cpu_line()}", file=sys.stderr)
         try:
             stack.start(timeout=args.timeout or DEFAULT_START_TIMEOUT,
                         progress=not args.no_progress)

@@ -10,6 +10,7 @@ project's own `operator/` folder never shadows the standard library module).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import pathlib
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from bidirkv.local.cpuset import BIND_VAR, CpuChoice, choose_cores
 from bidirkv.local.engines import (
     LOCAL_OWNER,
     LOOPBACK,
@@ -33,6 +35,10 @@ from bidirkv.operator.api.spec import KIND, DisaggregatedInferenceSpec, SpecErro
 from bidirkv.operator.render.children import RouterPlacement, router_deployment
 
 ROLES = ("prefill", "decode")
+# The servers started on the cores decode leaves (cpuset.py). An engine's server is its
+# API server; its engine core moves itself and its workers onto the cores its
+# VLLM_CPU_OMP_THREADS_BIND names (connector/patches/cpu.py) before any worker exists.
+PINNED_ROLES = ("router",)
 # Inherited variables of these namespaces would change the engines behind the spec's
 # back (a stray `export VLLM_...` in the shell): only the rendered ones reach them.
 ENGINE_ENV_PREFIXES = ("VLLM_", "UCX_", "NIXL_", "FI_", "OMP_", "BIDIRKV_")
@@ -103,6 +109,7 @@ class ServerPlan:
     http_port: int
     nixl_port: int | None = None
     health_path: str = "/health"
+    cpus: frozenset[int] | None = None  # the cores it starts on; None: any
 
     @property
     def url(self) -> str:
@@ -120,6 +127,7 @@ class StackPlan:
     router_config: dict[str, Any]
     router_config_path: pathlib.Path
     ports: dict[str, int] = field(default_factory=dict)
+    cpu_choice: CpuChoice | None = None
 
     @property
     def servers(self) -> list[ServerPlan]:
@@ -153,10 +161,17 @@ def router_process(config_path: pathlib.Path, port: int, spec: DisaggregatedInfe
     return command + list(c["args"]), local_env(c.get("env", []), secrets)
 
 
+def decode_binds(engines: list[ServerPlan]) -> dict[str, str | None]:
+    """Each decode engine's rendered VLLM_CPU_OMP_THREADS_BIND (None: not set)."""
+    return {e.name: e.env.get(BIND_VAR) for e in engines if e.role == "decode"}
+
+
 def plan_stack(spec: DisaggregatedInferenceSpec, ports: list[int],
-               state_dir: pathlib.Path, secrets: LocalSecrets | None = None) -> StackPlan:
+               state_dir: pathlib.Path, secrets: LocalSecrets | None = None,
+               available_cores: frozenset[int] | None = None) -> StackPlan:
     """The processes of a local stack on the given ports (in `ports_needed` order); a fresh
-    handle key unless `secrets` are given."""
+    handle key unless `secrets` are given. `available_cores`: the cores the stack may use
+    (None: unknown, nothing is pinned); the PINNED_ROLES get those decode leaves."""
     secrets = local_secrets() if secrets is None else secrets
     labels = ports_needed(spec)
     if len(ports) != len(labels):
@@ -174,9 +189,25 @@ def plan_stack(spec: DisaggregatedInferenceSpec, ports: list[int],
     cfg = local_router_config(spec, by_role["prefill"], by_role["decode"])
     cfg_path = state_dir / "router.json"
     router_argv, router_env = router_process(cfg_path, ports[0], spec, secrets)
+    choice = choose_cores(decode_binds(engines), available_cores)
+
+    def pinned(server: ServerPlan) -> ServerPlan:
+        return dataclasses.replace(server, cpus=choice.cores) \
+            if server.role in PINNED_ROLES else server
+
     router = ServerPlan("router", "router", router_argv, router_env, ports[0],
                         health_path="/ready")
-    return StackPlan(engines, router, cfg, cfg_path, dict(zip(labels, ports, strict=True)))
+    return StackPlan([pinned(e) for e in engines], pinned(router), cfg, cfg_path,
+                     dict(zip(labels, ports, strict=True)), choice)
+
+
+def cpu_line(plan: StackPlan) -> str:
+    """Where the pinned servers run, in one line: 'router on cores 0 (decode binds 1)'."""
+    names = {"router": "router", "prefill": "prefill's API server",
+             "decode": "decode's API server"}
+    who = " and ".join(names[r] for r in PINNED_ROLES)
+    choice = plan.cpu_choice or CpuChoice(None, frozenset(), "not planned")
+    return choice.line(who)
 
 
 def process_env(rendered: Mapping[str, str], base: Mapping[str, str]) -> dict[str, str]:

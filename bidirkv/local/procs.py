@@ -11,6 +11,8 @@ import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from bidirkv.local.cpuset import pinned_thread
+
 # Re-exported: callers check recorded pids through this module.
 from bidirkv.local.family import process_start_time, stop_family
 from bidirkv.local.family import same_process as same_process
@@ -27,6 +29,7 @@ class Proc:
     env: dict[str, str]
     log_path: pathlib.Path
     health_url: str | None = None
+    cpus: frozenset[int] | None = None  # the cores it starts on (cpuset.py); None: any
     popen: subprocess.Popen | None = field(default=None, repr=False)
     # Read at start: once the process is gone (or a zombie) /proc no longer has it.
     _started_at: int | None = field(default=None, init=False, repr=False)
@@ -47,10 +50,11 @@ class Proc:
             # A session (and group) of its own, with ids equal to its pid: stop() finds
             # what it started (vLLM's EngineCore and workers) by those ids, even after
             # the server itself died, without touching anything else.
-            self.popen = subprocess.Popen(
-                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True,
-            )
+            with pinned_thread(self.cpus):
+                self.popen = subprocess.Popen(
+                    self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True,
+                )
         finally:
             log.close()
         self._started_at = process_start_time(self.popen.pid)

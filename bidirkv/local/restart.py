@@ -37,6 +37,7 @@ class Command:
     argv: list[str]
     env: dict[str, str]
     cwd: str
+    cpus: frozenset[int] | None = None  # the cores it ran on (`local up` may pin it)
 
 
 @dataclass(frozen=True)
@@ -61,12 +62,12 @@ def parse_environ(raw: bytes) -> dict[str, str]:
 
 
 def read_command(pid: int) -> Command:
-    """The argv, environment and working directory of a live process (Linux /proc)."""
+    """The argv, environment, working directory and cores of a live process (Linux)."""
     base = pathlib.Path("/proc", str(pid))
     try:
         return Command(split_nul((base / "cmdline").read_bytes()),
                        parse_environ((base / "environ").read_bytes()),
-                       os.readlink(base / "cwd"))
+                       os.readlink(base / "cwd"), frozenset(os.sched_getaffinity(pid)))
     except OSError as exc:
         raise ValueError(f"cannot read how pid {pid} was started ({exc.strerror})") from None
 
@@ -129,7 +130,8 @@ def start_again(state_dir: str | os.PathLike[str], name: str, command: Command,
     if same_process(rec.pid, rec.started_at):
         raise ValueError(f"{name} (pid {rec.pid}) is still running")
     proc = Proc(name, command.argv, command.env, pathlib.Path(rec.log),
-                rec.url + HEALTH_PATHS.get(rec.role, "/health")).start(cwd=command.cwd)
+                rec.url + HEALTH_PATHS.get(rec.role, "/health"),
+                cpus=command.cpus).start(cwd=command.cwd)
     assert proc.pid is not None
     new = dataclasses.replace(rec, pid=proc.pid, started_at=proc.started_at, descendants=())
     _replace(state_dir, name, new)

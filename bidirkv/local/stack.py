@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 
 from bidirkv.local.family import TOKEN_VAR, cpu_seconds, family, snapshot, stop_family
-from bidirkv.local.plan import ServerPlan, StackPlan, process_env
+from bidirkv.local.plan import ServerPlan, StackPlan, cpu_line, process_env
 from bidirkv.local.ports import PortInUse, check_ports
 from bidirkv.local.procs import Proc, StartError, same_process, wait_all_healthy
 from bidirkv.local.state import ProcRecord, StackState, read_state, remove_state, write_state
@@ -86,6 +86,9 @@ class LocalStack:
         return kv.decoder_kv_blocks_ttl_seconds if kv is not None and kv.bidirectional \
             else None
 
+    def cpu_line(self) -> str:
+        return cpu_line(self.plan)
+
     @property
     def router_url(self) -> str:
         return self.plan.router.url
@@ -127,7 +130,7 @@ class LocalStack:
         env = process_env(server.env, self.base_env)
         if self.state.token:
             env[TOKEN_VAR] = self.state.token
-        return Proc(server.name, server.argv, env, log, server.health_url)
+        return Proc(server.name, server.argv, env, log, server.health_url, cpus=server.cpus)
 
     def _launch(self, server: ServerPlan) -> Proc:
         # cwd: the state directory, never the project root (see plan.py).
