@@ -46,6 +46,20 @@ def test_next_turn_finds_what_the_last_turn_stored():
     assert chat_history(A, turn3).lookup_key == h2.store_key(a2)
 
 
+def test_an_explicit_ids_message_keys_come_from_one_pass_and_keep_their_bytes():
+    # Stored as Entry.prompt_key and compared across replicas and releases: pinned.
+    keys = LookupKeys(b"handle-key")
+    a = keys.tenant_of("Bearer key-a")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": [{"type": "text", "text": "more"}]}]
+    assert keys.messages_key(a, msgs, 2).hex() == "3cb46e051888dc9cf1db532a3ae124e5"
+    assert keys.messages_key(a, msgs, 3).hex() == "04eb2c520ff87df59bfcbfe33d64d4d2"
+    for n in (0, 2, 3, 5):
+        assert keys.messages_keys(a, msgs, n) == (keys.messages_key(a, msgs, n),
+                                                  keys.messages_key(a, msgs, 3))
+    assert keys.messages_key(B, msgs, 2) != keys.messages_key(a, msgs, 2)
+
+
 def test_first_turn_has_no_lookup_key():
     assert chat_history(A, [{"role": "user", "content": "hi"}]).lookup_key is None
 

@@ -257,10 +257,14 @@ async def test_an_explicit_id_extends_only_a_prompt_that_extends_the_last_one():
         turn2 = U1 + [r1["message"], {"role": "user", "content": "ok"}]
         r2 = await c.chat(turn2, conversation_id="a")
         assert r2["headers"]["X-Bidirkv-Placement"] == "extend; reason=short_append"
-        edited = [{"role": "system", "content": "be verbose"}, *turn2[1:], r2["message"],
+        # Turn 2's key was hashed in the pass that showed it extends turn 1's.
+        turn3 = turn2 + [r2["message"], {"role": "user", "content": "more"}]
+        r3 = await c.chat(turn3, conversation_id="a")
+        assert r3["headers"]["X-Bidirkv-Placement"] == "extend; reason=short_append"
+        edited = [{"role": "system", "content": "be verbose"}, *turn3[1:], r3["message"],
                   {"role": "user", "content": "again"}]
-        r3 = await c.chat(edited, conversation_id="a")
-        assert r3["headers"]["X-Bidirkv-Placement"] == "read_back; reason=prefix_unknown"
+        r4 = await c.chat(edited, conversation_id="a")
+        assert r4["headers"]["X-Bidirkv-Placement"] == "read_back; reason=prefix_unknown"
         assert c.p[0].generations()[-1].has_handle
 
 

@@ -146,28 +146,41 @@ class Conversations:
             return turn.prompt_chars + message_chars(collector.message())
         return turn.prompt_chars + len(collector.text)
 
-    def prompt_key(self, turn: Turn, n: int | None = None) -> bytes | None:
-        """An explicit-id chat turn's first `n` messages (all: None), as Entry.prompt_key;
-        only under a placement that may extend (hashing costs a pass over the body)."""
-        ctx = self.ctx
+    @staticmethod
+    def _keyed_messages(turn: Turn) -> list[Any] | None:
+        """An explicit-id chat turn's messages, when a placement that may extend weighs
+        them (hashing costs a pass over the body)."""
         messages = turn.body.get("messages")
-        if (turn.store_key is None or not isinstance(messages, list)
-                or not turn.modes.places):
+        if turn.store_key is None or not isinstance(messages, list) or not turn.modes.places:
             return None
-        n = len(messages) if n is None else n
-        return n.to_bytes(4, "big") + ctx.keys.messages_key(turn.tenant, messages, n)
+        return messages
+
+    def prompt_key(self, turn: Turn) -> bytes | None:
+        """An explicit-id chat turn's messages as Entry.prompt_key (a 4-byte count, then
+        their keyed hash): what `extends` hashed already, else one pass now."""
+        messages = self._keyed_messages(turn)
+        if messages is None:
+            return None
+        if turn.prompt_key is not None:
+            return turn.prompt_key
+        return len(messages).to_bytes(4, "big") + self.ctx.keys.messages_key(
+            turn.tenant, messages, len(messages))
 
     def extends(self, turn: Turn, entry: Entry) -> bool:
         """The turn's prompt extends what the entry's holder keeps (placement): named by
         its history or its prompt prefix, or by an explicit id whose stored prompt is the
-        first messages of this one."""
+        first messages of this one. The explicit id's pass over the messages also gives
+        the turn its own prompt key."""
         key = entry.prompt_key
         if key is None or len(key) < 5:
             return entry.chars > 0 and turn.prompt_chars >= entry.chars
         n = int.from_bytes(key[:4], "big")
-        messages = turn.body.get("messages")
-        return (isinstance(messages, list) and len(messages) > n
-                and self.prompt_key(turn, n) == key)
+        messages = self._keyed_messages(turn)
+        if messages is None or len(messages) <= n:
+            return False
+        first, whole = self.ctx.keys.messages_keys(turn.tenant, messages, n)
+        turn.prompt_key = len(messages).to_bytes(4, "big") + whole
+        return n.to_bytes(4, "big") + first == key
 
     async def end_conversation(self, tenant: bytes, conversation_id: str) -> bool:
         """DELETE /v1/conversations/{id}: drop the handle, D frees its blocks now."""

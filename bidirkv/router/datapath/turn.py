@@ -6,7 +6,8 @@ place:
   auth, tenant, t0, trace, modes (modes.py's `modes_of`, once per turn), prompt_chars;
 - its conversation (conversations.py, `identify`): conv, store_key, history, prompt,
   holder_url, gap; `handle` is built with the turn, and only reservation.py changes
-  what it holds (the entry, its end, the reuse outcome);
+  what it holds (the entry, its end, the reuse outcome); prompt_key (conversations.py's
+  `extends`, when placement has it hash the messages);
 - where it runs (placing.py): placed, new_tokens;
 - what its legs learnt (legs.py): asked_prefill, prompt_tokens.
 """
@@ -29,6 +30,7 @@ class Turn:
     __slots__ = (
         "kind", "stream", "body", "rid", "auth", "tenant", "t0", "trace", "modes",
         "prompt_chars", "conv", "store_key", "history", "prompt", "holder_url", "gap",
+        "prompt_key",
         "handle", "placed", "new_tokens", "asked_prefill", "prompt_tokens",
     )
 
@@ -53,6 +55,9 @@ class Turn:
         self.history: ChatHistory | None = None
         self.prompt: str | None = None
         self.holder_url: str | None = None
+        # An explicit id's turn: its messages' Entry.prompt_key, once placement hashed
+        # them (the next handle is stored under it without a second pass).
+        self.prompt_key: bytes | None = None
         # The conversation's moving-average idle time with this turn's (returns.py),
         # once a stored handle said when its last answer was kept.
         self.gap: float | None = None

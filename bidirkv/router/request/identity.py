@@ -225,11 +225,21 @@ class LookupKeys:
     def messages_key(self, tenant: bytes, messages: list[Any], n: int) -> bytes:
         """Of the first `n` messages: what a turn named by an explicit id stores, so that
         its next turn can show its prompt extends that one (placement)."""
+        return self.messages_keys(tenant, messages[:n], n)[0]
+
+    def messages_keys(self, tenant: bytes, messages: list[Any], n: int
+                      ) -> tuple[bytes, bytes]:
+        """`messages_key` of the first `n` messages and of all of them, in one pass: the
+        turn that shows its prompt extends a stored one (the first) stores the second."""
         h = self._hasher(b"prefix", isolation_tenant(tenant))
-        for m in messages[:n]:
+        first = h.copy().digest() if n <= 0 else None
+        for i, m in enumerate(messages, 1):
             h.update(canonical_message(m) if isinstance(m, dict) else canonical(m))
             h.update(_SEP)
-        return h.digest()
+            if i == n:
+                first = h.copy().digest()
+        whole = h.digest()
+        return (whole if first is None else first), whole
 
     # -- completions prompt prefixes ---------------------------------------------------
     def completion_key(self, tenant: bytes, text: str) -> bytes:
