@@ -119,7 +119,12 @@ def parse_request(raw: bytes, kind: str, header_conversation_id: str | None,
     """
     # orjson stops past 1024 levels by itself, and the depth is checked once parsed;
     # the standard library's parser would recurse, so without orjson it is checked first.
-    if problem := ((max_containers is not None and container_problem(raw, max_containers))
+    # Either bound needs one object or array per unit: a body with no more brackets than
+    # the bound (counted once, in C; brackets inside strings only over-count) is not
+    # scanned or walked for it.
+    brackets = raw.count(b"[") + raw.count(b"{")
+    if problem := ((max_containers is not None and brackets > max_containers
+                    and container_problem(raw, max_containers))
                    or (not HAVE_ORJSON and nesting_problem(raw))
                    or surrogate_problem(raw)):
         raise ClientError(400, problem)
@@ -129,10 +134,7 @@ def parse_request(raw: bytes, kind: str, header_conversation_id: str | None,
         if "depth limit" in str(exc):  # orjson, past its own limit
             raise ClientError(400, deep_message()) from None
         raise ClientError(400, f"request body is not valid JSON: {exc}") from None
-    # Nesting needs one object or array per level: a body with at most MAX_DEPTH of them
-    # (counted in C; brackets inside strings only over-count) is not walked.
-    if HAVE_ORJSON and raw.count(b"[") + raw.count(b"{") > MAX_DEPTH \
-            and (problem := depth_problem(body)):
+    if HAVE_ORJSON and brackets > MAX_DEPTH and (problem := depth_problem(body)):
         raise ClientError(400, problem)
     if not isinstance(body, dict):
         raise ClientError(400, f"request body must be a JSON object, got {type(body).__name__}")
