@@ -4,7 +4,12 @@
 import json
 
 from bidirkv.router.request import bodycheck
-from bidirkv.router.request.bodycheck import MAX_DEPTH, nesting_problem, surrogate_problem
+from bidirkv.router.request.bodycheck import (
+    MAX_DEPTH,
+    depth_problem,
+    nesting_problem,
+    surrogate_problem,
+)
 
 
 def nested(depth: int, inner: str = "1") -> bytes:
@@ -16,6 +21,21 @@ def test_depth_limit_is_exact():
     assert "deeper than 64" in nesting_problem(nested(MAX_DEPTH + 1))
     mixed = ('{"a":' * 40 + "[" * 30 + "0" + "]" * 30 + "}" * 40).encode()
     assert nesting_problem(mixed) is not None
+
+
+def test_the_parsed_depth_limit_is_exact_through_objects_and_arrays():
+    for depth in (1, MAX_DEPTH):
+        assert depth_problem(json.loads(nested(depth))) is None
+    assert "deeper than 64" in depth_problem(json.loads(nested(MAX_DEPTH + 1)))
+    mixed = json.loads('{"a":' * 40 + "[" * 25 + "0" + "]" * 25 + "}" * 40)
+    assert depth_problem(mixed) is not None
+    assert depth_problem(json.loads('{"a":' * 40 + "[" * 24 + "0" + "]" * 24 + "}" * 40)) \
+        is None
+    # The deep branch beside many shallow ones; scalars and wide bodies pass.
+    wide = {"messages": [{"role": "user", "content": "x"}] * 500, "deep": mixed}
+    assert depth_problem(wide) is not None
+    assert depth_problem({**wide, "deep": []}) is None
+    assert depth_problem("text") is None and depth_problem([[], {}]) is None
 
 
 def test_brackets_inside_strings_do_not_count():
