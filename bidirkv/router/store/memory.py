@@ -78,16 +78,34 @@ class Index:
         key, url, tenant, blocks = entry.key, entry.decode_url, entry.tenant, entry.blocks
         self.entries[key] = entry
         self.pinned[url] = self.pinned.get(url, 0) + blocks
-        self.by_tenant.setdefault(tenant, OrderedDict())[key] = entry
-        counts = self.rep_count.setdefault(url, {})
+        # get, then build only what is missing: setdefault would build (and drop) a new
+        # container per index on every put.
+        mine = self.by_tenant.get(tenant)
+        if mine is None:
+            mine = self.by_tenant[tenant] = OrderedDict()
+        mine[key] = entry
+        counts = self.rep_count.get(url)
+        if counts is None:
+            counts = self.rep_count[url] = {}
         alive = counts[tenant] = counts.get(tenant, 0) + 1
         self.tenant_entries.add(tenant, 1)
-        self.rep_blocks.setdefault(url, Weights()).add(tenant, blocks)
-        order = self.orders.setdefault(url, {}).setdefault(tenant, ReturnOrder())
+        tally = self.rep_blocks.get(url)
+        if tally is None:
+            tally = self.rep_blocks[url] = Weights()
+        tally.add(tenant, blocks)
+        orders = self.orders.get(url)
+        if orders is None:
+            orders = self.orders[url] = {}
+        order = orders.get(tenant)
+        if order is None:
+            order = orders[tenant] = ReturnOrder()
         order.add(entry, gap, expires_wall)
         order.compact(self.live, alive)
         if tenant is not None and entry.prefix_len > 0:
-            self.lengths.setdefault(tenant, Lengths()).add(entry.prefix_len)
+            lengths = self.lengths.get(tenant)
+            if lengths is None:
+                lengths = self.lengths[tenant] = Lengths()
+            lengths.add(entry.prefix_len)
 
     def remove(self, entry: Entry) -> bool:
         """Take `entry` out of every index; False if it was no longer stored."""
@@ -281,7 +299,10 @@ class InProcessStore:
         """Drop unreserved handles of the replica until it pins at most `max_blocks`: of
         the tenant pinning the most there, the one expected back last (else, all of
         theirs reserved, the first to go of any tenant's there); never `spare`."""
-        ix, doomed, now = self.ix, [], self._wall()
+        ix = self.ix
+        if ix.pinned.get(decode_url, 0) <= max_blocks:
+            return 0  # most puts: under the bound, nothing to choose
+        doomed, now = [], self._wall()
 
         def skip(e: Entry) -> bool:
             return e.reserved or e is spare
