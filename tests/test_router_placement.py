@@ -308,6 +308,13 @@ def test_the_prompt_counts_every_part_that_reaches_it():
                           "reasoning_content": "hmm " * 1000}) == 2
     # Token ids count at the densest ratio the router assumes.
     assert prompt_chars({"prompt": [1, 2, 3]}) == 3 * CHARS_PER_TOKEN_MAX
+    # A whole prompt is its messages' sum, text with tool calls included.
+    spoken = {**call, "content": "let me look"}
+    mixed = [{"role": "user", "content": "hi"}, call, spoken, "junk",
+             {"role": "user", "content": [{"type": "text", "text": "what is this"}, image]}]
+    assert prompt_chars({"messages": mixed}) == sum(message_chars(m) for m in mixed) == (
+        2 + 2 * (len("read") + len(args)) + len("let me look") + len("what is this")
+        + MEDIA_PART_CHARS)
 
 
 def test_a_few_skewed_prompts_do_not_move_the_ratio_and_none_leave_the_band():
