@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 from aiohttp import web
 
+from bidirkv.router.datapath import enginehttp
 from bidirkv.router.datapath.engineconn import (
     HEAD_LIMIT,
     HIGH_WATER,
@@ -228,3 +229,17 @@ async def test_reading_pauses_while_the_unread_body_is_over_the_high_water_mark(
         r.close()
         assert client.open_connections == 1  # read whole: pooled
         client.close()
+
+
+async def test_connection_close_is_not_pooled_and_idle_ones_are_closed(monkeypatch):
+    monkeypatch.setattr(enginehttp, "KEEPALIVE_S", 0.05)
+    close = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
+    async with raw_engine(close) as (url, _), aiohttp_engine(echo) as kept:
+        client = EngineHTTP()
+        async with await client.post(url, "/", b"{}", H, T) as r:
+            assert await r.read() == b"ok"
+        await settle(client, 0)
+        async with await client.post(kept, "/", b"{}", H, T) as r:
+            assert await r.read() == b"{}"
+        assert client.open_connections == 1  # pooled, then closed once idle too long
+        await settle(client, 0)
