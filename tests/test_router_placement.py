@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import random
+import statistics
 
 import pytest
 
@@ -11,6 +13,7 @@ from bidirkv.router.pool.placement import (
     ALWAYS_DISAGGREGATE,
     CHARS_PER_TOKEN_MAX,
     CHARS_PER_TOKEN_MIN,
+    CHARS_SAMPLES,
     COST,
     EXTEND,
     MEDIA_PART_CHARS,
@@ -145,6 +148,20 @@ def test_new_tokens_from_the_prompt_size():
     # 10% is off by 10% of the append, not of the whole history.
     assert new_tokens(80_400, 20_000, 4.4, held_chars=80_000) == 91
     assert new_tokens(80_400, 20_000, 4.4) == 0
+
+
+def test_characters_per_token_are_the_median_of_the_last_samples_within_the_band():
+    rnd = random.Random(7)
+    m, seen = CostModel(), []
+    for i in range(3 * CHARS_SAMPLES):
+        chars, tokens = rnd.randint(100, 9000), rnd.randint(100, 1500)
+        if i % 17 == 0:  # repeats: one of them leaves the window, the other stays
+            chars, tokens = 4000, 1000
+        m.observe_prompt(chars, tokens)
+        seen.append(chars / tokens)
+        window = seen[-CHARS_SAMPLES:]
+        assert m.chars_per_token == min(float(CHARS_PER_TOKEN_MAX), max(
+            CHARS_PER_TOKEN_MIN, statistics.median(window))), i
 
 
 def test_the_cost_model_learns_from_the_legs():

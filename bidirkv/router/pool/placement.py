@@ -33,9 +33,9 @@ prefill has `prefillBusyRequests` legs in flight.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
-from statistics import median
 from typing import Any
 
 from bidirkv.router.codec import dumps
@@ -304,6 +304,8 @@ class CostModel:
         self._costs = costs or Costs()
         self.chars_per_token = chars_per_token
         self._ratios: deque[float] = deque(maxlen=CHARS_SAMPLES)
+        # The same samples in order: a turn's median is an insert and a removal, not a sort.
+        self._ordered: list[float] = []
         self._seen: set[str] = set()
         self._hop = Line(self._costs.hop_ms, self._costs.pull_ms)
 
@@ -320,9 +322,13 @@ class CostModel:
     def observe_prompt(self, prompt_chars: int, prompt_tokens: int) -> None:
         """A prompt's characters and the tokens prefill counted (see CHARS_PER_TOKEN_MIN)."""
         if prompt_chars > 0 and prompt_tokens > 0:
-            self._ratios.append(prompt_chars / prompt_tokens)
+            ratio, ordered = prompt_chars / prompt_tokens, self._ordered
+            if len(self._ratios) == CHARS_SAMPLES:
+                del ordered[bisect.bisect_left(ordered, self._ratios[0])]
+            self._ratios.append(ratio)
+            bisect.insort(ordered, ratio)
             self.chars_per_token = min(float(CHARS_PER_TOKEN_MAX),
-                                       max(CHARS_PER_TOKEN_MIN, median(self._ratios)))
+                                       max(CHARS_PER_TOKEN_MIN, _median(ordered)))
             self._seen.add("chars")
 
     def observe_prefill(self, ms: float, computed: int, read: int = 0) -> None:
@@ -349,6 +355,12 @@ class CostModel:
         """A whole turn on decode, to its first byte: `computed` tokens prefilled there."""
         if computed >= MIN_SAMPLE_TOKENS:
             self._learn("prefill_ms", ms / computed)
+
+
+def _median(ordered: list[float]) -> float:
+    """statistics.median of samples already in order (the same float)."""
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
 
 
 def _with(c: Costs, **over: float) -> Costs:
