@@ -31,7 +31,9 @@ from bidirkv.router.store.shared import make_store, store_mode
 @dataclass(frozen=True)
 class Timeouts:
     """The client timeouts of one config (a reload swaps the whole set; a request in
-    flight keeps the one it started with)."""
+    flight keeps the one it started with). The legs' client (enginehttp.py) reads
+    `prefill` and `decode` as bounds on the connect (sock_connect), the whole exchange
+    (total) and each wait for bytes (sock_read); aiohttp's session takes `probe`."""
 
     prefill: aiohttp.ClientTimeout
     decode: aiohttp.ClientTimeout
