@@ -33,7 +33,8 @@ class Timeouts:
     """The client timeouts of one config (a reload swaps the whole set; a request in
     flight keeps the one it started with). The legs' client (enginehttp.py) reads
     `prefill` and `decode` as bounds on the connect (sock_connect), the whole exchange
-    (total) and each wait for bytes (sock_read); aiohttp's session takes `probe`."""
+    (total) and each wait for bytes (sock_read); aiohttp's session takes `probe`, and
+    `prefill` for a client's GET /v1/models (proxy.py)."""
 
     prefill: aiohttp.ClientTimeout
     decode: aiohttp.ClientTimeout
