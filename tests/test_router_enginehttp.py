@@ -131,6 +131,18 @@ async def test_a_head_over_the_bound_is_a_protocol_failure():
         await settle(client, 0)
 
 
+@pytest.mark.parametrize("size", [b"1_0", b"+5", b"-5", b"0x5", b"", b"5 5"])
+async def test_a_chunk_size_that_is_not_hex_digits_is_a_protocol_failure(size):
+    reply = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + size
+             + b"\r\nhello\r\n0\r\n\r\n")
+    async with raw_engine(reply) as (url, _):
+        client = EngineHTTP()
+        with pytest.raises(ProtocolError):  # at the head or the body: one packet here
+            async with await client.post(url, "/", b"{}", H, T) as resp:
+                await resp.read()
+        await settle(client, 0)
+
+
 async def test_a_reused_connection_lost_before_the_head_is_stale_a_new_one_is_not():
     ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
     async with raw_engine(ok) as (url, _):

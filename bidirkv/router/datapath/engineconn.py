@@ -242,12 +242,10 @@ class Connection(asyncio.Protocol):
 
     def _start_chunk(self, line: bytes) -> None:
         size = line.partition(b";")[0].strip()
-        try:
-            n = int(size, 16)
-        except ValueError:
-            n = -1
-        if n < 0 or not size or size[:1] in b"+-_" or size.lower().startswith(b"0x"):
+        # Hex digits only: int(..., 16) alone would also take a sign, "0x" and underscores.
+        if not size or size.strip(b"0123456789abcdefABCDEF"):
             raise ProtocolError(f"bad chunk size {line[:40]!r}")
+        n = int(size, 16)
         self.stage, self.remaining = (TRAILER, 0) if n == 0 else (CHUNK_DATA, n)
 
     # -- for the request and its response ---------------------------------------
