@@ -193,3 +193,27 @@ def test_each_field_of_a_turn_has_one_writer():
         if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Attribute)
         and t.value.attr == "handle")
     assert handle_writes == []
+
+
+def modes_readers(source: str) -> list[int]:
+    """The lines of `source` that touch an attribute named `modes` (a turn's `Modes`)."""
+    return sorted(node.lineno for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.Attribute) and node.attr == "modes")
+
+
+def test_a_turns_modes_are_read_where_it_is_built_and_where_it_is_placed():
+    """A turn's modes are resolved once per turn: admission.py builds the turn from them
+    (without reading them back off it: whether its conversation is looked up and whether
+    its prompt is measured come before placement), turn.py declares the field, and
+    placing.py makes the turn's plan of them. Every other data-path module reads the
+    plan (`turn.plan`) or takes what it needs as an argument."""
+    found = {p.name for p in sorted(DATAPATH.glob("*.py")) if modes_readers(p.read_text())}
+    assert found == {"placing.py", "turn.py"}
+    assert modes_readers("def keeps(turn):\n    return turn.modes.bidirectional\n") == [2]
+    # Per turn, modes_of is called where the turn is built; health.py and upkeep.py call
+    # it once per round of their loops or probe, never for a turn.
+    callers = {p.name for p in sorted(DATAPATH.glob("*.py")) if p.name != "modes.py"
+               for node in ast.walk(ast.parse(p.read_text()))
+               if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+               and node.func.id == "modes_of"}
+    assert callers == {"admission.py", "health.py", "upkeep.py"}

@@ -316,5 +316,5 @@ class Intake:
                 prompt_chars(req.body) if modes.places else 0)  # a pass over the body
             if big:
                 await asyncio.sleep(0)
-            await self.conversations.identify(turn, req.conversation_id)
+            await self.conversations.identify(turn, req.conversation_id, modes.bidirectional)
         return turn

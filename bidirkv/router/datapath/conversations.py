@@ -38,13 +38,14 @@ class Conversations:
                                cfg.trusted_tenant_header, cfg.max_tenants_per_source,
                                cfg.conversation_ttl_seconds)
 
-    async def identify(self, turn: Turn, conversation_id: str | None) -> None:
+    async def identify(self, turn: Turn, conversation_id: str | None, looks_up: bool
+                       ) -> None:
         """Salt the turn's body with its tenant's cache_salt; name the turn's conversation
-        and take its handle from the store, if any. With bidirectional transfer off only
-        an explicit id names it (for the logs)."""
+        and, if it `looks_up` (bidirectional transfer on), take its handle from the store,
+        if any. Otherwise only an explicit id names it (for the logs)."""
         ctx = self.ctx
         salt(turn.body, lambda client: ctx.keys.cache_salt(turn.tenant, client))
-        if not turn.modes.bidirectional:
+        if not looks_up:
             if conversation_id is not None:
                 turn.conv = ctx.keys.conversation_label(turn.tenant, conversation_id)
             return
@@ -94,7 +95,7 @@ class Conversations:
         rid = params.get("remote_request_id")
         rid = rid if isinstance(rid, str) else None
         key, prefix_len = None, 0
-        if not turn.modes.bidirectional or not d.in_pool or not d.healthy:
+        if not turn.plan.keeps or not d.in_pool or not d.healthy:
             pass
         elif turn.history is not None and collector is not None:
             key = turn.history.store_key(collector.message())
@@ -124,7 +125,7 @@ class Conversations:
             kept = Kept(
                 key, dumps_kept(kv), d.url, engine, n, tenant=accounting_tenant(turn.tenant),
                 prefix_len=prefix_len, chars=self.held_chars(turn, collector),
-                prompt_key=self.prompt_key(turn),
+                prompt_key=self.prompt_key(turn) if turn.plan.keyed else None,
                 request_id=rid, blocks=handle_blocks(kv), max_pinned=limit,
                 gap=turn.gap, replaces=turn.handle.superseded,
                 tenant_max_pinned=int(share * limit) if limit is not None and share < 1
@@ -148,16 +149,17 @@ class Conversations:
 
     @staticmethod
     def _keyed_messages(turn: Turn) -> list[Any] | None:
-        """An explicit-id chat turn's messages, when a placement that may extend weighs
-        them (hashing costs a pass over the body)."""
+        """An explicit-id chat turn's messages (asked for only when a placement that may
+        extend weighs them: hashing costs a pass over the body)."""
         messages = turn.body.get("messages")
-        if turn.store_key is None or not isinstance(messages, list) or not turn.modes.places:
+        if turn.store_key is None or not isinstance(messages, list):
             return None
         return messages
 
     def prompt_key(self, turn: Turn) -> bytes | None:
         """An explicit-id chat turn's messages as Entry.prompt_key (a 4-byte count, then
-        their keyed hash): what `extends` hashed already, else one pass now."""
+        their keyed hash), for a turn whose plan is keyed: what `extends` hashed
+        already, else one pass now."""
         messages = self._keyed_messages(turn)
         if messages is None:
             return None
@@ -167,7 +169,8 @@ class Conversations:
             turn.tenant, messages, len(messages))
 
     def extends(self, turn: Turn, entry: Entry) -> bool:
-        """The turn's prompt extends what the entry's holder keeps (placement): named by
+        """The turn's prompt extends what the entry's holder keeps (asked by a placement that
+        may keep the turn on decode, the only one that weighs it): named by
         its history or its prompt prefix, or by an explicit id whose stored prompt is the
         first messages of this one. The explicit id's pass over the messages also gives
         the turn its own prompt key."""

@@ -165,7 +165,7 @@ class Legs:
                          ) -> tuple[web.StreamResponse, str]:
         ctx = self.ctx
         owner = proof = tenant = None
-        if turn.modes.bidirectional:
+        if turn.plan.keeps:
             owner = ctx.residency.owner
             proof = make_proof(ctx.handle_key) if ctx.handle_key else None
             tenant = turn.tenant

@@ -1,7 +1,9 @@
 """Where a turn runs (placement.py decides, from what this router sees of its replicas),
 and the turn that runs whole on one decode replica.
 
-The decision and the turn's placement are written here only: `turn.placed` and
+The turn's modes are read here once, into its plan (modes.py's `Plan`): on P alone, whole
+on one decode replica, or the two legs; its handle kept or not. The plan, the decision and
+the turn's placement are written here only: `turn.plan`, `turn.placed` and
 `turn.new_tokens` have no other writer.
 """
 
@@ -11,10 +13,12 @@ import logging
 
 from aiohttp import web
 
+from bidirkv.router.config import Placement
 from bidirkv.router.datapath.context import Context
 from bidirkv.router.datapath.conversations import Conversations
 from bidirkv.router.datapath.failures import UpstreamFailure
 from bidirkv.router.datapath.legs import Legs
+from bidirkv.router.datapath.modes import Plan
 from bidirkv.router.datapath.turn import Turn
 from bidirkv.router.pool.backends import Backend
 from bidirkv.router.pool.placement import (
@@ -39,13 +43,23 @@ class Placing:
         self.conversations = conversations
         self.legs = legs
 
-    def where(self, turn: Turn) -> Backend | None:
+    def plan(self, turn: Turn) -> Plan:
+        """What the turn does, from its modes (read here only): with no healthy decode
+        replica and prefillOnlyFallback, P serves it; else where it runs is decided.
+        Under alwaysDisaggregate, or with bidirectional transfer off (plain P/D), nothing
+        is decided: every turn takes the prefill leg."""
+        modes = turn.modes
+        on_prefill = modes.prefill_only_fallback and not self.ctx.decode.healthy()
+        whole_on = self._where(turn, modes.placement) \
+            if modes.places and not on_prefill else None
+        turn.plan = plan = Plan(on_prefill, whole_on, keeps=modes.bidirectional,
+                                keyed=modes.places)
+        return plan
+
+    def _where(self, turn: Turn, policy: Placement) -> Backend | None:
         """Decide where the turn runs; the decode replica that takes it whole, if one
-        does. Under alwaysDisaggregate, or with bidirectional transfer off (plain P/D),
-        nothing is decided: every turn takes the prefill leg."""
+        does."""
         ctx = self.ctx
-        if not turn.modes.places:
-            return None
         holder = None
         held: int | None = None
         entry = turn.handle.held
@@ -67,7 +81,7 @@ class Placing:
                                 other_inflight=min(others, default=None),
                                 sized=ctx.costs.sized,
                                 holder_draining=holder is not None and holder.draining),
-                         turn.modes.placement, ctx.costs.costs)
+                         policy, ctx.costs.costs)
         turn.placed = decision
         ctx.metrics.placed(decision.path, decision.reason)
         if decision.path == EXTEND:

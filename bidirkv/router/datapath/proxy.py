@@ -162,17 +162,17 @@ class Router:
         ctx = self.ctx
         if not ctx.prefill.healthy():
             return unavailable(PREFILL, ctx.cfg.health_check_interval_seconds), "unavailable"
-        if not ctx.decode.healthy() and turn.modes.prefill_only_fallback:
+        plan = self.placing.plan(turn)
+        if plan.on_prefill:
             return await serve_on_prefill(ctx, self.legs, request, turn)
         tried_decode: list[Backend] = []
         last: UpstreamFailure | None = None
-        target = self.placing.where(turn)
-        if target is not None:
+        if plan.whole_on is not None:
             try:
-                return await self.placing.whole(request, turn, target)
+                return await self.placing.whole(request, turn, plan.whole_on)
             except UpstreamFailure as f:
                 # Nothing reached the client: the two legs, on another replica.
-                tried_decode.append(target)
+                tried_decode.append(plan.whole_on)
                 last = f
         return await self._two_legs(request, turn, tried_decode, last)
 

@@ -8,7 +8,8 @@ place:
   holder_url, gap; `handle` is built with the turn, and only reservation.py changes
   what it holds (the entry, its end, the reuse outcome); prompt_key (conversations.py's
   `extends`, when placement has it hash the messages);
-- where it runs (placing.py): placed, new_tokens;
+- where it runs (placing.py): plan (what it does, made of its modes: the only part of
+  them that the modules after placement read), placed, new_tokens;
 - what its legs learnt (legs.py): asked_prefill, prompt_tokens.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bidirkv.router.datapath.modes import Modes
+from bidirkv.router.datapath.modes import UNPLANNED, Modes
 from bidirkv.router.datapath.reservation import Reservation
 from bidirkv.router.datapath.tracing import UNTRACED, Trace
 from bidirkv.router.pool.placement import ON_DECODE, Decision
@@ -31,7 +32,7 @@ class Turn:
         "kind", "stream", "body", "rid", "auth", "tenant", "t0", "trace", "modes",
         "prompt_chars", "conv", "store_key", "history", "prompt", "holder_url", "gap",
         "prompt_key",
-        "handle", "placed", "new_tokens", "asked_prefill", "prompt_tokens",
+        "handle", "plan", "placed", "new_tokens", "asked_prefill", "prompt_tokens",
     )
 
     def __init__(self, kind: str, stream: bool, body: dict[str, Any], rid: str,
@@ -63,6 +64,8 @@ class Turn:
         self.gap: float | None = None
         # The handle taken from the store, if any, and how it ended (reservation.py).
         self.handle = handle
+        # What the turn does (modes.py's `Plan`), once placement made it.
+        self.plan = UNPLANNED
         # Where the turn runs and why (placement.py), and the new tokens it estimated.
         self.placed: Decision | None = None
         self.new_tokens = 0
