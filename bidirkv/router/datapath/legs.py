@@ -1,5 +1,17 @@
 """The prefill leg and the decode leg, with their retries; the decode leg's relay to the
-client, and the handle it hands to the conversation's bookkeeping."""
+client, and the handle it hands to the conversation's bookkeeping.
+
+What P says about a reuse turn is read here, as the prefill leg ends. (P's side of a reuse
+turn, which writes this report, is bidirkv/connector/core/reuse.py.) P's answer may carry
+a report, written by the connector plugin into P's `kv_transfer_params` (or at the top
+level of P's body) as
+    "bidirkv": {"reused_tokens": int, "offered_tokens": int, "verified": bool}
+`reused_tokens` is how many tokens P read from D instead of recomputing, and
+`offered_tokens` how many the handle offered; fewer reused than offered means P checked the
+tokens and reused only the part that matched ("verified-partial"). Without a report the
+only number available is usage.prompt_tokens_details.cached_tokens, which also counts P's
+own prefix-cache hits, so it is exported under its own label.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +19,7 @@ import asyncio
 import functools
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 
@@ -30,7 +42,6 @@ from bidirkv.router.datapath.failures import (
 )
 from bidirkv.router.datapath.health import Health
 from bidirkv.router.datapath.relay import Relay
-from bidirkv.router.datapath.reusereport import prefill_work, reuse_report
 from bidirkv.router.datapath.sessions import Clients
 from bidirkv.router.datapath.sse import PARAMS
 from bidirkv.router.datapath.tracing import Leg
@@ -40,6 +51,59 @@ from bidirkv.router.pool.placement import EXTEND
 from bidirkv.router.pool.selection import least_outstanding
 
 log = logging.getLogger("bidirkv.router")
+
+
+class ReuseReport(NamedTuple):
+    reused_tokens: int | None
+    source: str
+    partial: bool
+
+
+def _count(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def reuse_report(prefill_body: dict[str, Any]) -> ReuseReport | None:
+    kv = prefill_body.get("kv_transfer_params")
+    info = kv.get("bidirkv") if isinstance(kv, dict) else None
+    if not isinstance(info, dict):
+        info = prefill_body.get("bidirkv")
+    if isinstance(info, dict):
+        reused = _count(info.get("reused_tokens"))
+        offered = _count(info.get("offered_tokens"))
+        partial = reused is not None and offered is not None and reused < offered
+        return ReuseReport(reused, "bidirkv", partial)
+    usage = prefill_body.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    if cached is not None:
+        return ReuseReport(cached, "usage_cached", False)
+    return None
+
+
+class PrefillWork(NamedTuple):
+    prompt_tokens: int
+    computed: int  # tokens P prefilled
+    read: int  # tokens P read from decode instead
+
+
+def prefill_work(prefill_body: dict[str, Any]) -> PrefillWork | None:
+    """What P's leg did, for the placement's cost model (None: P did not say)."""
+    usage = prefill_body.get("usage")
+    prompt = _count(usage.get("prompt_tokens")) if isinstance(usage, dict) else None
+    if not prompt:
+        return None
+    kv = prefill_body.get("kv_transfer_params")
+    info = kv.get("bidirkv") if isinstance(kv, dict) else None
+    if isinstance(info, dict):
+        read = _count(info.get("reused_tokens")) or 0
+        computed = _count(info.get("recomputed_tokens"))
+        return PrefillWork(prompt, computed if computed is not None else prompt - read, read)
+    details = usage.get("prompt_tokens_details")
+    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return PrefillWork(prompt, prompt - (cached or 0), 0)
 
 
 class Legs:
@@ -94,13 +158,14 @@ class Legs:
                 p.outstanding -= 1
             took = time.perf_counter() - t
             ctx.metrics.observe_leg("prefill", "ok", took)
+            report = reuse_report(data)
             try:
                 self._learn_prefill(turn, data, took, alone)
                 if span.recording:
-                    self._trace_reuse(span, turn, data)
+                    self._trace_reuse(span, turn, report)
             finally:
                 span.end("ok", 200)
-            await self._account_reuse(turn, data)
+            await self._account_reuse(turn, report)
             return p, data
         assert last is not None
         raise last
@@ -142,16 +207,14 @@ class Legs:
             if alone:
                 costs.observe_prefill(seconds * 1000, work.computed, work.read)
 
-    def _trace_reuse(self, span: Leg, turn: Turn, data: dict[str, Any]) -> None:
-        report = reuse_report(data)
+    def _trace_reuse(self, span: Leg, turn: Turn, report: ReuseReport | None) -> None:
         if report is not None:
             span.set("bidirkv.kv.reused_tokens", report.reused_tokens)
             span.set("bidirkv.kv.reuse_source", report.source)
         span.set("gen_ai.usage.input_tokens", turn.prompt_tokens)
 
-    async def _account_reuse(self, turn: Turn, data: dict[str, Any]) -> None:
+    async def _account_reuse(self, turn: Turn, report: ReuseReport | None) -> None:
         ctx = self.ctx
-        report = reuse_report(data)
         entry = turn.handle.held
         if entry is not None:
             await turn.handle.consume(report is not None and report.partial)

@@ -36,9 +36,12 @@ class Relay:
         self.conversations = conversations
 
     async def whole(self, turn: Turn, d: Backend, body: bytes, t: float, leg: str
-                           ) -> web.Response:
+                    ) -> web.Response:
         keeps = leg in (DECODE, EXTEND)
-        collector = MessageCollector(turn.kind == CHAT) if turn.collects and keeps else None
+        # A conversation named by its history or its prompt: the answer, collected as it
+        # is relayed, names its next turn too.
+        collector = MessageCollector(turn.kind == CHAT) if keeps and (
+            turn.history is not None or turn.prompt is not None) else None
         if collector is not None or PARAMS_MARKER in body:
             try:
                 obj = loads(body)
@@ -60,45 +63,40 @@ class Relay:
     async def stream(self, request: web.Request, turn: Turn, d: Backend,
                      resp: Response, first: bytes, t: float, leg: str
                      ) -> tuple[web.StreamResponse, str]:
-        keeps = leg in (DECODE, EXTEND)
-        collector = MessageCollector(turn.kind == CHAT) if turn.collects and keeps else None
-        filt = SSEFilter(collector)
         out = web.StreamResponse(headers={
             "Content-Type": "text/event-stream; charset=utf-8",
             "Cache-Control": "no-cache",
             "X-Request-Id": turn.rid,
             **placement_header(turn.placed, self.ctx.cfg.placement_header),
         })
+        # Only a decode leg's handle is kept; P's own params are stripped, never stored.
+        stored = leg not in (DECODE, EXTEND)
+        collector = MessageCollector(turn.kind == CHAT) if not stored and (
+            turn.history is not None or turn.prompt is not None) else None
+        filt = SSEFilter(collector)
         done = False
+        data, at_first = first, True
         try:
             await out.prepare(request)
-            chunk = filt.feed(first)
-            # Only a decode leg's handle is kept; P's own params are stripped, never stored.
-            stored = await self._maybe_store(turn, d, filt, collector, not keeps)
-            if chunk:
-                await out.write(chunk)
-                done = chunk.endswith(DONE)
-            self.ctx.metrics.observe_ttft(turn.kind, True, time.perf_counter() - turn.t0)
             while True:
-                try:
-                    data = await resp.readany()
-                except UPSTREAM_FAILURES as exc:
-                    kind, detail = classify(exc)
-                    self.ctx.metrics.observe_leg(leg, "error", time.perf_counter() - t)
-                    log.warning("%s stream broke (%s) rid=%s conv=%s %s=%s", d.role, detail,
-                                turn.rid, turn.conv, d.role, d.url)
-                    if kind == "connect":
-                        self.health.set_health(d, False, detail)
-                    await self._end_with_error(out, f"{d.role} engine stream {detail}")
-                    return out, "stream_error"
                 chunk = filt.feed(data) if data else filt.finish()
                 # Stored before the client can see [DONE]: its next turn may come at once.
-                stored = await self._maybe_store(turn, d, filt, collector, stored)
+                if not stored and filt.params is not None:
+                    await self.conversations.store_handle(turn, d, filt.params, collector)
+                    stored = True
                 if chunk:
                     await out.write(chunk)
                     done = done or chunk.endswith(DONE)
+                if at_first:
+                    self.ctx.metrics.observe_ttft(turn.kind, True,
+                                                  time.perf_counter() - turn.t0)
+                    at_first = False
                 if not data:
                     break
+                try:
+                    data = await resp.readany()
+                except UPSTREAM_FAILURES as exc:
+                    return await self._broken(out, turn, d, leg, t, exc), "stream_error"
         except ConnectionError:
             # The client left; the finally of the caller closes D's stream.
             log.debug("client disconnected rid=%s conv=%s", turn.rid, turn.conv)
@@ -113,12 +111,18 @@ class Relay:
             await out.write_eof()
         return out, "ok"
 
-    async def _maybe_store(self, turn: Turn, d: Backend, filt: SSEFilter,
-                     collector: MessageCollector | None, stored: bool) -> bool:
-        if stored or filt.params is None:
-            return stored
-        await self.conversations.store_handle(turn, d, filt.params, collector)
-        return True
+    async def _broken(self, out: web.StreamResponse, turn: Turn, d: Backend, leg: str,
+                      t: float, exc: BaseException) -> web.StreamResponse:
+        """The engine's stream broke after the client got its first bytes: the client
+        gets an error event, the leg is counted failed."""
+        kind, detail = classify(exc)
+        self.ctx.metrics.observe_leg(leg, "error", time.perf_counter() - t)
+        log.warning("%s stream broke (%s) rid=%s conv=%s %s=%s", d.role, detail,
+                    turn.rid, turn.conv, d.role, d.url)
+        if kind == "connect":
+            self.health.set_health(d, False, detail)
+        await self._end_with_error(out, f"{d.role} engine stream {detail}")
+        return out
 
     async def _end_with_error(self, out: web.StreamResponse, message: str) -> None:
         with contextlib.suppress(ConnectionError, RuntimeError):

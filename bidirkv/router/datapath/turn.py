@@ -75,10 +75,6 @@ class Turn:
         # The prompt's tokens, once prefill reported them (usage.prompt_tokens).
         self.prompt_tokens: int | None = None
 
-    @property
-    def collects(self) -> bool:
-        return self.history is not None or self.prompt is not None
-
 
 def count_reuse(metrics: Any, turn: Turn) -> None:
     """The turn's reuse outcome, once: at its decode leg's first byte (a client that
