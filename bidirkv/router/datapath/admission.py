@@ -308,12 +308,12 @@ class Intake:
             del raw
             if cfg.model is not None and "model" not in req.body:
                 req.body["model"] = cfg.model
+            rid = request_id(request.headers.get("X-Request-Id"))
             modes = modes_of(cfg)
-            turn = Turn(kind, req.stream, req.body, request_id(request.headers.get(
-                "X-Request-Id")), request.headers.get("Authorization"),
-                self.conversations.tenant(request), t0, modes,
-                Reservation(ctx.store, ctx.evicted), trace,
-                prompt_chars(req.body) if modes.places else 0)  # a pass over the body
+            turn = Turn(kind, req.stream, req.body, rid, request.headers.get("Authorization"),
+                        self.conversations.tenant(request), t0, modes,
+                        Reservation(ctx.store, ctx.evicted), trace,
+                        prompt_chars(req.body) if modes.places else 0)  # a pass over the body
             if big:
                 await asyncio.sleep(0)
             await self.conversations.identify(turn, req.conversation_id, modes.bidirectional)

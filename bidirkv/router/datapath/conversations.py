@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -44,7 +45,7 @@ class Conversations:
         and, if it `looks_up` (bidirectional transfer on), take its handle from the store,
         if any. Otherwise only an explicit id names it (for the logs)."""
         ctx = self.ctx
-        salt(turn.body, lambda client: ctx.keys.cache_salt(turn.tenant, client))
+        salt(turn.body, functools.partial(ctx.keys.cache_salt, turn.tenant))
         if not looks_up:
             if conversation_id is not None:
                 turn.conv = ctx.keys.conversation_label(turn.tenant, conversation_id)

@@ -1,5 +1,6 @@
 """Where a turn runs (placement.py decides, from what this router sees of its replicas),
-and the turn that runs whole on one decode replica.
+and running it there: on P alone, whole on one decode replica, or the two legs with the
+decode leg's retry (proxy.py's docstring says why each retry is made as it is).
 
 The turn's modes are read here once, into its plan (modes.py's `Plan`): on P alone, whole
 on one decode replica, or the two legs; its handle kept or not. The plan, the decision and
@@ -16,13 +17,23 @@ from aiohttp import web
 from bidirkv.router.config import Placement
 from bidirkv.router.datapath.context import Context
 from bidirkv.router.datapath.conversations import Conversations
-from bidirkv.router.datapath.failures import UpstreamFailure
+from bidirkv.router.datapath.failures import (
+    Unavailable,
+    UpstreamFailure,
+    failure_response,
+    outcome_of,
+    rejected,
+    unavailable,
+)
 from bidirkv.router.datapath.legs import Legs
 from bidirkv.router.datapath.modes import Plan
+from bidirkv.router.datapath.prefillonly import serve_on_prefill
 from bidirkv.router.datapath.turn import Turn
-from bidirkv.router.pool.backends import Backend
+from bidirkv.router.pool.backends import DECODE, Backend
+from bidirkv.router.pool.backends import PREFILL as PREFILL_ROLE
 from bidirkv.router.pool.placement import (
     EXTEND,
+    MOVE,
     ON_DECODE,
     PREFILL,
     Decision,
@@ -30,18 +41,38 @@ from bidirkv.router.pool.placement import (
     new_tokens,
     place,
 )
-from bidirkv.router.pool.selection import holder_of, least_outstanding
+from bidirkv.router.pool.selection import holder_of, least_outstanding, pick_decode
 
 log = logging.getLogger("bidirkv.router")
 
 
 class Placing:
-    """A turn's placement, and the whole turn on a decode replica."""
+    """A turn's placement, and the turn run where it is placed."""
 
     def __init__(self, ctx: Context, conversations: Conversations, legs: Legs) -> None:
         self.ctx = ctx
         self.conversations = conversations
         self.legs = legs
+
+    async def run(self, request: web.Request, turn: Turn) -> tuple[web.StreamResponse, str]:
+        """The admitted turn, as its plan says: on P alone, whole on one decode replica
+        (the two legs elsewhere if that fails before a byte), or the two legs."""
+        ctx = self.ctx
+        if not ctx.prefill.healthy():
+            return unavailable(PREFILL_ROLE, ctx.cfg.health_check_interval_seconds), "unavailable"
+        plan = self.plan(turn)
+        if plan.on_prefill:
+            return await serve_on_prefill(ctx, self.legs, request, turn)
+        tried_decode: list[Backend] = []
+        last: UpstreamFailure | None = None
+        if plan.whole_on is not None:
+            try:
+                return await self.whole(request, turn, plan.whole_on)
+            except UpstreamFailure as f:
+                # Nothing reached the client: the two legs, on another replica.
+                tried_decode.append(plan.whole_on)
+                last = f
+        return await self._two_legs(request, turn, tried_decode, last)
 
     def plan(self, turn: Turn) -> Plan:
         """What the turn does, from its modes (read here only): with no healthy decode
@@ -124,3 +155,48 @@ class Placing:
             await handle.discard("extend_failed" if resp[1] == "upstream_client_error"
                                  else "extended")
         return resp
+
+    async def _two_legs(self, request: web.Request, turn: Turn, tried_decode: list[Backend],
+                        last: UpstreamFailure | None) -> tuple[web.StreamResponse, str]:
+        """The prefill leg, then the decode leg; a decode that fails before the client got
+        a byte is retried once elsewhere, with a fresh prefill leg."""
+        ctx = self.ctx
+        interval = ctx.cfg.health_check_interval_seconds
+        # A busy holder: another replica decodes the turn (a retry may still go back).
+        busy = holder_of(ctx.decode.backends, turn.holder_url, None) \
+            if turn.placed is not None and turn.placed.path == MOVE else None
+        for attempt in range(2):
+            rid = turn.rid if attempt == 0 else f"{turn.rid}-retry{attempt}"
+            # D is chosen first: no prefill is spent on a turn that has nowhere to decode.
+            d = None
+            if busy is not None and attempt == 0:
+                d = least_outstanding(ctx.decode.backends, ctx.decode.next_start(),
+                                      [*tried_decode, busy])
+            if d is None:
+                d = pick_decode(ctx.decode.backends, ctx.decode.next_start(), tried_decode,
+                                turn.holder_url)
+            if d is None:
+                if last is not None:
+                    return failure_response(last, turn.rid), outcome_of(last)
+                return unavailable(DECODE, interval), "unavailable"
+            if attempt:
+                ctx.metrics.retries.labels("decode_before_first_byte").inc()
+                log.warning("decode failed before first byte (%s); retrying on %s rid=%s "
+                            "conv=%s", last.detail if last else "", d.url, turn.rid, turn.conv)
+            try:
+                p, p_body = await self.legs.prefill_leg(turn, rid)
+            except Unavailable as u:
+                return unavailable(u.role, interval), "unavailable"
+            except UpstreamFailure as f:
+                if f.client_error:
+                    return rejected(f), "upstream_client_error"
+                return failure_response(f, rid), outcome_of(f)
+            try:
+                return await self.legs.decode_leg(request, turn, p, p_body, d, rid)
+            except UpstreamFailure as f:
+                tried_decode.append(d)
+                last = f
+        assert last is not None
+        log.warning("decode failed (%s) rid=%s conv=%s decode=%s", last.detail or last.kind,
+                    turn.rid, turn.conv, last.backend.url)
+        return failure_response(last, turn.rid), outcome_of(last)

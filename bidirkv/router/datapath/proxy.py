@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -36,18 +37,12 @@ from bidirkv.router.datapath.context import Context, quietly, timeouts_of
 from bidirkv.router.datapath.conversations import Conversations
 from bidirkv.router.datapath.failures import (
     UPSTREAM_FAILURES,
-    Unavailable,
-    UpstreamFailure,
     classify,
-    failure_response,
-    outcome_of,
-    rejected,
     unavailable,
 )
 from bidirkv.router.datapath.health import PREFILL_ONLY, Health, serving_mode
 from bidirkv.router.datapath.legs import Legs
 from bidirkv.router.datapath.placing import Placing
-from bidirkv.router.datapath.prefillonly import serve_on_prefill
 from bidirkv.router.datapath.relay import Relay
 from bidirkv.router.datapath.replies import json_response
 from bidirkv.router.datapath.sessions import Clients
@@ -55,17 +50,16 @@ from bidirkv.router.datapath.tracing import Trace, replace, traced
 from bidirkv.router.datapath.turn import Turn, count_reuse, trace_attributes
 from bidirkv.router.datapath.upkeep import Upkeep
 from bidirkv.router.metrics import Metrics
-from bidirkv.router.pool.backends import DECODE, PREFILL, Backend
-from bidirkv.router.pool.placement import MOVE
-from bidirkv.router.pool.selection import holder_of, least_outstanding, pick_decode
+from bidirkv.router.pool.backends import DECODE, Backend
+from bidirkv.router.pool.selection import least_outstanding
 
 MODELS = "/v1/models"
 log = logging.getLogger("bidirkv.router")
 
 
 class Router:
-    """One router: the request flow reads top to bottom here (`handle_generate` ->
-    `_serve` -> `_run` -> `_two_legs`). What the parts share is the `Context`; each part
+    """One router: a request's flow starts here (`handle_generate` -> `Intake.admit` ->
+    `_serve` -> `Placing.run`). What the parts share is the `Context`; each part
     gets it, and the parts it calls, when it is built, and one request's state travels
     as its `Turn`."""
 
@@ -133,8 +127,8 @@ class Router:
         is written (a refused body once it is drained)."""
         t0 = time.perf_counter()
         trace = self.ctx.traces.request(request.method, PATHS[kind], request.headers)
-        resp, _ = await traced(trace, lambda: self.intake.admit(request, kind, trace, t0,
-                                                             self._serve))
+        resp, _ = await traced(trace, functools.partial(self.intake.admit, request, kind,
+                                                        trace, t0, self._serve))
         return resp
 
     async def _serve(self, request: web.Request, turn: Turn) -> tuple[web.StreamResponse, str]:
@@ -142,7 +136,7 @@ class Router:
         goes back to the store) and its reuse outcome and span attributes are written."""
         metrics = self.ctx.metrics
         try:
-            resp, outcome = await self._run(request, turn)
+            resp, outcome = await self.placing.run(request, turn)
         except asyncio.CancelledError:
             metrics.request(turn.kind, "cancelled")
             log.debug("request cancelled rid=%s conv=%s", turn.rid, turn.conv)
@@ -157,69 +151,6 @@ class Router:
                   turn.rid, turn.conv, turn.kind, turn.stream, turn.handle.reuse, outcome,
                   (time.perf_counter() - turn.t0) * 1000)
         return resp, outcome
-
-    async def _run(self, request: web.Request, turn: Turn) -> tuple[web.StreamResponse, str]:
-        ctx = self.ctx
-        if not ctx.prefill.healthy():
-            return unavailable(PREFILL, ctx.cfg.health_check_interval_seconds), "unavailable"
-        plan = self.placing.plan(turn)
-        if plan.on_prefill:
-            return await serve_on_prefill(ctx, self.legs, request, turn)
-        tried_decode: list[Backend] = []
-        last: UpstreamFailure | None = None
-        if plan.whole_on is not None:
-            try:
-                return await self.placing.whole(request, turn, plan.whole_on)
-            except UpstreamFailure as f:
-                # Nothing reached the client: the two legs, on another replica.
-                tried_decode.append(plan.whole_on)
-                last = f
-        return await self._two_legs(request, turn, tried_decode, last)
-
-    async def _two_legs(self, request: web.Request, turn: Turn, tried_decode: list[Backend],
-                        last: UpstreamFailure | None) -> tuple[web.StreamResponse, str]:
-        """The prefill leg, then the decode leg; a decode that fails before the client got
-        a byte is retried once elsewhere, with a fresh prefill leg."""
-        ctx = self.ctx
-        interval = ctx.cfg.health_check_interval_seconds
-        # A busy holder: another replica decodes the turn (a retry may still go back).
-        busy = holder_of(ctx.decode.backends, turn.holder_url, None) \
-            if turn.placed is not None and turn.placed.path == MOVE else None
-        for attempt in range(2):
-            rid = turn.rid if attempt == 0 else f"{turn.rid}-retry{attempt}"
-            # D is chosen first: no prefill is spent on a turn that has nowhere to decode.
-            d = None
-            if busy is not None and attempt == 0:
-                d = least_outstanding(ctx.decode.backends, ctx.decode.next_start(),
-                                      [*tried_decode, busy])
-            if d is None:
-                d = pick_decode(ctx.decode.backends, ctx.decode.next_start(), tried_decode,
-                                turn.holder_url)
-            if d is None:
-                if last is not None:
-                    return failure_response(last, turn.rid), outcome_of(last)
-                return unavailable(DECODE, interval), "unavailable"
-            if attempt:
-                ctx.metrics.retries.labels("decode_before_first_byte").inc()
-                log.warning("decode failed before first byte (%s); retrying on %s rid=%s "
-                            "conv=%s", last.detail if last else "", d.url, turn.rid, turn.conv)
-            try:
-                p, p_body = await self.legs.prefill_leg(turn, rid)
-            except Unavailable as u:
-                return unavailable(u.role, interval), "unavailable"
-            except UpstreamFailure as f:
-                if f.client_error:
-                    return rejected(f), "upstream_client_error"
-                return failure_response(f, rid), outcome_of(f)
-            try:
-                return await self.legs.decode_leg(request, turn, p, p_body, d, rid)
-            except UpstreamFailure as f:
-                tried_decode.append(d)
-                last = f
-        assert last is not None
-        log.warning("decode failed (%s) rid=%s conv=%s decode=%s", last.detail or last.kind,
-                    turn.rid, turn.conv, last.backend.url)
-        return failure_response(last, turn.rid), outcome_of(last)
 
     # -- other routes ------------------------------------------------------------------
     async def handle_models(self, request: web.Request) -> web.StreamResponse:
