@@ -45,7 +45,7 @@ from bidirkv.router.datapath.relay import Relay
 from bidirkv.router.datapath.sessions import Clients
 from bidirkv.router.datapath.sse import PARAMS
 from bidirkv.router.datapath.tracing import Leg
-from bidirkv.router.datapath.turn import Turn, count_reuse
+from bidirkv.router.datapath.turn import Turn
 from bidirkv.router.pool.backends import DECODE, PREFILL, Backend
 from bidirkv.router.pool.placement import EXTEND
 from bidirkv.router.pool.selection import least_outstanding
@@ -259,6 +259,7 @@ class Legs:
         prefill_only (P serves the whole request: nothing to store). `offered_tokens`:
         the KV the engine is given to start from (its span says so)."""
         t = time.perf_counter()
+        first_byte_s = self._first_byte_s(turn)
         span = turn.trace.leg(leg, d.url, PATHS[turn.kind])
         span.set("bidirkv.kv.offered_tokens", offered_tokens)
         result, status = "cancelled", None
@@ -267,7 +268,7 @@ class Legs:
         resp: Response | None = None
         try:
             try:
-                async with asyncio.timeout(self._first_byte_s(turn)):
+                async with asyncio.timeout(first_byte_s):
                     resp = await self.clients.post(d, PATHS[turn.kind], payload, rid, turn.auth,
                                                    self.ctx.timeouts.decode,
                                                    retry_stale=leg not in (DECODE, EXTEND),
@@ -289,7 +290,7 @@ class Legs:
                     raise UpstreamFailure(d.role, d, "protocol",
                                           detail="stream ended before any data")
                 if leg in (DECODE, EXTEND):
-                    count_reuse(self.ctx.metrics, turn)
+                    turn.handle.count_once(self.ctx.metrics, turn.asked_prefill, turn.placed)
             except UPSTREAM_FAILURES as exc:
                 kind, detail = classify(exc)
                 f = UpstreamFailure(d.role, d, kind, detail=detail)

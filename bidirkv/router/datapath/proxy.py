@@ -47,7 +47,7 @@ from bidirkv.router.datapath.relay import Relay
 from bidirkv.router.datapath.replies import json_response
 from bidirkv.router.datapath.sessions import Clients
 from bidirkv.router.datapath.tracing import Trace, replace, traced
-from bidirkv.router.datapath.turn import Turn, count_reuse, trace_attributes
+from bidirkv.router.datapath.turn import Turn, trace_attributes
 from bidirkv.router.datapath.upkeep import Upkeep
 from bidirkv.router.metrics import Metrics
 from bidirkv.router.pool.backends import DECODE, Backend
@@ -143,7 +143,7 @@ class Router:
             raise
         finally:
             await turn.handle.release()
-            count_reuse(metrics, turn)
+            turn.handle.count_once(metrics, turn.asked_prefill, turn.placed)
             if turn.trace.recording:
                 turn.trace.update(trace_attributes(turn))
         metrics.request(turn.kind, outcome)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bidirkv.router.datapath.context import quietly
+from bidirkv.router.pool.placement import ON_DECODE, Decision
 from bidirkv.router.store.base import Entry, Store, StoreUnavailable
 
 CONSUMED = "consumed"
@@ -101,7 +102,13 @@ class Reservation:
         one its holder is extending, while the turn still holds it."""
         return self.held if self.reuse == "extended" else None
 
-    def count_once(self, metrics: Any) -> None:
-        if not self.counted:
-            metrics.reuse_outcome(self.reuse)
-            self.counted = True
+    def count_once(self, metrics: Any, asked_prefill: bool, placed: Decision | None) -> None:
+        """The turn's reuse outcome, once: at its decode leg's first byte (a client that
+        reads the counter after its answer finds it there), else when the request ends.
+        Counted only for a turn that reached P (`asked_prefill`), extended, or ran whole
+        on decode."""
+        if self.counted or not (asked_prefill or self.reuse == "extended" or (
+                placed is not None and placed.path == ON_DECODE)):
+            return
+        metrics.reuse_outcome(self.reuse)
+        self.counted = True

@@ -20,7 +20,7 @@ from typing import Any
 from bidirkv.router.datapath.modes import UNPLANNED, Modes
 from bidirkv.router.datapath.reservation import Reservation
 from bidirkv.router.datapath.tracing import UNTRACED, Trace
-from bidirkv.router.pool.placement import ON_DECODE, Decision
+from bidirkv.router.pool.placement import Decision
 from bidirkv.router.request.identity import ChatHistory
 
 
@@ -74,14 +74,6 @@ class Turn:
         self.asked_prefill = False
         # The prompt's tokens, once prefill reported them (usage.prompt_tokens).
         self.prompt_tokens: int | None = None
-
-
-def count_reuse(metrics: Any, turn: Turn) -> None:
-    """The turn's reuse outcome, once: at its decode leg's first byte (a client that
-    reads the counter after its answer finds it there), else when the request ends."""
-    if (turn.asked_prefill or turn.handle.reuse == "extended"
-            or turn.placed is not None and turn.placed.path == ON_DECODE):
-        turn.handle.count_once(metrics)
 
 
 def trace_attributes(turn: Turn) -> dict[str, Any]:
