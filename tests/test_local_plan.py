@@ -215,6 +215,7 @@ def test_the_router_is_planned_off_the_cores_decode_binds(raw, spec, tmp_path):
     ports = [9000, 9001, 9002, 9003, 9004]
     plan = plan_stack(spec, ports, tmp_path, available_cores=frozenset({0, 1}))
     assert plan.router.cpus == frozenset({0})  # examples/local.yaml binds decode to core 1
+    assert [e.cpus for e in plan.engines] == [None, None]  # vLLM places its own threads
     assert cpu_line(plan) == "router on cores 0 (decode binds 1)"
     assert plan_stack(spec, ports, tmp_path).router.cpus is None  # cores unknown
     free = merge_patch(raw, {"decode": {"extraEnv": [

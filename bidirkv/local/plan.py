@@ -35,9 +35,10 @@ from bidirkv.operator.api.spec import KIND, DisaggregatedInferenceSpec, SpecErro
 from bidirkv.operator.render.children import RouterPlacement, router_deployment
 
 ROLES = ("prefill", "decode")
-# The servers started on the cores decode leaves (cpuset.py). An engine's server is its
-# API server; its engine core moves itself and its workers onto the cores its
-# VLLM_CPU_OMP_THREADS_BIND names (connector/patches/cpu.py) before any worker exists.
+# The servers started on the cores decode leaves (cpuset.py). Not the engines' API
+# servers: pinning them too gained nothing measured (docs/local-stack.md), and their
+# workers inherit the API server's cores unless the engine core moves itself onto its
+# VLLM_CPU_OMP_THREADS_BIND cores (connector/patches/cpu.py, which can be switched off).
 PINNED_ROLES = ("router",)
 # Inherited variables of these namespaces would change the engines behind the spec's
 # back (a stray `export VLLM_...` in the shell): only the rendered ones reach them.
