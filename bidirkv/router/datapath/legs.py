@@ -156,16 +156,7 @@ class Legs:
                 raise
             finally:
                 p.outstanding -= 1
-            took = time.perf_counter() - t
-            ctx.metrics.observe_leg("prefill", "ok", took)
-            report = reuse_report(data)
-            try:
-                self._learn_prefill(turn, data, took, alone)
-                if span.recording:
-                    self._trace_reuse(span, turn, report)
-            finally:
-                span.end("ok", 200)
-            await self._account_reuse(turn, report)
+            await self._prefill_answered(turn, span, data, time.perf_counter() - t, alone)
             return p, data
         assert last is not None
         raise last
@@ -213,8 +204,19 @@ class Legs:
             span.set("bidirkv.kv.reuse_source", report.source)
         span.set("gen_ai.usage.input_tokens", turn.prompt_tokens)
 
-    async def _account_reuse(self, turn: Turn, report: ReuseReport | None) -> None:
+    async def _prefill_answered(self, turn: Turn, span: Leg, data: dict[str, Any],
+                                took: float, alone: bool) -> None:
+        """P's answer, read once: what it says of the prompt learnt and traced, the leg's
+        span ended, then the handle it was offered consumed and the reuse counted."""
         ctx = self.ctx
+        ctx.metrics.observe_leg("prefill", "ok", took)
+        report = reuse_report(data)
+        try:
+            self._learn_prefill(turn, data, took, alone)
+            if span.recording:
+                self._trace_reuse(span, turn, report)
+        finally:
+            span.end("ok", 200)
         entry = turn.handle.held
         if entry is not None:
             await turn.handle.consume(report is not None and report.partial)
