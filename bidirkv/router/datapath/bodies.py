@@ -132,6 +132,14 @@ def upstream_headers(rid: str, auth: str | None,
     return h
 
 
+def decode_payload(handle_key: bytes | None, body: dict[str, Any], p_params: Any,
+                   owner: str | None, tenant: bytes | None, gap: float | None) -> bytes:
+    """A decode (or extend) leg's body as it goes out (see decode_body), with a proof made
+    then (`handle_key`: None when the router keeps none of D's handles, or has no key)."""
+    proof = make_proof(handle_key) if handle_key else None
+    return dumps(decode_body(body, p_params, owner, proof, tenant, gap))
+
+
 def prefill_payload(handle_key: bytes | None, body: dict[str, Any],
                     handle: dict[str, Any] | None) -> bytes:
     """The prefill leg's body, with a fresh single-use proof each time it is built

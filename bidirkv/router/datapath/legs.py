@@ -19,16 +19,16 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from aiohttp import web
 
-from bidirkv.proof import make_proof
-from bidirkv.router.codec import dumps, loads
+from bidirkv.router.codec import loads
 from bidirkv.router.datapath.bodies import (
     LOCAL_PARAMS,
     PATHS,
-    decode_body,
+    decode_payload,
     prefill_payload,
 )
 from bidirkv.router.datapath.context import Context
@@ -229,13 +229,12 @@ class Legs:
                          p_body: dict[str, Any], d: Backend, rid: str
                          ) -> tuple[web.StreamResponse, str]:
         ctx = self.ctx
-        owner = proof = tenant = None
-        if turn.plan.keeps:
-            owner = ctx.residency.owner
-            proof = make_proof(ctx.handle_key) if ctx.handle_key else None
-            tenant = turn.tenant
+        keeps = turn.plan.keeps
         p_params = p_body.get(PARAMS)
-        payload = dumps(decode_body(turn.body, p_params, owner, proof, tenant, turn.gap))
+        # Built as the request goes out (sessions.py), as the prefill leg's body is.
+        payload = functools.partial(
+            decode_payload, ctx.handle_key if keeps else None, turn.body, p_params,
+            ctx.residency.owner if keeps else None, turn.tenant if keeps else None, turn.gap)
         # The KV D reads from P: P's prompt, as its params say.
         offered = p_params.get("remote_num_tokens") if isinstance(p_params, dict) else None
         return await self.generate(request, turn, d, payload, rid, DECODE,
@@ -248,14 +247,14 @@ class Legs:
         prompt; either keeps the blocks and hands out the next handle. UpstreamFailure
         before the client got a byte."""
         ctx = self.ctx
-        proof = make_proof(ctx.handle_key) if ctx.handle_key else None
-        payload = dumps(decode_body(turn.body, dict(LOCAL_PARAMS), ctx.residency.owner,
-                                    proof, turn.tenant, turn.gap))
+        payload = functools.partial(decode_payload, ctx.handle_key, turn.body,
+                                    dict(LOCAL_PARAMS), ctx.residency.owner, turn.tenant,
+                                    turn.gap)
         return await self.generate(request, turn, d, payload, rid, EXTEND, held_tokens)
 
-    async def generate(self, request: web.Request, turn: Turn, d: Backend, payload: bytes,
-                       rid: str, leg: str, offered_tokens: int | None = None
-                       ) -> tuple[web.StreamResponse, str]:
+    async def generate(self, request: web.Request, turn: Turn, d: Backend,
+                       payload: bytes | Callable[[], bytes], rid: str, leg: str,
+                       offered_tokens: int | None = None) -> tuple[web.StreamResponse, str]:
         """The response and its outcome; UpstreamFailure when `d` failed before the client
         got a byte (the caller may retry elsewhere). `leg`: decode, extend, or
         prefill_only (P serves the whole request: nothing to store). `offered_tokens`:
