@@ -1,6 +1,8 @@
 """Where a turn runs (placement.py decides, from what this router sees of its replicas),
 and running it there: on P alone, whole on one decode replica, or the two legs with the
-decode leg's retry (proxy.py's docstring says why each retry is made as it is).
+decode leg's retry (proxy.py's docstring says why each retry is made as it is); and the
+turn's end, however it comes: its handle ended, its reuse outcome counted, its span's
+attributes written.
 
 The turn's modes are read here once, into its plan (modes.py's `Plan`): on P alone, whole
 on one decode replica, or the two legs; its handle kept or not. The plan, the decision and
@@ -10,7 +12,9 @@ the turn's placement are written here only: `turn.plan`, `turn.placed` and
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 from aiohttp import web
 
@@ -28,7 +32,7 @@ from bidirkv.router.datapath.failures import (
 from bidirkv.router.datapath.legs import Legs
 from bidirkv.router.datapath.modes import Plan
 from bidirkv.router.datapath.prefillonly import serve_on_prefill
-from bidirkv.router.datapath.turn import Turn
+from bidirkv.router.datapath.turn import Turn, trace_attributes
 from bidirkv.router.pool.backends import DECODE, Backend
 from bidirkv.router.pool.backends import PREFILL as PREFILL_ROLE
 from bidirkv.router.pool.placement import (
@@ -47,12 +51,33 @@ log = logging.getLogger("bidirkv.router")
 
 
 class Placing:
-    """A turn's placement, and the turn run where it is placed."""
+    """A turn's placement, the turn run where it is placed, and its end."""
 
     def __init__(self, ctx: Context, conversations: Conversations, legs: Legs) -> None:
         self.ctx = ctx
         self.conversations = conversations
         self.legs = legs
+
+    async def serve(self, request: web.Request, turn: Turn) -> tuple[web.StreamResponse, str]:
+        """The admitted turn, run; whatever way it ends, its handle ends (an unused one
+        goes back to the store) and its reuse outcome and span attributes are written."""
+        metrics = self.ctx.metrics
+        try:
+            resp, outcome = await self.run(request, turn)
+        except asyncio.CancelledError:
+            metrics.request(turn.kind, "cancelled")
+            log.debug("request cancelled rid=%s conv=%s", turn.rid, turn.conv)
+            raise
+        finally:
+            await turn.handle.release()
+            turn.handle.count_once(metrics, turn.asked_prefill, turn.placed)
+            if turn.trace.recording:
+                turn.trace.update(trace_attributes(turn))
+        metrics.request(turn.kind, outcome)
+        log.debug("request rid=%s conv=%s kind=%s stream=%s reuse=%s outcome=%s ms=%.2f",
+                  turn.rid, turn.conv, turn.kind, turn.stream, turn.handle.reuse, outcome,
+                  (time.perf_counter() - turn.t0) * 1000)
+        return resp, outcome
 
     async def run(self, request: web.Request, turn: Turn) -> tuple[web.StreamResponse, str]:
         """The admitted turn, as its plan says: on P alone, whole on one decode replica

@@ -47,7 +47,6 @@ from bidirkv.router.datapath.relay import Relay
 from bidirkv.router.datapath.replies import json_response
 from bidirkv.router.datapath.sessions import Clients
 from bidirkv.router.datapath.tracing import Trace, replace, traced
-from bidirkv.router.datapath.turn import Turn, trace_attributes
 from bidirkv.router.datapath.upkeep import Upkeep
 from bidirkv.router.metrics import Metrics
 from bidirkv.router.pool.backends import DECODE, Backend
@@ -59,7 +58,7 @@ log = logging.getLogger("bidirkv.router")
 
 class Router:
     """One router: a request's flow starts here (`handle_generate` -> `Intake.admit` ->
-    `_serve` -> `Placing.run`). What the parts share is the `Context`; each part
+    `Placing.serve`). What the parts share is the `Context`; each part
     gets it, and the parts it calls, when it is built, and one request's state travels
     as its `Turn`."""
 
@@ -128,29 +127,8 @@ class Router:
         t0 = time.perf_counter()
         trace = self.ctx.traces.request(request.method, PATHS[kind], request.headers)
         resp, _ = await traced(trace, functools.partial(self.intake.admit, request, kind,
-                                                        trace, t0, self._serve))
+                                                        trace, t0, self.placing.serve))
         return resp
-
-    async def _serve(self, request: web.Request, turn: Turn) -> tuple[web.StreamResponse, str]:
-        """The admitted turn, run; whatever way it ends, its handle ends (an unused one
-        goes back to the store) and its reuse outcome and span attributes are written."""
-        metrics = self.ctx.metrics
-        try:
-            resp, outcome = await self.placing.run(request, turn)
-        except asyncio.CancelledError:
-            metrics.request(turn.kind, "cancelled")
-            log.debug("request cancelled rid=%s conv=%s", turn.rid, turn.conv)
-            raise
-        finally:
-            await turn.handle.release()
-            turn.handle.count_once(metrics, turn.asked_prefill, turn.placed)
-            if turn.trace.recording:
-                turn.trace.update(trace_attributes(turn))
-        metrics.request(turn.kind, outcome)
-        log.debug("request rid=%s conv=%s kind=%s stream=%s reuse=%s outcome=%s ms=%.2f",
-                  turn.rid, turn.conv, turn.kind, turn.stream, turn.handle.reuse, outcome,
-                  (time.perf_counter() - turn.t0) * 1000)
-        return resp, outcome
 
     # -- other routes ------------------------------------------------------------------
     async def handle_models(self, request: web.Request) -> web.StreamResponse:
