@@ -1,8 +1,9 @@
 """Router overhead benchmark against zero-latency fake engines (not a test).
 
 Starts a fake prefill engine, a fake decode engine and the router as separate processes
-(on a machine with 2+ CPUs the router is pinned to a CPU of its own; the engines and this
-client share the rest), then measures:
+(on a machine with 2+ CPUs the router is pinned to a CPU of its own and the engines to the
+rest; this client is not pinned, so it also runs on the router's CPU when that idles, and
+the direct client has every CPU), then measures:
   1. added TTFT: time to the first streamed byte through the router vs a client doing
      both legs itself (P, then D), one conversation, requests interleaved;
   2. sustained req/s, streamed and not, at 50 and 200 concurrent conversations, router
