@@ -119,6 +119,19 @@ def parse_head(head: bytes) -> tuple[int, bool, int | None, bool]:
     return int(code), keep_alive, length, chunked
 
 
+def _cut(buf: bytearray, end: bytes, limit: int, what: str) -> bytes | None:
+    """The bytes before `end`, taken off `buf` with `end`; None while `end` has not
+    arrived; ProtocolError once more than `limit` bytes came without it."""
+    at = buf.find(end, 0, limit + len(end))
+    if at < 0:
+        if len(buf) > limit:
+            raise ProtocolError(f"{what} over {limit} bytes")
+        return None
+    part = bytes(buf[:at])
+    del buf[:at + len(end)]
+    return part
+
+
 class Connection(asyncio.Protocol):
     """One connection to an engine and the answer it is reading."""
 
@@ -195,13 +208,9 @@ class Connection(asyncio.Protocol):
                 if self.remaining == 0 and stage != UNTIL_CLOSE:
                     self.stage = DONE if stage == LENGTH else CHUNK_END
             elif stage == HEAD:
-                end = buf.find(b"\r\n\r\n", 0, HEAD_LIMIT + 4)
-                if end < 0:
-                    if len(buf) > HEAD_LIMIT:
-                        raise ProtocolError(f"response head over {HEAD_LIMIT} bytes")
+                head = _cut(buf, b"\r\n\r\n", HEAD_LIMIT, "response head")
+                if head is None:
                     return
-                head = bytes(buf[:end])
-                del buf[:end + 4]
                 self._start_body(head)
             elif stage == CHUNK_END:
                 if len(buf) < 2:
@@ -211,13 +220,9 @@ class Connection(asyncio.Protocol):
                 del buf[:2]
                 self.stage = CHUNK_SIZE
             elif stage in (CHUNK_SIZE, TRAILER):
-                end = buf.find(b"\r\n", 0, LINE_LIMIT)
-                if end < 0:
-                    if len(buf) > LINE_LIMIT:
-                        raise ProtocolError(f"chunk line over {LINE_LIMIT} bytes")
+                line = _cut(buf, b"\r\n", LINE_LIMIT, "chunk line")
+                if line is None:
                     return
-                line = bytes(buf[:end])
-                del buf[:end + 2]
                 if stage == TRAILER:
                     self.stage = TRAILER if line else DONE
                 else:
