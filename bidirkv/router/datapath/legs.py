@@ -65,12 +65,18 @@ def _count(value: Any) -> int | None:
     return None
 
 
-def reuse_report(prefill_body: dict[str, Any]) -> ReuseReport | None:
+def _bidirkv_report(prefill_body: dict[str, Any]) -> dict[str, Any] | None:
+    """P's bidirkv report: in its kv_transfer_params, or beside them."""
     kv = prefill_body.get("kv_transfer_params")
     info = kv.get("bidirkv") if isinstance(kv, dict) else None
     if not isinstance(info, dict):
         info = prefill_body.get("bidirkv")
-    if isinstance(info, dict):
+    return info if isinstance(info, dict) else None
+
+
+def reuse_report(prefill_body: dict[str, Any]) -> ReuseReport | None:
+    info = _bidirkv_report(prefill_body)
+    if info is not None:
         reused = _count(info.get("reused_tokens"))
         offered = _count(info.get("offered_tokens"))
         partial = reused is not None and offered is not None and reused < offered
@@ -95,9 +101,8 @@ def prefill_work(prefill_body: dict[str, Any]) -> PrefillWork | None:
     prompt = _count(usage.get("prompt_tokens")) if isinstance(usage, dict) else None
     if not prompt:
         return None
-    kv = prefill_body.get("kv_transfer_params")
-    info = kv.get("bidirkv") if isinstance(kv, dict) else None
-    if isinstance(info, dict):
+    info = _bidirkv_report(prefill_body)
+    if info is not None:
         read = _count(info.get("reused_tokens")) or 0
         computed = _count(info.get("recomputed_tokens"))
         return PrefillWork(prompt, computed if computed is not None else prompt - read, read)

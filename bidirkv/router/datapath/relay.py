@@ -26,6 +26,14 @@ from bidirkv.router.request.validation import CHAT
 log = logging.getLogger("bidirkv.router")
 
 
+def _collector(turn: Turn, keeps: bool) -> MessageCollector | None:
+    """For a leg whose handle is kept, of a conversation named by its history or its
+    prompt: the answer, collected as it is relayed, names its next turn too."""
+    if keeps and (turn.history is not None or turn.prompt is not None):
+        return MessageCollector(turn.kind == CHAT)
+    return None
+
+
 class Relay:
     """An engine's answer to the client; only a decode (or extend) leg's handle is kept,
     P's own params (a request P serves whole) are stripped, never stored."""
@@ -38,10 +46,7 @@ class Relay:
     async def whole(self, turn: Turn, d: Backend, body: bytes, t: float, leg: str
                     ) -> web.Response:
         keeps = leg in (DECODE, EXTEND)
-        # A conversation named by its history or its prompt: the answer, collected as it
-        # is relayed, names its next turn too.
-        collector = MessageCollector(turn.kind == CHAT) if keeps and (
-            turn.history is not None or turn.prompt is not None) else None
+        collector = _collector(turn, keeps)
         if collector is not None or PARAMS_MARKER in body:
             try:
                 obj = loads(body)
@@ -71,8 +76,7 @@ class Relay:
         })
         # Only a decode leg's handle is kept; P's own params are stripped, never stored.
         stored = leg not in (DECODE, EXTEND)
-        collector = MessageCollector(turn.kind == CHAT) if not stored and (
-            turn.history is not None or turn.prompt is not None) else None
+        collector = _collector(turn, not stored)
         filt = SSEFilter(collector)
         done = False
         data, at_first = first, True
