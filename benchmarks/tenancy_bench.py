@@ -57,6 +57,7 @@ sys.path.insert(1, str(ROOT / "tests"))  # e2e/vllm_stack.py's otlp_receiver
 sys.path.insert(2, str(ROOT / "benchmarks"))
 
 import rows  # noqa: E402
+from router_bench import pct  # noqa: E402
 
 from bidirkv.connector.core.residency import Residency  # noqa: E402
 
@@ -161,24 +162,9 @@ def vllm_stack(args: argparse.Namespace) -> Any:
 
 
 def router_metric(url: str, name: str, **labels: str) -> float:
-    from e2e.vllm_stack import metric
-    if not labels:
-        return metric(url, name)
-    import re
-    import urllib.request
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$", text, re.M):
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
-
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+    """The sum of the router's samples `name` with `labels` (0 when it has none)."""
+    from bidirkv.bench import promtext
+    return promtext.total(promtext.scrape(url + "/metrics"), name, **labels) or 0.0
 
 
 def measure_salt(args: argparse.Namespace) -> dict[str, Any]:
