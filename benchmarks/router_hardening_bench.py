@@ -49,6 +49,7 @@ from redis_server import RedisServer, SlowLink, binary  # noqa: E402
 from router_bench import FAKE, free_port, pct, pin, rss_mb, wait_ready  # noqa: E402
 from router_process import KEY, RouterProcess  # noqa: E402
 
+from bidirkv.bench import plots  # noqa: E402
 from bidirkv.router.request.identity import LookupKeys  # noqa: E402
 
 MIB = 1 << 20
@@ -524,8 +525,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
     axes[2].legend()
     axes[2].set_title("store faults")
     fig.suptitle(f"router hardening - {r['machine']['model']} ({r['machine']['isa']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plots.save(plt, fig, path)
 
 
 def main() -> int:

@@ -44,6 +44,8 @@ from router_bench import pct, pin, rss_mb  # noqa: E402
 from router_hardening_bench import engine_processes, small_turns, split_cpus  # noqa: E402
 from router_process import RouterProcess  # noqa: E402
 
+from bidirkv.bench import plots  # noqa: E402
+
 MIB = 1 << 20
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -289,8 +291,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
         axes[1].set_ylabel("router RSS (MB)")
         axes[1].set_title(f"{long['requests']} x 2,000,000-char model, traced")
     fig.suptitle(f"router, hostile clients - {r['machine']['model']} ({r['machine']['isa']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plots.save(plt, fig, path)
 
 
 def main() -> int:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from bidirkv.bench import plots
 from bidirkv.local.cpu import read_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,13 +86,9 @@ def pyplot() -> Any | None:
     """matplotlib's pyplot drawing to files only, or None where matplotlib is not
     installed (the figures are still printed and written as JSON)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        return plots._pyplot()
     except ImportError:
         return None
-    return plt
 
 
 def finish(result: dict[str, Any], text: str, out: Path, stem: str,
@@ -105,5 +102,6 @@ def finish(result: dict[str, Any], text: str, out: Path, stem: str,
     doc.write_text(json.dumps(result, indent=2) + "\n")
     png = png or doc.with_suffix(".png")
     plot(png)
-    print(f"\nwrote {doc} and {png}")
+    drawn = png.exists() and png.stat().st_mtime >= doc.stat().st_mtime
+    print(f"\nwrote {doc}" + (f" and {png}" if drawn else " (no PNG: matplotlib is missing)"))
     return 0 if all(result["aims"].values()) else 1

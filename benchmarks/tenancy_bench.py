@@ -59,6 +59,7 @@ sys.path.insert(2, str(ROOT / "benchmarks"))
 import rows  # noqa: E402
 from router_bench import pct  # noqa: E402
 
+from bidirkv.bench import plots  # noqa: E402
 from bidirkv.connector.core.residency import Residency  # noqa: E402
 
 RETENTION_S = 900.0  # the entries' deadline: far beyond the run, so none nears expiry
@@ -338,9 +339,7 @@ def plot(r: dict[str, Any], path: Path, before: dict[str, Any] | None = None) ->
     ax.legend()
     ax.set_title(f"decode reclaim - {r['machine']['model']} ({r['machine']['isa']})",
                  fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    plots.save(plt, fig, path)
 
 
 def main() -> int:
