@@ -10,7 +10,6 @@ project's own `operator/` folder never shadows the standard library module).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import pathlib
 from collections.abc import Mapping
@@ -35,11 +34,6 @@ from bidirkv.operator.api.spec import KIND, DisaggregatedInferenceSpec, SpecErro
 from bidirkv.operator.render.children import RouterPlacement, router_deployment
 
 ROLES = ("prefill", "decode")
-# The servers started on the cores decode leaves (cpuset.py). Not the engines' API
-# servers: pinning them too gained nothing measured (docs/local-stack.md), and their
-# workers inherit the API server's cores unless the engine core moves itself onto its
-# VLLM_CPU_OMP_THREADS_BIND cores (connector/patches/cpu.py, which can be switched off).
-PINNED_ROLES = ("router",)
 # Inherited variables of these namespaces would change the engines behind the spec's
 # back (a stray `export VLLM_...` in the shell): only the rendered ones reach them.
 ENGINE_ENV_PREFIXES = ("VLLM_", "UCX_", "NIXL_", "FI_", "OMP_", "BIDIRKV_")
@@ -172,7 +166,7 @@ def plan_stack(spec: DisaggregatedInferenceSpec, ports: list[int],
                available_cores: frozenset[int] | None = None) -> StackPlan:
     """The processes of a local stack on the given ports (in `ports_needed` order); a fresh
     handle key unless `secrets` are given. `available_cores`: the cores the stack may use
-    (None: unknown, nothing is pinned); the PINNED_ROLES get those decode leaves."""
+    (None: unknown, nothing is pinned); the router gets those decode leaves."""
     secrets = local_secrets() if secrets is None else secrets
     labels = ports_needed(spec)
     if len(ports) != len(labels):
@@ -191,24 +185,19 @@ def plan_stack(spec: DisaggregatedInferenceSpec, ports: list[int],
     cfg_path = state_dir / "router.json"
     router_argv, router_env = router_process(cfg_path, ports[0], spec, secrets)
     choice = choose_cores(decode_binds(engines), available_cores)
-
-    def pinned(server: ServerPlan) -> ServerPlan:
-        return dataclasses.replace(server, cpus=choice.cores) \
-            if server.role in PINNED_ROLES else server
-
+    # Only the router: pinning the engines' API servers too gained nothing measured
+    # (docs/local-stack.md), and their workers inherit the API server's cores unless the
+    # engine core moves itself onto its VLLM_CPU_OMP_THREADS_BIND cores
+    # (connector/patches/cpu.py, which can be switched off).
     router = ServerPlan("router", "router", router_argv, router_env, ports[0],
-                        health_path="/ready")
-    return StackPlan([pinned(e) for e in engines], pinned(router), cfg, cfg_path,
-                     dict(zip(labels, ports, strict=True)), choice)
+                        health_path="/ready", cpus=choice.cores)
+    return StackPlan(engines, router, cfg, cfg_path, dict(zip(labels, ports, strict=True)),
+                     choice)
 
 
 def cpu_line(plan: StackPlan) -> str:
-    """Where the pinned servers run, in one line: 'router on cores 0 (decode binds 1)'."""
-    names = {"router": "router", "prefill": "prefill's API server",
-             "decode": "decode's API server"}
-    who = " and ".join(names[r] for r in PINNED_ROLES)
-    choice = plan.cpu_choice or CpuChoice(None, frozenset(), "not planned")
-    return choice.line(who)
+    """Where the router runs, in one line: 'router on cores 0 (decode binds 1)'."""
+    return (plan.cpu_choice or CpuChoice(None, frozenset(), "not planned")).line("router")
 
 
 def process_env(rendered: Mapping[str, str], base: Mapping[str, str]) -> dict[str, str]:
