@@ -134,6 +134,15 @@ def canonical_message(message: Mapping[str, Any]) -> bytes:
     )
 
 
+def _hashed_form(messages: list[Any]) -> bytes:
+    """The bytes a prefix hash takes of `messages`: each one's canonical form, then the
+    separator (fed at once, as fed one by one: the digest is the same)."""
+    if not messages:
+        return b""
+    return _SEP.join([canonical_message(m) if isinstance(m, dict) else canonical(m)
+                      for m in messages]) + _SEP
+
+
 class ChatHistory:
     """Hash state of one request's messages: its lookup key and the seed of its store key."""
 
@@ -153,7 +162,7 @@ class ChatHistory:
 class LookupKeys:
     """Every lookup key of one router: tenants, explicit ids, chat histories, prompts."""
 
-    __slots__ = ("_key", "cache_salt", "conversation_label", "explicit_key")
+    __slots__ = ("_key", "_prefix", "cache_salt", "conversation_label", "explicit_key")
 
     def __init__(self, handle_key: bytes | None = None) -> None:
         self._key = derive_hash_key(handle_key) if handle_key else _PROCESS_HASH_KEY
@@ -163,6 +172,8 @@ class LookupKeys:
         self.cache_salt = lru_cache(KEYED_CACHE)(self._cache_salt)
         self.conversation_label = lru_cache(KEYED_CACHE)(self._conversation_label)
         self.explicit_key = lru_cache(KEYED_CACHE)(self._explicit_key)
+        # The keyed state every prefix hash of a tenant starts from (copied, never fed).
+        self._prefix = lru_cache(KEYED_CACHE)(self._prefix_state)
 
     def _hasher(self, *parts: bytes) -> Any:
         h = hashlib.blake2b(digest_size=16, key=self._key)
@@ -222,24 +233,29 @@ class LookupKeys:
                 lookup = h.copy().digest()
         return ChatHistory(lookup, h)
 
+    def _prefix_state(self, tenant: bytes) -> Any:
+        return self._hasher(b"prefix", isolation_tenant(tenant))
+
     def messages_key(self, tenant: bytes, messages: list[Any], n: int) -> bytes:
         """Of the first `n` messages: what a turn named by an explicit id stores, so that
         its next turn can show its prompt extends that one (placement)."""
-        return self.messages_keys(tenant, messages[:n], n)[0]
+        h = self._prefix(tenant).copy()
+        h.update(_hashed_form(messages if n >= len(messages) else messages[:max(n, 0)]))
+        return h.digest()
 
     def messages_keys(self, tenant: bytes, messages: list[Any], n: int
                       ) -> tuple[bytes, bytes]:
         """`messages_key` of the first `n` messages and of all of them, in one pass: the
         turn that shows its prompt extends a stored one (the first) stores the second."""
-        h = self._hasher(b"prefix", isolation_tenant(tenant))
-        first = h.copy().digest() if n <= 0 else None
-        for i, m in enumerate(messages, 1):
-            h.update(canonical_message(m) if isinstance(m, dict) else canonical(m))
-            h.update(_SEP)
-            if i == n:
-                first = h.copy().digest()
-        whole = h.digest()
-        return (whole if first is None else first), whole
+        if n >= len(messages):
+            whole = self.messages_key(tenant, messages, n)
+            return whole, whole
+        h = self._prefix(tenant).copy()
+        if n > 0:
+            h.update(_hashed_form(messages[:n]))
+        first = h.copy().digest()
+        h.update(_hashed_form(messages[max(n, 0):]))
+        return first, h.digest()
 
     # -- completions prompt prefixes ---------------------------------------------------
     def completion_key(self, tenant: bytes, text: str) -> bytes:
