@@ -34,6 +34,14 @@ def _collector(turn: Turn, keeps: bool) -> MessageCollector | None:
     return None
 
 
+class _Streamed(web.StreamResponse):
+    """A streamed answer whose head leaves with its first bytes: one send, not two.
+    aiohttp holds the head back this way for its whole answers (web.Response); a
+    stream sends it at prepare unless told not to."""
+
+    _send_headers_immediately = False
+
+
 class Relay:
     """An engine's answer to the client; only a decode (or extend) leg's handle is kept,
     P's own params (a request P serves whole) are stripped, never stored."""
@@ -68,7 +76,7 @@ class Relay:
     async def stream(self, request: web.Request, turn: Turn, d: Backend,
                      resp: Response, first: bytes, t: float, leg: str
                      ) -> tuple[web.StreamResponse, str]:
-        out = web.StreamResponse(headers={
+        out = _Streamed(headers={
             "Content-Type": "text/event-stream; charset=utf-8",
             "Cache-Control": "no-cache",
             "X-Request-Id": turn.rid,
@@ -81,7 +89,8 @@ class Relay:
         done = False
         data, at_first = first, True
         try:
-            await out.prepare(request)
+            writer = await out.prepare(request)
+            assert writer is not None  # a fresh response: prepared here, once
             while True:
                 chunk = filt.feed(data) if data else filt.finish()
                 # Stored before the client can see [DONE]: its next turn may come at once.
@@ -92,6 +101,8 @@ class Relay:
                     await out.write(chunk)
                     done = done or chunk.endswith(DONE)
                 if at_first:
+                    if not chunk:  # no whole event yet: the head is not held for one
+                        writer.send_headers()
                     self.ctx.metrics.observe_ttft(turn.kind, True,
                                                   time.perf_counter() - turn.t0)
                     at_first = False
