@@ -81,3 +81,23 @@ def test_deep_bodies_are_refused_with_one_message(depth):
     raw = b'{"messages":' + b"[" * depth + b"]" * min(depth, 2000) + b"}"
     with pytest.raises(ClientError, match="nested deeper than 64 levels"):
         parse_request(raw, CHAT, None)
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"max_completion_tokens": 5000}, "max_completion_tokens: 5000 is more than the "
+                                          "model's context length (4096 tokens)"),
+        ({"n": 4097}, None),  # n is not a token count
+        # Every count is checked for its type before any against the context.
+        ({"max_tokens": 5000, "n": 0}, "n: 0 is not allowed"),
+    ],
+)
+def test_token_counts_against_the_models_context(extra, needle):
+    raw = json.dumps({"messages": MSGS, **extra}).encode()
+    if needle is None:
+        assert parse_request(raw, CHAT, None, 4096).body["n"] == 4097
+        return
+    with pytest.raises(ClientError) as e:
+        parse_request(raw, CHAT, None, 4096)
+    assert needle in e.value.message

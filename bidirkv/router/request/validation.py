@@ -58,12 +58,21 @@ class ParsedRequest:
         self.conversation_id = conversation_id
 
 
-def _positive_int(body: dict[str, Any], field: str) -> None:
-    value = body.get(field)
-    if value is None:
+def _token_counts(body: dict[str, Any], max_model_len: int | None) -> None:
+    """max_tokens, max_completion_tokens and n: positive integers when given; then the
+    first two within the model's context, when it is known."""
+    for field in ("max_tokens", "max_completion_tokens", "n"):
+        value = body.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise _bad(field, value, "a positive integer")
+    if max_model_len is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad(field, value, "a positive integer")
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = body.get(field)
+        if value is not None and value > max_model_len:
+            raise ClientError(400, f"{field}: {value} is more than the model's context "
+                              f"length ({max_model_len} tokens)", field)
 
 
 def _check_messages(messages: Any) -> None:
@@ -99,24 +108,9 @@ def _check_prompt(prompt: Any) -> None:
     )
 
 
-def _within_model(body: dict[str, Any], max_model_len: int | None) -> None:
-    if max_model_len is None:
-        return
-    for field in ("max_tokens", "max_completion_tokens"):
-        value = body.get(field)
-        if isinstance(value, int) and value > max_model_len:
-            raise ClientError(400, f"{field}: {value} is more than the model's context length "
-                              f"({max_model_len} tokens)", field)
-
-
-def parse_request(raw: bytes, kind: str, header_conversation_id: str | None,
-                  max_model_len: int | None = None,
-                  max_containers: int | None = None) -> ParsedRequest:
-    """Validate and take apart a client body.
-
-    Consumed here and never forwarded upstream: `conversation_id` (ours) and
-    `kv_transfer_params` (only the router may tell engines where KV lives).
-    """
+def _decoded(raw: bytes, max_containers: int | None) -> Any:
+    """The body's JSON, refused when hostile (too many containers, too deep, a lone
+    surrogate) or not JSON."""
     # orjson stops past 1024 levels by itself, and the depth is checked once parsed;
     # the standard library's parser would recurse, so without orjson it is checked first.
     # Either bound needs one object or array per unit: a body with no more brackets than
@@ -136,8 +130,11 @@ def parse_request(raw: bytes, kind: str, header_conversation_id: str | None,
         raise ClientError(400, f"request body is not valid JSON: {exc}") from None
     if HAVE_ORJSON and brackets > MAX_DEPTH and (problem := depth_problem(body)):
         raise ClientError(400, problem)
-    if not isinstance(body, dict):
-        raise ClientError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _checked_fields(body: dict[str, Any], kind: str, max_model_len: int | None) -> bool:
+    """The fields the router reads checked; whether the answer is streamed."""
     if kind == CHAT:
         if "messages" not in body:
             raise ClientError(400, "messages: required for /v1/chat/completions", "messages")
@@ -151,20 +148,21 @@ def parse_request(raw: bytes, kind: str, header_conversation_id: str | None,
         stream = False
     elif not isinstance(stream, bool):
         raise _bad("stream", stream, "true or false")
-    for field in ("max_tokens", "max_completion_tokens", "n"):
-        _positive_int(body, field)
-    _within_model(body, max_model_len)
+    _token_counts(body, max_model_len)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model", model, "a string")
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise _bad("stream_options", so, "an object")
+    return stream
 
-    body.pop("kv_transfer_params", None)
+
+def _conversation_id(body: dict[str, Any], header: str | None) -> str | None:
+    """The body's `conversation_id` (taken out of it), else the header's."""
     conversation_id = body.pop("conversation_id", None)
     if conversation_id is None:
-        conversation_id = header_conversation_id
+        conversation_id = header
         field = "X-Conversation-Id"
     else:
         field = "conversation_id"
@@ -178,4 +176,20 @@ def parse_request(raw: bytes, kind: str, header_conversation_id: str | None,
                 f"at most {MAX_CONVERSATION_ID} allowed",
                 field,
             )
-    return ParsedRequest(body, stream, conversation_id)
+    return conversation_id
+
+
+def parse_request(raw: bytes, kind: str, header_conversation_id: str | None,
+                  max_model_len: int | None = None,
+                  max_containers: int | None = None) -> ParsedRequest:
+    """Validate and take apart a client body.
+
+    Consumed here and never forwarded upstream: `conversation_id` (ours) and
+    `kv_transfer_params` (only the router may tell engines where KV lives).
+    """
+    body = _decoded(raw, max_containers)
+    if not isinstance(body, dict):
+        raise ClientError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    stream = _checked_fields(body, kind, max_model_len)
+    body.pop("kv_transfer_params", None)
+    return ParsedRequest(body, stream, _conversation_id(body, header_conversation_id))
