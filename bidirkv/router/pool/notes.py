@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import hmac
 import math
@@ -53,6 +54,13 @@ def _b64(b: bytes | None) -> str | None:
     return None if b is None else binascii.b2a_base64(b, newline=False).decode()
 
 
+# A tenant is one of a few and the same turn after turn: encoded once, not per note.
+_tenant_b64 = functools.lru_cache(maxsize=4096)(_b64)
+_URLSAFE = bytes.maketrans(b"+/", b"-_")
+# The MAC's base64 without its padding: 16 bytes are 22 characters.
+_MAC_B64_LEN = -(-MAC_LEN * 4 // 3)
+
+
 def _unb64(s: Any) -> bytes | None:
     if s is None:
         return None
@@ -64,7 +72,9 @@ def _unb64(s: Any) -> bytes | None:
 def _mac(key: bytes, request_id: str, payload: bytes) -> str:
     h = keyed_sha256(key)
     h.update(request_id.encode() + b"\0" + payload)
-    return base64.urlsafe_b64encode(h.digest()[:MAC_LEN]).decode().rstrip("=")
+    # urlsafe_b64encode's alphabet, unpadded, without its Python-level steps.
+    return binascii.b2a_base64(h.digest()[:MAC_LEN], newline=False)[:_MAC_B64_LEN].translate(
+        _URLSAFE).decode()
 
 
 def encode(key: bytes, kept: Kept, kept_at: float) -> str | None:
@@ -73,7 +83,7 @@ def encode(key: bytes, kept: Kept, kept_at: float) -> str | None:
     if kept.request_id is None:
         return None
     payload = dumps([_b64(kept.key), kept.params.decode(), kept.engine_id, kept.num_tokens,
-                     _b64(kept.tenant), kept.prefix_len, kept.blocks, kept.chars,
+                     _tenant_b64(kept.tenant), kept.prefix_len, kept.blocks, kept.chars,
                      _b64(kept.prompt_key),
                      kept_at if kept.kept_at is None else kept.kept_at, kept.gap])
     note = f"{FORMAT}.{_mac(key, kept.request_id, payload)}.{payload.decode()}"
