@@ -46,7 +46,7 @@ from bidirkv.router.datapath.placing import Placing
 from bidirkv.router.datapath.relay import Relay
 from bidirkv.router.datapath.replies import json_response
 from bidirkv.router.datapath.sessions import Clients
-from bidirkv.router.datapath.tracing import Trace, replace, traced
+from bidirkv.router.datapath.tracing import Trace, Untraced, replace, traced
 from bidirkv.router.datapath.upkeep import Upkeep
 from bidirkv.router.metrics import Metrics
 from bidirkv.router.pool.backends import DECODE, Backend
@@ -126,6 +126,9 @@ class Router:
         is written (a refused body once it is drained)."""
         t0 = time.perf_counter()
         trace = self.ctx.traces.request(request.method, PATHS[kind], request.headers)
+        if isinstance(trace, Untraced):  # no span to end (tracing off, the default)
+            resp, _ = await self.intake.admit(request, kind, trace, t0, self.placing.serve)
+            return resp
         resp, _ = await traced(trace, functools.partial(self.intake.admit, request, kind,
                                                         trace, t0, self.placing.serve))
         return resp
