@@ -1,5 +1,6 @@
-"""The legs' HTTP/1.1 client (bidirkv/router/datapath/enginehttp.py) against real servers
-on 127.0.0.1: aiohttp's server, and a raw asyncio server that answers with exact bytes."""
+"""The legs' HTTP/1.1 client (bidirkv/router/datapath/enginehttp.py, engineconn.py)
+against real servers on 127.0.0.1: aiohttp's server, and a raw asyncio server that
+answers with exact bytes."""
 
 import asyncio
 import contextlib
@@ -12,7 +13,9 @@ from bidirkv.router.datapath import enginehttp
 from bidirkv.router.datapath.engineconn import (
     HEAD_LIMIT,
     HIGH_WATER,
+    LINE_LIMIT,
     ConnectError,
+    Connection,
     Disconnected,
     ProtocolError,
 )
@@ -254,4 +257,91 @@ async def test_connection_close_is_not_pooled_and_idle_ones_are_closed(monkeypat
         async with await client.post(kept, "/", b"{}", H, T) as r:
             assert await r.read() == b"{}"
         assert client.open_connections == 1  # pooled, then closed once idle too long
+        await settle(client, 0)
+
+
+class _Transport(asyncio.Transport):
+    """Where a connection under test writes: nothing is sent, an abort is counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.aborted = False
+
+    def write(self, data):
+        pass
+
+    def abort(self):
+        self.aborted = True
+
+
+def _answer_in(pieces):
+    """The body a connection reads from `pieces` (one data_received each), and whether
+    it may carry another request then."""
+    conn = Connection(asyncio.get_running_loop(), [], lambda c: None)
+    conn.connection_made(_Transport())
+    conn.send(b"POST / HTTP/1.1\r\n\r\n", None, None)
+    for piece in pieces:
+        conn.data_received(piece)
+    assert conn.error is None, conn.error
+    return conn.take(), conn.reusable()
+
+
+async def test_a_chunked_answer_reads_the_same_however_its_bytes_are_split():
+    answer = (b"HTTP/1.1 100 Continue\r\n\r\n"
+              b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+              b"5;ext=1\r\nhello\r\nB \r\n world, and\r\n1\r\n!\r\n"
+              b"0\r\nX-Trailer: t\r\n\r\n")
+    body = b"hello world, and!"
+    assert _answer_in([answer]) == (body, True)
+    assert _answer_in([answer[i:i + 1] for i in range(len(answer))]) == (body, True)
+    for cut in range(1, len(answer)):
+        assert _answer_in([answer[:cut], answer[cut:]]) == (body, True), cut
+    # Bytes after the answer: read, but the connection is not used again.
+    assert _answer_in([answer + b"HTTP/1.1 200 OK\r\n"]) == (body, False)
+
+
+@pytest.mark.parametrize("framing", [b"5\r\nhelloXY0\r\n\r\n",
+                                     b"5\r\nhello\r\n" + b"1" * (LINE_LIMIT + 1)])
+async def test_a_chunk_without_its_crlf_or_an_endless_size_line_is_a_protocol_failure(
+        framing):
+    conn = Connection(asyncio.get_running_loop(), [], lambda c: None)
+    conn.connection_made(_Transport())
+    conn.send(b"POST / HTTP/1.1\r\n\r\n", None, None)
+    conn.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + framing)
+    assert isinstance(conn.error, ProtocolError) and conn.transport.aborted
+    assert conn.take() == b"hello" and not conn.reusable()
+
+
+async def test_bytes_that_keep_coming_within_the_read_timeout_never_time_out():
+    async def trickle(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\n")
+        for _ in range(20):  # 20 x 0.05 s: twice the read timeout, each gap well inside
+            await asyncio.sleep(0.05)
+            writer.write(b"x")
+            await writer.drain()
+
+    async with raw_engine(trickle) as (url, _):
+        client = EngineHTTP()
+        async with await client.post(url, "/", b"{}", H, SimpleNamespace(
+                sock_connect=5.0, total=None, sock_read=0.5)) as r:
+            assert await r.read() == b"x" * 20
+        assert client.open_connections == 1  # read whole: pooled
+        client.close()
+
+
+async def test_the_total_timeout_ends_an_answer_whose_bytes_keep_coming():
+    async def endless(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            writer.write(b"x")
+            await writer.drain()
+
+    async with raw_engine(endless) as (url, _):
+        client = EngineHTTP()
+        r = await client.post(url, "/", b"{}", H, SimpleNamespace(
+            sock_connect=5.0, total=0.3, sock_read=0.5))
+        with pytest.raises(TimeoutError):
+            await r.read()
+        r.close()
         await settle(client, 0)

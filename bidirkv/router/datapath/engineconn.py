@@ -1,12 +1,16 @@
-"""One connection to an engine, as the legs' HTTP/1.1 client (enginehttp.py) uses it:
-the request head written, the response head and body parsed from bytes as they arrive.
+"""One connection to an engine and the answer read from it, for the legs' HTTP/1.1 client
+(enginehttp.py: the pool and the request written):
 
-- a header name or value with CR or LF is refused (ValueError), never written;
-- the response head is bounded (HEAD_LIMIT: beyond it the answer is a protocol error);
-  the body ends by Content-Length, with the last chunk (chunked), or when the engine
-  closes;
-- reading pauses while more than HIGH_WATER bytes wait unread, so a slow client does not
-  make the router hold a whole answer, and resumes as they are read;
+- `Connection.exchange` writes a request and waits for the answer's head; the `Response`
+  reads the body, and closed, puts its connection back on its engine's idle list when the
+  answer was read whole and the connection may carry another, else closes it;
+- each read is parsed in one pass; the head (HEAD_LIMIT) and a chunk-size or trailer line
+  (LINE_LIMIT) are bounded, a chunk size is hex digits, a chunk ends with CRLF; the body
+  ends by Content-Length, with the last chunk, or when the engine closes;
+- a wait for bytes ends at the exchange's deadline or after the per-read timeout, through
+  one timer per connection, moved only when a wait must end before it fires;
+- reading pauses while more than HIGH_WATER bytes wait unread (a slow client does not make
+  the router hold a whole answer), and resumes as they are read;
 - a connection lost before its answer ended says whether that was before the answer's
   head and whether it had carried a request before (`Disconnected`).
 """
@@ -14,14 +18,12 @@ the request head written, the response head and body parsed from bytes as they a
 from __future__ import annotations
 
 import asyncio
-import ssl
 from typing import Any
-from urllib.parse import urlsplit
 
 HEAD_LIMIT = 64 * 1024
 LINE_LIMIT = 4 * 1024  # a chunk-size line or one trailer line
 HIGH_WATER = 64 * 1024
-KEEPALIVE_S = 4.0  # idle connections are closed after it (enginehttp.py)
+HEX = b"0123456789abcdefABCDEF"
 
 # What a connection is reading.
 IDLE, HEAD, LENGTH, CHUNK_SIZE, CHUNK_DATA, CHUNK_END, TRAILER, UNTIL_CLOSE, DONE = range(9)
@@ -51,37 +53,6 @@ class Disconnected(EngineHTTPError):
 
 class ProtocolError(EngineHTTPError):
     """An answer that is not HTTP/1.1 as this client reads it."""
-
-
-class Target:
-    """An engine's base URL, split once: where to connect and what to send."""
-
-    __slots__ = ("key", "host", "port", "ssl", "authority", "prefix")
-
-    def __init__(self, url: str) -> None:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"engine URL {url!r}: expected http(s)://host[:port][/path]")
-        secure = parts.scheme == "https"
-        self.host = parts.hostname
-        self.port = parts.port or (443 if secure else 80)
-        self.key = (parts.scheme, self.host, self.port)
-        self.ssl: ssl.SSLContext | None = ssl.create_default_context() if secure else None
-        self.authority = parts.netloc.rpartition("@")[2]
-        self.prefix = parts.path.rstrip("/")
-
-
-def request_head(target: Target, path: str, headers: dict[str, str], length: int) -> bytes:
-    """The request line and headers of a POST; ValueError for a header that would split
-    the head (CR or LF in its name or value)."""
-    lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-    if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
-        bad = next(k for k, v in headers.items() if any(c in k + v for c in "\r\n"))
-        raise ValueError(f"header {bad!r}: a name or value may not contain CR or LF")
-    if any(c in path for c in "\r\n "):
-        raise ValueError(f"path {path!r}: may not contain CR, LF or a space")
-    return (f"POST {target.prefix}{path} HTTP/1.1\r\nHost: {target.authority}\r\n{lines}"
-            f"Content-Length: {length}\r\n\r\n").encode("utf-8", "surrogateescape")
 
 
 def parse_head(head: bytes) -> tuple[int, bool, int | None, bool]:
@@ -119,41 +90,48 @@ def parse_head(head: bytes) -> tuple[int, bool, int | None, bool]:
     return int(code), keep_alive, length, chunked
 
 
-def _cut(buf: bytearray, end: bytes, limit: int, what: str) -> bytes | None:
-    """The bytes before `end`, taken off `buf` with `end`; None while `end` has not
+def chunk_size(line: bytes) -> int:
+    """The size a chunk-size line (without its CRLF) announces; ProtocolError unless it is
+    hex digits, with an extension after ";" allowed."""
+    size = line.partition(b";")[0].strip()
+    # Hex digits only: int(..., 16) alone would also take a sign, "0x" and underscores.
+    if not size or size.strip(HEX):
+        raise ProtocolError(f"bad chunk size {line[:40]!r}")
+    return int(size, 16)
+
+
+def find_end(data: bytes, i: int, end: bytes, limit: int, what: str) -> int:
+    """Where `end`, closing the part that starts at `i`, begins; -1 while it has not
     arrived; ProtocolError once more than `limit` bytes came without it."""
-    at = buf.find(end, 0, limit + len(end))
-    if at < 0:
-        if len(buf) > limit:
-            raise ProtocolError(f"{what} over {limit} bytes")
-        return None
-    part = bytes(buf[:at])
-    del buf[:at + len(end)]
-    return part
+    at = data.find(end, i, i + limit + len(end))
+    if at < 0 and len(data) - i > limit:
+        raise ProtocolError(f"{what} over {limit} bytes")
+    return at
 
 
 class Connection(asyncio.Protocol):
-    """One connection to an engine and the answer it is reading."""
+    """One connection to an engine and the answer it is reading. `idle`: the list of its
+    engine's idle connections, where a response read whole puts it back."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, key: tuple[str, str, int],
+    def __init__(self, loop: asyncio.AbstractEventLoop, idle: list[Connection],
                  on_lost: Any) -> None:
-        self.loop, self.key, self._on_lost = loop, key, on_lost
+        self.loop, self.idle, self._on_lost = loop, idle, on_lost
         self.transport: asyncio.Transport | None = None
         self.open = False
         self.requests = 0  # requests sent on it, this one included
         self.idle_since = 0.0
         self.stage = IDLE
-        self.buf = bytearray()  # bytes of a head or of chunk framing, not yet parsed
+        self.rest = b""  # the start of a head or of chunk framing, not yet parsed
         self.chunks: list[bytes] = []  # body bytes not yet read
-        self.buffered = 0
-        self.status = 0
-        self.keep_alive = False
-        self.remaining = 0
+        self.buffered = self.status = self.remaining = 0
         self.error: BaseException | None = None
-        self.paused = False
+        self.keep_alive = self.paused = False
         self.waiter: asyncio.Future[None] | None = None
         self.deadline: float | None = None
         self.read_s: float | None = None
+        self.wait_until: float | None = None  # when the wait in progress times out
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = 0.0
 
     # -- asyncio.Protocol --------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -167,12 +145,15 @@ class Connection(asyncio.Protocol):
             if self.stage == IDLE:
                 self.abort()
             return
-        self.buf += data
+        if self.rest:
+            data, self.rest = self.rest + data, b""
         try:
-            self._parse()
+            at = self._parse(data)
         except ProtocolError as exc:
             self.error = exc
             self.abort()
+        else:
+            self.rest = data[at:]
         if self.buffered > HIGH_WATER and not self.paused and self.open:
             self.paused = True
             self.transport.pause_reading()  # type: ignore[union-attr]
@@ -183,6 +164,9 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.open = False
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if self.stage == UNTIL_CLOSE:
             self.stage = DONE
         elif self.stage not in (IDLE, DONE) and self.error is None:
@@ -194,42 +178,75 @@ class Connection(asyncio.Protocol):
         self._wake()
         self._on_lost(self)
 
-    # -- parsing -----------------------------------------------------------------
-    def _parse(self) -> None:
-        buf = self.buf
-        while buf:
+    # -- parsing: each returns where the bytes it did not take start ---------------
+    def _parse(self, data: bytes) -> int:
+        i, n = 0, len(data)
+        while i < n:
             stage = self.stage
-            if stage in (LENGTH, CHUNK_DATA, UNTIL_CLOSE):
-                take = len(buf) if stage == UNTIL_CLOSE else min(self.remaining, len(buf))
-                self.chunks.append(bytes(buf[:take]))
-                self.buffered += take
-                del buf[:take]
-                self.remaining -= take
-                if self.remaining == 0 and stage != UNTIL_CLOSE:
-                    self.stage = DONE if stage == LENGTH else CHUNK_END
+            if CHUNK_SIZE <= stage <= CHUNK_END:
+                i = self._chunked(data, i)
+                if self.stage != TRAILER:
+                    return i  # the body's bytes so far taken, or more needed
             elif stage == HEAD:
-                head = _cut(buf, b"\r\n\r\n", HEAD_LIMIT, "response head")
-                if head is None:
-                    return
-                self._start_body(head)
-            elif stage == CHUNK_END:
-                if len(buf) < 2:
-                    return
-                if buf[:2] != b"\r\n":
-                    raise ProtocolError("chunk not followed by CRLF")
-                del buf[:2]
-                self.stage = CHUNK_SIZE
-            elif stage in (CHUNK_SIZE, TRAILER):
-                line = _cut(buf, b"\r\n", LINE_LIMIT, "chunk line")
-                if line is None:
-                    return
-                if stage == TRAILER:
-                    self.stage = TRAILER if line else DONE
-                else:
-                    self._start_chunk(line)
+                at = find_end(data, i, b"\r\n\r\n", HEAD_LIMIT, "response head")
+                if at < 0:
+                    return i
+                self._start_body(data[i:at])
+                i = at + 4
+            elif stage == LENGTH or stage == UNTIL_CLOSE:
+                take = n - i if stage == UNTIL_CLOSE else min(self.remaining, n - i)
+                self.chunks.append(data[i:i + take])
+                self.buffered += take
+                i += take
+                self.remaining -= take
+                if self.remaining == 0 and stage == LENGTH:
+                    self.stage = DONE
+            elif stage == TRAILER:
+                at = find_end(data, i, b"\r\n", LINE_LIMIT, "chunk line")
+                if at < 0:
+                    return i
+                self.stage = TRAILER if at > i else DONE
+                i = at + 2
             else:  # DONE with bytes after the answer: not ours to read
                 self.keep_alive = False
-                buf.clear()
+                return n
+        return i
+
+    def _chunked(self, data: bytes, i: int) -> int:
+        """Every complete chunk from `i` on, in one pass; the stage says what comes next
+        (TRAILER after the last chunk)."""
+        stage, remaining, chunks, n, got = self.stage, self.remaining, self.chunks, len(data), 0
+        try:
+            while True:
+                if stage == CHUNK_SIZE:
+                    at = find_end(data, i, b"\r\n", LINE_LIMIT, "chunk line")
+                    if at < 0:
+                        break
+                    remaining, i = chunk_size(data[i:at]), at + 2
+                    if remaining == 0:
+                        stage = TRAILER
+                        break
+                    stage = CHUNK_DATA
+                if stage == CHUNK_DATA:
+                    end = i + remaining
+                    if end > n:
+                        if i < n:
+                            chunks.append(data[i:])
+                            got += n - i
+                            remaining, i = end - n, n
+                        break
+                    chunks.append(data[i:end])
+                    got += remaining
+                    i, stage = end, CHUNK_END
+                if n - i < 2:
+                    break
+                if data[i] != 13 or data[i + 1] != 10:
+                    raise ProtocolError("chunk not followed by CRLF")
+                i, stage = i + 2, CHUNK_SIZE
+        finally:
+            self.stage, self.remaining = stage, remaining
+            self.buffered += got
+        return i
 
     def _start_body(self, head: bytes) -> None:
         status, self.keep_alive, length, chunked = parse_head(head)
@@ -245,21 +262,25 @@ class Connection(asyncio.Protocol):
         else:
             self.stage = UNTIL_CLOSE
 
-    def _start_chunk(self, line: bytes) -> None:
-        size = line.partition(b";")[0].strip()
-        # Hex digits only: int(..., 16) alone would also take a sign, "0x" and underscores.
-        if not size or size.strip(b"0123456789abcdefABCDEF"):
-            raise ProtocolError(f"bad chunk size {line[:40]!r}")
-        n = int(size, 16)
-        self.stage, self.remaining = (TRAILER, 0) if n == 0 else (CHUNK_DATA, n)
+    # -- the exchange ------------------------------------------------------------
+    async def exchange(self, request: bytes, deadline: float | None,
+                       read_s: float | None) -> Response:
+        """Write `request`; the response once its head has arrived. `deadline` (loop
+        time) bounds the whole exchange, `read_s` each wait for bytes."""
+        reused = self.send(request, deadline, read_s)
+        while self.stage == HEAD and self.error is None:
+            await self.wait()
+        if self.error is not None:
+            self.abort()
+            raise self.error
+        return Response(self, reused)
 
-    # -- for the request and its response ---------------------------------------
-    def send(self, data: bytes, deadline: float | None, read_s: float | None) -> bool:
+    def send(self, request: bytes, deadline: float | None, read_s: float | None) -> bool:
         """Write a request; True when this connection had carried one before."""
         self.requests += 1
         self.stage, self.status, self.error = HEAD, 0, None
         self.deadline, self.read_s = deadline, read_s
-        self.transport.write(data)  # type: ignore[union-attr]
+        self.transport.write(request)  # type: ignore[union-attr]
         return self.requests > 1
 
     def take(self) -> bytes:
@@ -279,7 +300,11 @@ class Connection(asyncio.Protocol):
         if self.read_s is not None:
             at = self.loop.time() + self.read_s
             when = at if when is None else min(when, at)
-        timer = self.loop.call_at(when, self._timed_out, fut) if when is not None else None
+        self.wait_until = when
+        # The timer is moved only when this wait must end before it fires; firing
+        # early, it sets itself again for the wait in progress (_timer_fired).
+        if when is not None and (self.timer is None or self.timer_at > when):
+            self._set_timer(when)
         try:
             await fut
         except BaseException:
@@ -287,16 +312,30 @@ class Connection(asyncio.Protocol):
             raise
         finally:
             self.waiter = None
-            if timer is not None:
-                timer.cancel()
+
+    def _set_timer(self, when: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer_at = when
+        self.timer = self.loop.call_at(when, self._timer_fired)
+
+    def _timer_fired(self) -> None:
+        self.timer = None
+        fut, until = self.waiter, self.wait_until
+        if fut is None or fut.done() or until is None:
+            return  # no wait in progress: the next one sets the timer
+        if until <= self.timer_at:
+            fut.set_exception(TimeoutError())
+        else:
+            self._set_timer(until)
 
     def reusable(self) -> bool:
         return (self.open and self.stage == DONE and self.keep_alive and self.error is None
-                and not self.buf and not self.chunks)
+                and not self.rest and not self.chunks)
 
     def reset(self, now: float) -> None:
         self.stage, self.idle_since = IDLE, now
-        self.deadline = self.read_s = None
+        self.deadline = self.read_s = self.wait_until = None
 
     def abort(self) -> None:
         self.keep_alive = False
@@ -309,8 +348,51 @@ class Connection(asyncio.Protocol):
         if fut is not None and not fut.done():
             fut.set_result(None)
 
-    @staticmethod
-    def _timed_out(fut: asyncio.Future[None]) -> None:
-        if not fut.done():
-            fut.set_exception(TimeoutError())
 
+class Response:
+    """An engine's answer: its status, its body read whole or as it comes. Close it (or
+    use `async with`): an answer read to its end puts its connection back on its
+    engine's idle list, any other closes it."""
+
+    __slots__ = ("status", "reused", "_conn")
+
+    def __init__(self, conn: Connection, reused: bool) -> None:
+        self.status = conn.status
+        self.reused = reused
+        self._conn: Connection | None = conn
+
+    async def readany(self) -> bytes:
+        """What has arrived (waiting for some when nothing has); b"" at the end."""
+        conn = self._conn
+        while conn is not None:
+            if conn.chunks:
+                return conn.take()
+            if conn.error is not None:
+                raise conn.error
+            if conn.stage == DONE:
+                self.close()
+                break
+            await conn.wait()
+        return b""
+
+    async def read(self) -> bytes:
+        parts = []
+        while data := await self.readany():
+            parts.append(data)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if conn.reusable():
+            conn.reset(conn.loop.time())
+            conn.idle.append(conn)
+        else:
+            conn.abort()
+
+    async def __aenter__(self) -> Response:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()

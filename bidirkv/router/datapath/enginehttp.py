@@ -3,8 +3,9 @@
 The legs need little of HTTP: one POST with a JSON body, an answer read whole (prefill)
 or relayed as it streams (decode), kept-alive connections. A general client does much
 more on every request (header defaults, cookies, tracing hooks, timeout objects), and on
-a router that sends two legs a turn that was a third of its CPU. This one does what the
-legs need (engineconn.py reads and writes the bytes):
+a router that sends two legs a turn that was a third of its CPU. This module is the
+client's pool and the request it writes; engineconn.py carries the exchange on one
+connection and reads the answer (`Response`):
 
 - one `transport.write` a request, head and body;
 - one pool of idle connections per engine: a connection goes back only when its answer
@@ -21,70 +22,59 @@ Health probes and the router's other calls keep the general client (sessions.py)
 from __future__ import annotations
 
 import asyncio
+import ssl
 from typing import Any
+from urllib.parse import urlsplit
 
 from bidirkv.router.datapath.engineconn import (
-    DONE,
-    HEAD,
-    KEEPALIVE_S,
     ConnectError,
     Connection,
     ConnectTimeout,
-    Target,
-    request_head,
+    Response,
 )
 
+KEEPALIVE_S = 4.0  # idle connections are closed after it
 
-class Response:
-    """An engine's answer: its status, its body read whole or as it comes. Close it (or
-    use `async with`): an answer read to its end gives its connection back to the pool,
-    any other closes it."""
 
-    __slots__ = ("status", "reused", "_conn", "_client")
+class Target:
+    """An engine's base URL, split once: where to connect and what to send."""
 
-    def __init__(self, conn: Connection, client: EngineHTTP, reused: bool) -> None:
-        self.status = conn.status
-        self.reused = reused
-        self._conn: Connection | None = conn
-        self._client = client
+    __slots__ = ("key", "host", "port", "ssl", "authority", "prefix")
 
-    async def readany(self) -> bytes:
-        """What has arrived (waiting for some when nothing has); b"" at the end."""
-        conn = self._conn
-        while conn is not None:
-            if conn.chunks:
-                return conn.take()
-            if conn.error is not None:
-                raise conn.error
-            if conn.stage == DONE:
-                self.close()
-                break
-            await conn.wait()
-        return b""
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"engine URL {url!r}: expected http(s)://host[:port][/path]")
+        secure = parts.scheme == "https"
+        self.host = parts.hostname
+        self.port = parts.port or (443 if secure else 80)
+        self.key = (parts.scheme, self.host, self.port)
+        self.ssl: ssl.SSLContext | None = ssl.create_default_context() if secure else None
+        self.authority = parts.netloc.rpartition("@")[2]
+        self.prefix = parts.path.rstrip("/")
 
-    async def read(self) -> bytes:
-        parts = []
-        while data := await self.readany():
-            parts.append(data)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            self._client.release(conn)
-
-    async def __aenter__(self) -> Response:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
+def request_head(target: Target, path: str, headers: dict[str, str], length: int) -> bytes:
+    """The request line and headers of a POST; ValueError for a header that would split
+    the head (CR or LF in its name or value)."""
+    lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
+        bad = next(k for k, v in headers.items() if any(c in k + v for c in "\r\n"))
+        raise ValueError(f"header {bad!r}: a name or value may not contain CR or LF")
+    if any(c in path for c in "\r\n "):
+        raise ValueError(f"path {path!r}: may not contain CR, LF or a space")
+    return (f"POST {target.prefix}{path} HTTP/1.1\r\nHost: {target.authority}\r\n{lines}"
+            f"Content-Length: {length}\r\n\r\n").encode("utf-8", "surrogateescape")
 
 
 class EngineHTTP:
-    """POSTs to engines over kept-alive connections, one pool per engine."""
+    """POSTs to engines over kept-alive connections, one pool per engine. A response
+    read whole puts its connection back on its engine's idle list itself (engineconn.py);
+    the sweeper, scheduled while any connection is open, closes those idle too long."""
 
     def __init__(self) -> None:
         self._targets: dict[str, Target] = {}
+        # Lists are never dropped: each connection holds its engine's.
         self._idle: dict[tuple[str, str, int], list[Connection]] = {}
         self._conns: set[Connection] = set()
         self._sweeper: asyncio.TimerHandle | None = None
@@ -103,26 +93,20 @@ class EngineHTTP:
         target = self._targets.get(url)
         if target is None:
             target = self._targets[url] = Target(url)
-        data = request_head(target, path, headers, len(body)) + body
+        request = request_head(target, path, headers, len(body)) + body
         loop = asyncio.get_running_loop()
         now = loop.time()
         deadline = None if timeout.total is None else now + timeout.total
         conn = None if fresh else self._pooled(target.key, now)
         if conn is None:
             conn = await self._connect(loop, target, timeout.sock_connect)
-        reused = conn.send(data, deadline, timeout.sock_read)
-        while conn.stage == HEAD and conn.error is None:
-            await conn.wait()
-        if conn.error is not None:
-            conn.abort()
-            raise conn.error
-        return Response(conn, self, reused)
+        return await conn.exchange(request, deadline, timeout.sock_read)
 
     async def _connect(self, loop: asyncio.AbstractEventLoop, target: Target,
                        connect_s: float | None) -> Connection:
         if self._closed:
             raise ConnectError("the client is closed")
-        conn = Connection(loop, target.key, self._conns.discard)
+        conn = Connection(loop, self._idle.setdefault(target.key, []), self._conns.discard)
         try:
             async with asyncio.timeout(connect_s):
                 await loop.create_connection(
@@ -134,8 +118,13 @@ class EngineHTTP:
                                  f"{connect_s} s") from None
         except OSError as exc:
             raise ConnectError(f"{target.authority}: {type(exc).__name__}: {exc}") from exc
+        if self._closed:  # closed while connecting: nothing may go back to its pool
+            conn.abort()
+            raise ConnectError("the client is closed")
         if conn.open:
             self._conns.add(conn)
+            if self._sweeper is None:
+                self._sweeper = loop.call_later(KEEPALIVE_S, self._sweep, loop)
         return conn
 
     def _pooled(self, key: tuple[str, str, int], now: float) -> Connection | None:
@@ -147,38 +136,27 @@ class EngineHTTP:
             conn.abort()
         return None
 
-    def release(self, conn: Connection) -> None:
-        """A response's connection: back to its pool when its answer was read whole and
-        it may carry another, else closed."""
-        if self._closed or not conn.reusable():
-            conn.abort()
-            return
-        loop = conn.loop
-        conn.reset(loop.time())
-        self._idle.setdefault(conn.key, []).append(conn)
-        if self._sweeper is None:
-            self._sweeper = loop.call_later(KEEPALIVE_S, self._sweep, loop)
-
     def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
         """Close the connections idle for KEEPALIVE_S (an engine that gets no more
-        requests would otherwise keep them until it drops them itself)."""
+        requests would otherwise keep them until it drops them itself); come back when
+        the oldest idle one would be, or after KEEPALIVE_S while any is in use (it may
+        go idle meanwhile)."""
         self._sweeper = None
         now = loop.time()
-        oldest = now
-        for key, idle in list(self._idle.items()):
+        oldest = None
+        for idle in self._idle.values():
             kept = []
             for conn in idle:
                 if conn.open and now - conn.idle_since < KEEPALIVE_S:
                     kept.append(conn)
-                    oldest = min(oldest, conn.idle_since)
+                    oldest = conn.idle_since if oldest is None else min(oldest, conn.idle_since)
                 else:
                     conn.abort()
-            if kept:
-                self._idle[key] = kept
-            else:
-                del self._idle[key]
-        if self._idle:
+            idle[:] = kept
+        if oldest is not None:
             self._sweeper = loop.call_at(oldest + KEEPALIVE_S, self._sweep, loop)
+        elif self._conns:
+            self._sweeper = loop.call_at(now + KEEPALIVE_S, self._sweep, loop)
 
     def close(self) -> None:
         """Close every connection, in use or idle."""
@@ -186,6 +164,7 @@ class EngineHTTP:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
-        self._idle.clear()
+        for idle in self._idle.values():
+            idle.clear()
         for conn in list(self._conns):
             conn.abort()

@@ -32,7 +32,7 @@ from bidirkv.router.datapath.bodies import (
     prefill_payload,
 )
 from bidirkv.router.datapath.context import Context
-from bidirkv.router.datapath.enginehttp import Response
+from bidirkv.router.datapath.engineconn import Response
 from bidirkv.router.datapath.failures import (
     UPSTREAM_FAILURES,
     Unavailable,

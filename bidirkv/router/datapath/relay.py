@@ -13,7 +13,7 @@ from bidirkv.router.codec import dumps, loads
 from bidirkv.router.datapath.bodies import PARAMS_MARKER
 from bidirkv.router.datapath.context import Context
 from bidirkv.router.datapath.conversations import Conversations
-from bidirkv.router.datapath.enginehttp import Response
+from bidirkv.router.datapath.engineconn import Response
 from bidirkv.router.datapath.failures import UPSTREAM_FAILURES, classify
 from bidirkv.router.datapath.health import Health
 from bidirkv.router.datapath.replies import json_response, placement_header

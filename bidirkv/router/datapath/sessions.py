@@ -34,8 +34,8 @@ import aiohttp
 
 from bidirkv.router.codec import loads
 from bidirkv.router.datapath.bodies import upstream_headers
-from bidirkv.router.datapath.engineconn import KEEPALIVE_S
-from bidirkv.router.datapath.enginehttp import EngineHTTP, Response
+from bidirkv.router.datapath.engineconn import Response
+from bidirkv.router.datapath.enginehttp import KEEPALIVE_S, EngineHTTP
 from bidirkv.router.datapath.failures import (
     UPSTREAM_FAILURES,
     UpstreamFailure,
