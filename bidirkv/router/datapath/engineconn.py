@@ -243,6 +243,8 @@ class Connection(asyncio.Protocol):
                 if data[i] != 13 or data[i + 1] != 10:
                     raise ProtocolError("chunk not followed by CRLF")
                 i, stage = i + 2, CHUNK_SIZE
+                if i == n:
+                    break
         finally:
             self.stage, self.remaining = stage, remaining
             self.buffered += got
@@ -374,6 +376,12 @@ class Response:
                 break
             await conn.wait()
         return b""
+
+    @property
+    def ended(self) -> bool:
+        """The whole answer has been taken: readany would return b"" without waiting."""
+        conn = self._conn
+        return conn is None or (conn.stage == DONE and not conn.chunks and conn.error is None)
 
     async def read(self) -> bytes:
         parts = []
