@@ -68,6 +68,8 @@ class Behaviour:
     stall_after: int | None = None  # decode stream: stall forever after N chunks
     break_after: int | None = None  # decode stream: drop the connection after N chunks
     chunk_delay: float = 0.0  # decode stream: pause between chunks
+    one_write: bool = False  # decode stream: every event and the end in one write
+    stall_before_end: bool = False  # decode stream: every event, then never the end
     reply: list[str] = field(default_factory=lambda: ["Hello", " from", " the", " fake", "."])
     params_on_last_chunk: bool = False  # decode: params on the finish chunk, not alone
     # decode: as vLLM 0.33 streams, with compact JSON: `"kv_transfer_params":null` on
@@ -377,6 +379,10 @@ class FakeEngine:
             if params is not None:
                 events.append(chunk([], kv_transfer_params=params))
         events.append(b"data: [DONE]\n\n")
+        if b.one_write:
+            await resp.write_eof(b"".join(events))
+            self.completed += 1
+            return resp
         try:
             for i, ev in enumerate(events):
                 if b.stall_after is not None and i >= b.stall_after:
@@ -388,6 +394,8 @@ class FakeEngine:
                 await resp.write(ev)
                 if b.chunk_delay:
                     await asyncio.sleep(b.chunk_delay)
+            if b.stall_before_end:
+                await asyncio.sleep(3600)
             await resp.write_eof()
         except (ConnectionError, asyncio.CancelledError):
             self._mark_cancelled()

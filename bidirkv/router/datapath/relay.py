@@ -97,14 +97,17 @@ class Relay:
                 if not stored and filt.params is not None:
                     await self.conversations.store_handle(turn, d, filt.params, collector)
                     stored = True
+                done = done or chunk.endswith(DONE)
+                # The answer's last bytes go with the stream's terminator, in one send;
+                # [DONE] waits for nothing: only once D's answer has ended too.
+                if done and (not data or (resp.ended and not filt.holding)):
+                    break
                 if chunk:
                     await out.write(chunk)
-                    done = done or chunk.endswith(DONE)
                 if at_first:
                     if not chunk:  # no whole event yet: the head is not held for one
                         writer.send_headers()
-                    self.ctx.metrics.observe_ttft(turn.kind, True,
-                                                  time.perf_counter() - turn.t0)
+                    self._first_byte(turn)
                     at_first = False
                 if not data:
                     break
@@ -113,18 +116,30 @@ class Relay:
                 except UPSTREAM_FAILURES as exc:
                     return await self._broken(out, turn, d, leg, t, exc), "stream_error"
         except ConnectionError:
-            # The client left; the finally of the caller closes D's stream.
-            log.debug("client disconnected rid=%s conv=%s", turn.rid, turn.conv)
-            return out, "cancelled"
+            return self._left(turn, out)
         if not done:
             log.warning("%s stream ended without [DONE] rid=%s conv=%s %s=%s", d.role,
                         turn.rid, turn.conv, d.role, d.url)
             await self._end_with_error(out, f"{d.role} engine stream ended early")
             return out, "stream_error"
+        try:
+            await out.write_eof(chunk)
+        except ConnectionError:
+            if chunk:  # events the client did not get
+                return self._left(turn, out)
+        if at_first:
+            self._first_byte(turn)
         self.ctx.metrics.observe_leg(leg, "ok", time.perf_counter() - t)
-        with contextlib.suppress(ConnectionError):
-            await out.write_eof()
         return out, "ok"
+
+    def _first_byte(self, turn: Turn) -> None:
+        self.ctx.metrics.observe_ttft(turn.kind, True, time.perf_counter() - turn.t0)
+
+    @staticmethod
+    def _left(turn: Turn, out: web.StreamResponse) -> tuple[web.StreamResponse, str]:
+        # The client left; the finally of the caller closes D's stream.
+        log.debug("client disconnected rid=%s conv=%s", turn.rid, turn.conv)
+        return out, "cancelled"
 
     async def _broken(self, out: web.StreamResponse, turn: Turn, d: Backend, leg: str,
                       t: float, exc: BaseException) -> web.StreamResponse:

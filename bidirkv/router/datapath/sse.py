@@ -182,6 +182,11 @@ class SSEFilter:
         start = event_boundary(ready, at)
         return ready[:start] + self._process(ready[start:])
 
+    @property
+    def holding(self) -> bool:
+        """Bytes of an event not yet complete are held (`finish` would return them)."""
+        return bool(self._buf)
+
     def finish(self) -> bytes:
         """Whatever is left at the end of the stream (an unterminated last event)."""
         rest, self._buf = self._buf, b""
