@@ -130,6 +130,7 @@ class Metrics:
         self._leg = {}
         self._placed = {}
         self._reused = {}
+        self._evicted = {}
 
     def request(self, route: str, outcome: str) -> None:
         child = self._req.get((route, outcome))
@@ -148,6 +149,12 @@ class Metrics:
         if child is None:
             child = self._reused[source] = self.tokens_reused.labels(source)
         child.inc(tokens)
+
+    def evicted(self, reason: str, n: int) -> None:
+        child = self._evicted.get(reason)
+        if child is None:
+            child = self._evicted[reason] = self.evictions.labels(reason)
+        child.inc(n)
 
     def reuse_outcome(self, outcome: str) -> None:
         self._reuse[outcome].inc()

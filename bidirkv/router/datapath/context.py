@@ -121,7 +121,7 @@ class Context:
     # an evicted handle's blocks are released on its decode (also called for a handle
     # that could not go back to the store).
     def evicted(self, reason: str, entries: list[Entry]) -> None:
-        self.metrics.evictions.labels(reason).inc(len(entries))
+        self.metrics.evicted(reason, len(entries))
         self.residency.release(reason, entries)
 
     def _on_store_error(self, op: str) -> None:
