@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -153,9 +154,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+# Python's collector runs its youngest generation every 700 new container objects; a
+# turn makes a few hundred (coroutines, dicts, the legs' buffers), nearly all freed by
+# reference counting anyway. Measured on streamed turns (router and fake engines in one
+# process): 5-6% of the CPU in collections at 700, 0.5% at 10 000.
+GC_YOUNG_THRESHOLD = 10_000
+
+
+def settle_gc() -> None:
+    """Once the router listens: what it holds by then (modules, config, the app) lives
+    as long as the process, so no collection walks it again, and young passes are
+    fewer."""
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
+
+
 async def _serve(app: web.Application, host: str, port: int,
                  metrics_port: int | None) -> None:
     running = await start_router(app, host, port, metrics_port)
+    settle_gc()
     log.info("router listening on %s%s", running.url,
              f", metrics on {running.metrics_url}" if running.metrics_url else "")
     stop = asyncio.Event()
