@@ -1,18 +1,15 @@
 """One connection to an engine and the answer read from it, for the legs' HTTP/1.1 client
-(enginehttp.py: the pool and the request written):
-
-- `Connection.exchange` writes a request and waits for the answer's head; the `Response`
-  reads the body, and closed, puts its connection back on its engine's idle list when the
-  answer was read whole and the connection may carry another, else closes it;
-- each read is parsed in one pass; the head (HEAD_LIMIT) and a chunk-size or trailer line
-  (LINE_LIMIT) are bounded, a chunk size is hex digits, a chunk ends with CRLF; the body
-  ends by Content-Length, with the last chunk, or when the engine closes;
-- a wait for bytes ends at the exchange's deadline or after the per-read timeout, through
-  one timer per connection, moved only when a wait must end before it fires;
-- reading pauses while more than HIGH_WATER bytes wait unread (a slow client does not make
-  the router hold a whole answer), and resumes as they are read;
-- a connection lost before its answer ended says whether that was before the answer's
-  head and whether it had carried a request before (`Disconnected`).
+(enginehttp.py: the pool and the request written). `Connection.exchange` writes a request
+and waits for the answer's head; the `Response` reads the body and, closed, puts its
+connection back on its engine's idle list if the answer was read whole and it may carry
+another, else closes it. Each read is parsed in one pass: the head (HEAD_LIMIT) and a
+chunk-size or trailer line (LINE_LIMIT) are bounded, a chunk size is hex digits, a chunk
+ends with CRLF; the body ends by Content-Length, with the last chunk, or at the close. A
+wait for bytes ends at the exchange's deadline or after the per-read timeout (one timer
+per connection, moved only when a wait must end before it fires). Reading pauses while
+over HIGH_WATER bytes wait unread (a slow client does not make the router hold a whole
+answer), resuming as they are read. A connection lost mid-answer says whether that was
+before its head and whether it had carried a request before (`Disconnected`).
 """
 
 from __future__ import annotations
@@ -110,14 +107,12 @@ def find_end(data: bytes, i: int, end: bytes, limit: int, what: str) -> int:
 
 
 class Connection(asyncio.Protocol):
-    """One connection to an engine and the answer it is reading. `idle`: the list of its
-    engine's idle connections, where a response read whole puts it back."""
+    """One connection to an engine and its answer; `idle`: its engine's idle connections."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, idle: list[Connection],
                  on_lost: Any) -> None:
         self.loop, self.idle, self._on_lost = loop, idle, on_lost
         self.transport: asyncio.Transport | None = None
-        self.open = False
         self.requests = 0  # requests sent on it, this one included
         self.idle_since = 0.0
         self.stage = IDLE
@@ -125,7 +120,7 @@ class Connection(asyncio.Protocol):
         self.chunks: list[bytes] = []  # body bytes not yet read
         self.buffered = self.status = self.remaining = 0
         self.error: BaseException | None = None
-        self.keep_alive = self.paused = False
+        self.open = self.keep_alive = self.paused = False
         self.waiter: asyncio.Future[None] | None = None
         self.deadline: float | None = None
         self.read_s: float | None = None
@@ -303,8 +298,7 @@ class Connection(asyncio.Protocol):
             at = self.loop.time() + self.read_s
             when = at if when is None else min(when, at)
         self.wait_until = when
-        # The timer is moved only when this wait must end before it fires; firing
-        # early, it sets itself again for the wait in progress (_timer_fired).
+        # Moved only when this wait must end sooner; fired early, it is set again.
         if when is not None and (self.timer is None or self.timer_at > when):
             self._set_timer(when)
         try:
