@@ -16,7 +16,6 @@ requests keep flowing while large uploads fill the rest.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import re
@@ -297,7 +296,9 @@ class Intake:
         # step: big bodies take those steps one body at a time, yielding in between, so a
         # burst of them delays everyone else by one step, not by all of them.
         big = len(raw) > BIG_BODY_BYTES
-        async with self._big_bodies if big else contextlib.nullcontext():
+        if big:  # taken by big bodies only: a small one passes no context manager
+            await self._big_bodies.acquire()
+        try:
             if big:
                 await asyncio.sleep(0)
             try:
@@ -317,4 +318,7 @@ class Intake:
             if big:
                 await asyncio.sleep(0)
             await self.conversations.identify(turn, req.conversation_id, modes.bidirectional)
+        finally:
+            if big:
+                self._big_bodies.release()
         return turn
