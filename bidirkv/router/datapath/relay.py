@@ -98,8 +98,8 @@ class Relay:
                     await self.conversations.store_handle(turn, d, filt.params, collector)
                     stored = True
                 done = done or chunk.endswith(DONE)
-                # The answer's last bytes go with the stream's terminator, in one send;
-                # [DONE] waits for nothing: only once D's answer has ended too.
+                # The answer's last bytes go with the stream's terminator, in one send,
+                # when D's answer has ended with them: [DONE] never waits for D's end.
                 if done and (not data or (resp.ended and not filt.holding)):
                     break
                 if chunk:
