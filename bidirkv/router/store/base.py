@@ -39,7 +39,10 @@ MISS = "miss"
 EXPIRED = "expired"
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass sets each of its 16 fields through object.__setattr__,
+# ~4x the cost of plain slots, and one is built per kept turn. Nothing changes a Kept
+# once made: it is a value handed to the store and to residency (notes).
+@dataclass(slots=True)
 class Kept:
     """A handle decode kept, as `Store.put` takes it, and the block bounds of its replica
     at this moment (None: unbounded): `max_pinned` (the watermark) and `tenant_max_pinned`
@@ -176,19 +179,27 @@ class ReturnOrder:
     ones first (the earliest overdue first), then the one expected back last. Both are
     fixed when a handle is stored, so two heaps serve them; removed handles stay until
     they reach the top (lazy deletion), and a heap is rebuilt once it holds more dead
-    items than live ones."""
+    items than live ones. `size`: the handles in it still stored (its holder counts them
+    out with `left`)."""
 
-    __slots__ = ("_due", "_back")
+    __slots__ = ("_due", "_back", "size")
 
     def __init__(self) -> None:
         self._due: list[tuple[float, Entry]] = []
         self._back: list[tuple[float, Entry]] = []
+        self.size = 0
 
     def add(self, entry: Entry, gap: float, expires: float = math.inf) -> None:
         """`expires`: when the handle expires, on the clock of `kept_at` (an expired one
         is overdue whatever its gap)."""
         heapq.heappush(self._due, (overdue_at(entry.kept_at, gap, expires), entry))
         heapq.heappush(self._back, (-expected_at(entry.kept_at, gap), entry))
+        self.size += 1
+
+    def left(self) -> int:
+        """One of its handles is no longer stored; how many still are."""
+        self.size -= 1
+        return self.size
 
     def victim(self, now: float, live: Callable[[Entry], bool],
                skip: Callable[[Entry], bool]) -> Entry | None:
@@ -202,8 +213,11 @@ class ReturnOrder:
 
     def compact(self, live: Callable[[Entry], bool], alive: int) -> None:
         """Rebuild the heaps without dead items once they outnumber the `alive` ones."""
+        bound = max(_COMPACT_MIN, 2 * alive)
+        if len(self._due) <= bound and len(self._back) <= bound:
+            return  # most puts
         for heap in (self._due, self._back):
-            if len(heap) > max(_COMPACT_MIN, 2 * alive):
+            if len(heap) > bound:
                 heap[:] = [item for item in heap if live(item[1])]
                 heapq.heapify(heap)
 
@@ -227,19 +241,23 @@ class ReturnOrder:
 
 
 class Weights:
-    """Weights per tenant with the heaviest at hand: fair bounds take from whoever holds
-    the most (entries, or blocks on one replica), so a tenant that opens conversations by
-    the thousand spends its own handles; with one tenant it is plain oldest-first.
-    `heaviest()` is amortised O(log n): a max-heap whose stale items (weights changed
-    since they were pushed) are dropped at the top, rebuilt when they outnumber live
-    ones."""
+    """Weights per tenant, their total, and the heaviest at hand: fair bounds take from
+    whoever holds the most (entries, or blocks on one replica), so a tenant that opens
+    conversations by the thousand spends its own handles; with one tenant it is plain
+    oldest-first (ties between tenants are no rule of the store). Weights change on every
+    put and the heaviest is asked only over a bound, so a change only marks its tenant;
+    `heaviest()` pushes the marked ones' weights, in the order they last changed, onto a
+    max-heap whose stale items (weights changed since) are dropped at the top, and
+    filtered out once they outnumber live ones: amortised O(log n)."""
 
-    __slots__ = ("_w", "_heap", "_seq")
+    __slots__ = ("_w", "_heap", "_seq", "_changed", "total")
 
     def __init__(self) -> None:
         self._w: dict[Hashable, int] = {}
         self._heap: list[tuple[int, int, Any]] = []
-        self._seq = 0  # ties: the first pushed wins, and tenants need not be comparable
+        self._seq = 0  # ties: the first pushed wins; tenants need not be comparable
+        self._changed: dict[Hashable, None] = {}  # since the last push, in change order
+        self.total = 0
 
     def __len__(self) -> int:
         return len(self._w)
@@ -249,27 +267,35 @@ class Weights:
 
     def add(self, who: Hashable, delta: int) -> int:
         w = self._w.get(who, 0) + delta
+        if not delta:  # a handle that pins nothing: no weight changed
+            return max(w, 0)
+        self.total += delta
+        changed = self._changed
+        if who in changed:
+            del changed[who]
         if w > 0:
             self._w[who] = w
-            self._seq += 1
-            heapq.heappush(self._heap, (-w, self._seq, who))
-            if len(self._heap) > 2 * len(self._w) + 64:
-                self._rebuild()
+            changed[who] = None
         else:
             self._w.pop(who, None)
         return max(w, 0)
 
-    def _rebuild(self) -> None:
-        self._heap = [(-w, i, who) for i, (who, w) in enumerate(self._w.items())]
-        heapq.heapify(self._heap)
-        self._seq = len(self._heap)
-
     def heaviest(self) -> Hashable | None:
-        while self._heap:
-            neg, _, who = self._heap[0]
-            if self._w.get(who) == -neg:
+        w, heap = self._w, self._heap
+        if len(w) == 1 and not heap:
+            return next(iter(w))  # one tenant: nothing to weigh (its change stays marked)
+        for who in self._changed:
+            self._seq += 1
+            heapq.heappush(heap, (-w[who], self._seq, who))
+        self._changed.clear()
+        if len(heap) > 2 * len(w) + 64:
+            heap[:] = [item for item in heap if w.get(item[2]) == -item[0]]
+            heapq.heapify(heap)
+        while heap:
+            neg, _, who = heap[0]
+            if w.get(who) == -neg:
                 return who
-            heapq.heappop(self._heap)
+            heapq.heappop(heap)
         return None
 
 

@@ -44,20 +44,19 @@ def _first_but(entries: dict[bytes, Entry], spare: Entry | None) -> Entry | None
 
 class Index:
     """The entries in store order and, kept in step with them, what the bounds take
-    entries by: blocks pinned per replica, per tenant its entries (oldest first), per
-    replica per tenant their number, blocks and return order, per tenant the prompt
-    lengths stored. An OrderedDict entry costs ~105 bytes, a dict's ~52: only the
-    tenants' entries, taken from the oldest at every put over a bound, are OrderedDicts.
-    All entries are a dict (in store order too; only the sweep reads its oldest, once a
-    round, where a dict may first pass over the slots of entries removed since it last
-    grew), and a replica's own handles are found by a pass over all of them (a replica
-    leaving is rare; a pass over 100k takes milliseconds)."""
+    entries by: per tenant its entries (oldest first) and their number, per replica per
+    tenant the blocks they pin (their total: the replica's) and their return order (its
+    size: their number), per tenant the prompt lengths stored. An OrderedDict entry costs
+    ~105 bytes, a dict's ~52: only the tenants' entries, taken from the oldest at every
+    put over a bound, are OrderedDicts. All entries are a dict (in store order too; only
+    the sweep reads its oldest, once a round, where a dict may first pass over the slots
+    of entries removed since it last grew), and a replica's own handles are found by a
+    pass over all of them (a replica leaving is rare; a pass over 100k takes
+    milliseconds)."""
 
     def __init__(self) -> None:
         self.entries: dict[bytes, Entry] = {}
-        self.pinned: dict[str, int] = {}
         self.by_tenant: Tenants = {}
-        self.rep_count: dict[str, dict[bytes | None, int]] = {}
         # One bytes object per tenant, shared by its entries (each turn's is a new one).
         self.tenant_names: dict[bytes, bytes] = {}
         self.tenant_entries = Weights()
@@ -68,31 +67,31 @@ class Index:
     def live(self, entry: Entry) -> bool:
         return self.entries.get(entry.key) is entry
 
+    def pinned(self, url: str) -> int:
+        tally = self.rep_blocks.get(url)
+        return tally.total if tally is not None else 0
+
     def add(self, entry: Entry, gap: float, expires_wall: float) -> None:
         """Index `entry`, ranked by `gap`; `expires_wall`: its expiry on the clock of
         `kept_at`."""
-        if entry.tenant is not None:
-            entry.tenant = self.tenant_names.setdefault(entry.tenant, entry.tenant)
+        tenant = entry.tenant
+        if tenant is not None:
+            tenant = entry.tenant = self.tenant_names.setdefault(tenant, tenant)
         if entry.engine_id is not None:  # one per decode engine, parsed anew each turn
             entry.engine_id = sys.intern(entry.engine_id)
-        key, url, tenant, blocks = entry.key, entry.decode_url, entry.tenant, entry.blocks
+        key, url = entry.key, entry.decode_url
         self.entries[key] = entry
-        self.pinned[url] = self.pinned.get(url, 0) + blocks
         # get, then build only what is missing: setdefault would build (and drop) a new
         # container per index on every put.
         mine = self.by_tenant.get(tenant)
         if mine is None:
             mine = self.by_tenant[tenant] = OrderedDict()
         mine[key] = entry
-        counts = self.rep_count.get(url)
-        if counts is None:
-            counts = self.rep_count[url] = {}
-        alive = counts[tenant] = counts.get(tenant, 0) + 1
         self.tenant_entries.add(tenant, 1)
         tally = self.rep_blocks.get(url)
         if tally is None:
             tally = self.rep_blocks[url] = Weights()
-        tally.add(tenant, blocks)
+        tally.add(tenant, entry.blocks)
         orders = self.orders.get(url)
         if orders is None:
             orders = self.orders[url] = {}
@@ -100,7 +99,7 @@ class Index:
         if order is None:
             order = orders[tenant] = ReturnOrder()
         order.add(entry, gap, expires_wall)
-        order.compact(self.live, alive)
+        order.compact(self.live, order.size)
         if tenant is not None and entry.prefix_len > 0:
             lengths = self.lengths.get(tenant)
             if lengths is None:
@@ -109,52 +108,37 @@ class Index:
 
     def remove(self, entry: Entry) -> bool:
         """Take `entry` out of every index; False if it was no longer stored."""
-        if not self.live(entry):
+        key, url, tenant = entry.key, entry.decode_url, entry.tenant
+        if self.entries.get(key) is not entry:
             return False
-        del self.entries[entry.key]
-        self._unindex(entry)
-        url = entry.decode_url
-        left = self.pinned.get(url, 0) - entry.blocks
-        if left > 0 or url in self.rep_count:
-            self.pinned[url] = left
-        else:
-            self.pinned.pop(url, None)
-        return True
-
-    def _unindex(self, entry: Entry) -> None:
-        key, url, tenant, blocks = entry.key, entry.decode_url, entry.tenant, entry.blocks
+        del self.entries[key]
         if tenant is not None and entry.prefix_len > 0:
             lengths = self.lengths.get(tenant)
             if lengths is not None:
                 lengths.remove(entry.prefix_len)
                 if not lengths.counts:
                     del self.lengths[tenant]
-        entries = self.by_tenant.get(tenant)
-        if entries is not None:
-            entries.pop(key, None)
-            if not entries:
+        mine = self.by_tenant.get(tenant)
+        if mine is not None:
+            mine.pop(key, None)
+            if not mine:
                 del self.by_tenant[tenant]
                 if tenant is not None:
                     self.tenant_names.pop(tenant, None)
-        tenants = self.rep_count.get(url, {})
-        left = tenants.get(tenant, 0) - 1
-        if left > 0:
-            tenants[tenant] = left
-        else:
-            tenants.pop(tenant, None)
-        orders = self.orders.get(url, {})
-        if tenant not in tenants:  # its last handle there: the heaps hold only dead ones
-            orders.pop(tenant, None)
-        if not orders:
-            self.orders.pop(url, None)
-        if not tenants:
-            self.rep_count.pop(url, None)
         self.tenant_entries.add(tenant, -1)
         tally = self.rep_blocks.get(url)
         if tally is not None:
-            tally.add(tenant, -blocks)
+            tally.add(tenant, -entry.blocks)
             if not len(tally):
                 del self.rep_blocks[url]
+        orders = self.orders.get(url)
+        order = orders.get(tenant) if orders is not None else None
+        if order is not None and not order.left():
+            # Its last handle there: the heaps hold only dead ones.
+            del orders[tenant]
+            if not orders:
+                del self.orders[url]
+        return True
 
     def victim(self, url: str, tenant: bytes | None, now: float,
                skip: Callable[[Entry], bool] = lambda e: e.reserved) -> Entry | None:
@@ -227,12 +211,11 @@ class InProcessStore:
         old = self.ix.entries.get(kept.key)
         if old is not None:
             self._drop("replaced", [old])
-        now = self._clock()
-        entry = Entry.of(kept, now + self.ttl, self._wall())
+        now, wall = self._clock(), self._wall()
+        entry = Entry.of(kept, now + self.ttl, wall)
         if kept.gap is not None:
             self.prior_gap = next_gap(self.prior_gap, kept.gap)
-        self.ix.add(entry, rank_gap(entry, self.prior_gap),
-                    self._wall() + entry.expires_at - now)
+        self.ix.add(entry, rank_gap(entry, self.prior_gap), wall + entry.expires_at - now)
         spare = entry if kept.replaces is not None else None
         self._trim(spare)
         self._trim_tenant(kept.tenant, spare)
@@ -300,13 +283,13 @@ class InProcessStore:
         the tenant pinning the most there, the one expected back last (else, all of
         theirs reserved, the first to go of any tenant's there); never `spare`."""
         ix = self.ix
-        if ix.pinned.get(decode_url, 0) <= max_blocks:
+        if ix.pinned(decode_url) <= max_blocks:
             return 0  # most puts: under the bound, nothing to choose
         doomed, now = [], self._wall()
 
         def skip(e: Entry) -> bool:
             return e.reserved or e is spare
-        while ix.pinned.get(decode_url, 0) > max_blocks:
+        while ix.pinned(decode_url) > max_blocks:
             tally = ix.rep_blocks.get(decode_url)
             tenant = tally.heaviest() if tally is not None else None
             victim = ix.victim(decode_url, tenant, now, skip)
@@ -393,7 +376,7 @@ class InProcessStore:
     async def drop_replica(self, decode_url: str, reason: str,
                            keep_engine_id: str | None = None) -> int:
         """Drop every handle of one decode replica (except those of `keep_engine_id`)."""
-        if decode_url not in self.ix.rep_count:
+        if decode_url not in self.ix.orders:
             return 0
         return self._drop(reason, [
             e for e in self.ix.entries.values() if e.decode_url == decode_url
@@ -411,7 +394,7 @@ class InProcessStore:
         return self._drop("ttl", doomed)
 
     async def pinned(self, decode_url: str) -> int:
-        return self.ix.pinned.get(decode_url, 0)
+        return self.ix.pinned(decode_url)
 
     async def count(self) -> int:
         return len(self.ix.entries)
