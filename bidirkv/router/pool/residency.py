@@ -218,35 +218,11 @@ class ResidencyClient:
                         len(batch), len(notes), raw[:200])
             self._on_result(url, "refused", len(batch))
             return await self.call(session, url)
-        if status in (401, 429):
-            # 401: decode holds another handle key (a rotation half done) or this router
-            # none; 429: decode tracks as many owners as it keeps. Either way nothing was
-            # done: the releases wait for the next round.
-            self._requeue(r, batch, notes)
-            self._on_result(url, "refused", len(batch))
-            log.warning("decode %s refused the residency call (%d): %s", url, status,
-                        raw[:200])
-            return False
-        if status == 409:
-            # Decode speaks another wire version: nothing it would do with the call is
-            # what this router means. Keep the releases for after the upgrade settles.
-            self._requeue(r, batch, notes)
-            self._on_result(url, "wire_version", len(batch))
-            log.warning("decode %s refused the residency call: %s", url, raw[:200])
-            return False
-        if status == 404:
-            r.supported = False
-            self._on_result(url, "unsupported", len(batch))
-            log.warning("decode %s has no %s (bidir-kv plugin not loaded?): its retained "
-                        "KV is freed only by vLLM's TTL", url, RESIDENCY_PATH)
-            return False
-        try:
-            report = loads(raw) if status == 200 else None
-        except ValueError:
-            report = None
-        if not isinstance(report, dict):
-            self._requeue(r, batch, notes)
-            self._on_result(url, "error", len(batch))
+        report, outcome = self._answer(r, status, raw)
+        if report is None:
+            if outcome != "unsupported":  # nothing was done: they wait for the next round
+                self._requeue(r, batch, notes)
+            self._on_result(url, outcome, len(batch))
             return False
         n = report.get("numBlocks")
         if isinstance(n, int) and n > 0:
@@ -260,3 +236,30 @@ class ResidencyClient:
             if self.on_first_answer is not None:
                 self.on_first_answer(session, url)
         return True
+
+    @staticmethod
+    def _answer(r: Replica, status: int, raw: bytes) -> tuple[dict[str, Any] | None, str]:
+        """What decode's answer reports, and the call's outcome (no report: it did
+        nothing with the call; a replica without the route is marked so)."""
+        url = r.url
+        if status in (401, 429):
+            # 401: decode holds another handle key (a rotation half done) or this router
+            # none; 429: decode tracks as many owners as it keeps.
+            log.warning("decode %s refused the residency call (%d): %s", url, status,
+                        raw[:200])
+            return None, "refused"
+        if status == 409:
+            # Decode speaks another wire version: nothing it would do with the call is
+            # what this router means. The releases wait for after the upgrade settles.
+            log.warning("decode %s refused the residency call: %s", url, raw[:200])
+            return None, "wire_version"
+        if status == 404:
+            r.supported = False
+            log.warning("decode %s has no %s (bidir-kv plugin not loaded?): its retained "
+                        "KV is freed only by vLLM's TTL", url, RESIDENCY_PATH)
+            return None, "unsupported"
+        try:
+            report = loads(raw) if status == 200 else None
+        except ValueError:
+            report = None
+        return (report, "ok") if isinstance(report, dict) else (None, "error")

@@ -265,20 +265,19 @@ class Weights:
     def get(self, who: Hashable) -> int:
         return self._w.get(who, 0)
 
-    def add(self, who: Hashable, delta: int) -> int:
+    def add(self, who: Hashable, delta: int) -> None:
+        if not delta:  # a handle that pins nothing: no weight changes
+            return
         w = self._w.get(who, 0) + delta
-        if not delta:  # a handle that pins nothing: no weight changed
-            return max(w, 0)
         self.total += delta
         changed = self._changed
         if who in changed:
-            del changed[who]
+            del changed[who]  # its place in the order is its last change's
         if w > 0:
             self._w[who] = w
             changed[who] = None
         else:
             self._w.pop(who, None)
-        return max(w, 0)
 
     def heaviest(self) -> Hashable | None:
         w, heap = self._w, self._heap
@@ -315,7 +314,8 @@ class Lengths:
             bisect.insort(self.sorted, n)
         self.counts[n] = c + 1
 
-    def remove(self, n: int) -> None:
+    def remove(self, n: int) -> bool:
+        """One fewer entry stored at `n`; whether any length is left."""
         c = self.counts.get(n, 0)
         if c <= 1:
             self.counts.pop(n, None)
@@ -324,6 +324,7 @@ class Lengths:
                 del self.sorted[i]
         else:
             self.counts[n] = c - 1
+        return bool(self.counts)
 
     def up_to(self, n: int) -> list[int]:
         return self.sorted[: bisect.bisect_right(self.sorted, n)]

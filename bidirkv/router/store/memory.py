@@ -1,13 +1,12 @@
 """The in-process handle store (`InProcessStore`): one router replica, the default.
 
-A handle points at blocks D pins for `decoder_kv_blocks_ttl`; it is worth something only
+A handle points at blocks D pins for `decoder_kv_blocks_ttl`: it is worth something only
 until then, and only once (P's read frees them on D). So the store is a TTL map bounded
-by evicting the oldest stored entry first (a conversation's entry is replaced by every
-turn, so "oldest stored" is "least recently active"; a lookup does not refresh it, as a
-hit is spent at once), with a reservation step: a reserved entry is invisible to other
-lookups, so two concurrent turns of one conversation never send the same handle twice.
-The rules it keeps are the store's (base.py); `Index` holds what they look entries up by.
-"""
+by evicting the oldest stored entry first (every turn replaces its conversation's entry:
+"oldest stored" is "least recently active"; a lookup does not refresh it, a hit is spent
+at once), with a reservation step: a reserved entry is invisible to other lookups, so
+two concurrent turns of one conversation never send the same handle twice. The rules
+are the store's (base.py); `Index` holds what they look entries up by."""
 
 from __future__ import annotations
 
@@ -31,32 +30,20 @@ from bidirkv.router.store.base import (
     rank_gap,
 )
 
-Tenants = dict[bytes | None, OrderedDict[bytes, Entry]]
-
-
-def _first_but(entries: dict[bytes, Entry], spare: Entry | None) -> Entry | None:
-    """The oldest of `entries` other than `spare`."""
-    for entry in entries.values():
-        if entry is not spare:
-            return entry
-    return None
-
 
 class Index:
-    """The entries in store order and, kept in step with them, what the bounds take
-    entries by: per tenant its entries (oldest first) and their number, per replica per
-    tenant the blocks they pin (their total: the replica's) and their return order (its
-    size: their number), per tenant the prompt lengths stored. An OrderedDict entry costs
-    ~105 bytes, a dict's ~52: only the tenants' entries, taken from the oldest at every
-    put over a bound, are OrderedDicts. All entries are a dict (in store order too; only
-    the sweep reads its oldest, once a round, where a dict may first pass over the slots
-    of entries removed since it last grew), and a replica's own handles are found by a
-    pass over all of them (a replica leaving is rare; a pass over 100k takes
-    milliseconds)."""
+    """The entries in store order and, in step with them, what the bounds take entries
+    by: per tenant its entries (oldest first) and their number, per replica per tenant
+    the blocks they pin (their total: the replica's) and their return order (its size:
+    their number), per tenant the prompt lengths stored. An OrderedDict entry costs ~105
+    bytes, a dict's ~52: only the tenants' entries, taken from the oldest at every put
+    over a bound, are OrderedDicts. All entries are a dict (in store order too: the sweep
+    reads its oldest once a round), and a replica's own handles are found by a pass over
+    all of them (a replica leaving is rare; a pass over 100k takes milliseconds)."""
 
     def __init__(self) -> None:
         self.entries: dict[bytes, Entry] = {}
-        self.by_tenant: Tenants = {}
+        self.by_tenant: dict[bytes | None, OrderedDict[bytes, Entry]] = {}
         # One bytes object per tenant, shared by its entries (each turn's is a new one).
         self.tenant_names: dict[bytes, bytes] = {}
         self.tenant_entries = Weights()
@@ -81,8 +68,7 @@ class Index:
             entry.engine_id = sys.intern(entry.engine_id)
         key, url = entry.key, entry.decode_url
         self.entries[key] = entry
-        # get, then build only what is missing: setdefault would build (and drop) a new
-        # container per index on every put.
+        # get, then build what is missing (setdefault would build one per index per put)
         mine = self.by_tenant.get(tenant)
         if mine is None:
             mine = self.by_tenant[tenant] = OrderedDict()
@@ -114,10 +100,8 @@ class Index:
         del self.entries[key]
         if tenant is not None and entry.prefix_len > 0:
             lengths = self.lengths.get(tenant)
-            if lengths is not None:
-                lengths.remove(entry.prefix_len)
-                if not lengths.counts:
-                    del self.lengths[tenant]
+            if lengths is not None and not lengths.remove(entry.prefix_len):
+                del self.lengths[tenant]
         mine = self.by_tenant.get(tenant)
         if mine is not None:
             mine.pop(key, None)
@@ -140,11 +124,35 @@ class Index:
                 del self.orders[url]
         return True
 
+    def oldest(self, spare: Entry | None) -> Entry | None:
+        """What the entry bound takes: the oldest entry of the tenant holding the most
+        (else of any), never `spare`."""
+        mine = self.by_tenant.get(self.tenant_entries.heaviest())
+        for entries in (mine or {}, self.entries):
+            for entry in entries.values():
+                if entry is not spare:
+                    return entry
+        return None
+
     def victim(self, url: str, tenant: bytes | None, now: float,
                skip: Callable[[Entry], bool] = lambda e: e.reserved) -> Entry | None:
         """The tenant's handle on the replica its block bounds take first."""
         order = self.orders.get(url, {}).get(tenant)
         return order.victim(now, self.live, skip) if order is not None else None
+
+    def block_victim(self, url: str, now: float, skip: Callable[[Entry], bool],
+                     prior_gap: float | None) -> Entry | None:
+        """What the replica's block bound takes: of the tenant pinning the most there,
+        the one expected back last (else, all of theirs skipped, the first to go of any
+        tenant's there)."""
+        tally = self.rep_blocks.get(url)
+        victim = self.victim(url, tally.heaviest() if tally is not None else None, now, skip)
+        if victim is not None:
+            return victim
+        free = [e for t in list(self.orders.get(url, {}))
+                if (e := self.victim(url, t, now, skip)) is not None]
+        return max(free, key=lambda e: release_key(now, e.kept_at, rank_gap(e, prior_gap)),
+                   default=None)
 
 
 class InProcessStore:
@@ -206,36 +214,38 @@ class InProcessStore:
     async def put(self, kept: Kept) -> None:
         """An extend's put (`kept.replaces`) takes the old handle out of the counts
         first and spares the new one from its own bounds (see Kept)."""
-        if kept.replaces is not None and self.ix.remove(kept.replaces):
-            self._superseded.add(kept.replaces)
-        old = self.ix.entries.get(kept.key)
+        ix, replaces = self.ix, kept.replaces
+        if replaces is not None and ix.remove(replaces):
+            self._superseded.add(replaces)
+        old = ix.entries.get(kept.key)
         if old is not None:
             self._drop("replaced", [old])
         now, wall = self._clock(), self._wall()
         entry = Entry.of(kept, now + self.ttl, wall)
         if kept.gap is not None:
             self.prior_gap = next_gap(self.prior_gap, kept.gap)
-        self.ix.add(entry, rank_gap(entry, self.prior_gap), wall + entry.expires_at - now)
-        spare = entry if kept.replaces is not None else None
-        self._trim(spare)
-        self._trim_tenant(kept.tenant, spare)
+        ix.add(entry, rank_gap(entry, self.prior_gap), wall + entry.expires_at - now)
+        spare = entry if replaces is not None else None
+        # Each bound's total is at hand: a bound costs a put only when it is over it.
+        if len(ix.entries) > self.max_entries:
+            self._trim(spare)
+        cap = self.max_per_tenant
+        if cap is not None and ix.tenant_entries.get(kept.tenant) > cap:
+            self._trim_tenant(kept.tenant, spare)
+        url = kept.decode_url
         if kept.tenant_max_pinned is not None:
-            self._trim_tenant_replica(kept.decode_url, kept.tenant, kept.tenant_max_pinned,
-                                      spare)
-        if kept.max_pinned is not None:
-            self._trim_replica(kept.decode_url, kept.max_pinned, "watermark", spare)
+            self._trim_tenant_replica(url, kept.tenant, kept.tenant_max_pinned, spare)
+        if kept.max_pinned is not None and ix.pinned(url) > kept.max_pinned:
+            self._trim_replica(url, kept.max_pinned, "watermark", spare)
 
     def _trim(self, spare: Entry | None = None) -> None:
-        """The entry bound: the oldest entry of the tenant holding the most (never
-        `spare`)."""
+        """The entry bound (never `spare`)."""
         doomed = []
-        ix = self.ix
-        while len(ix.entries) > self.max_entries:
-            mine = ix.by_tenant.get(ix.tenant_entries.heaviest())
-            old = (_first_but(mine, spare) if mine else None) or _first_but(ix.entries, spare)
+        while len(self.ix.entries) > self.max_entries:
+            old = self.ix.oldest(spare)
             if old is None:
                 break
-            ix.remove(old)
+            self.ix.remove(old)
             doomed.append(old)
         self._evicted("lru", doomed)
 
@@ -260,10 +270,8 @@ class InProcessStore:
         until it pins at most `max_blocks` there."""
         tally = self.ix.rep_blocks.get(url)
         excess = (tally.get(tenant) if tally is not None else 0) - max_blocks
-        doomed = []
-        now = self._wall()
-        while excess > 0:
-            # One that pins nothing would free nothing.
+        doomed, now = [], self._wall()
+        while excess > 0:  # one that pins nothing would free nothing: passed over
             victim = self.ix.victim(url, tenant, now,
                                     lambda e: e.reserved or not e.blocks or e is spare)
             if victim is None:
@@ -279,25 +287,14 @@ class InProcessStore:
 
     def _trim_replica(self, decode_url: str, max_blocks: int, reason: str,
                       spare: Entry | None = None) -> int:
-        """Drop unreserved handles of the replica until it pins at most `max_blocks`: of
-        the tenant pinning the most there, the one expected back last (else, all of
-        theirs reserved, the first to go of any tenant's there); never `spare`."""
-        ix = self.ix
-        if ix.pinned(decode_url) <= max_blocks:
-            return 0  # most puts: under the bound, nothing to choose
-        doomed, now = [], self._wall()
+        """Drop unreserved handles of the replica (never `spare`) until it pins at most
+        `max_blocks`."""
+        ix, doomed, now = self.ix, [], self._wall()
 
         def skip(e: Entry) -> bool:
             return e.reserved or e is spare
         while ix.pinned(decode_url) > max_blocks:
-            tally = ix.rep_blocks.get(decode_url)
-            tenant = tally.heaviest() if tally is not None else None
-            victim = ix.victim(decode_url, tenant, now, skip)
-            if victim is None:
-                free = [e for t in list(ix.orders.get(decode_url, {}))
-                        if (e := ix.victim(decode_url, t, now, skip)) is not None]
-                victim = max(free, key=lambda e: release_key(
-                    now, e.kept_at, rank_gap(e, self.prior_gap)), default=None)
+            victim = ix.block_victim(decode_url, now, skip, self.prior_gap)
             if victim is None:
                 break
             ix.remove(victim)
