@@ -253,10 +253,10 @@ async def test_an_unhandled_error_logs_the_client_request_id_bounded_and_escaped
     from bidirkv.router.datapath.admission import LOGGED_CHARS
 
     async with Cluster() as c:
-        async def broken(request, kind):
+        async def broken(*args):
             raise RuntimeError("boom")
 
-        c.router.handle_generate = broken
+        c.router.intake.admit = broken
         rid = "x\tyz" * 2000  # 8 KB with control characters: not a kept id
         with caplog.at_level("ERROR", logger="bidirkv.router"):
             status, raw, _ = await c.post("/v1/chat/completions", {"messages": U1},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from typing import Any
 
@@ -49,18 +50,6 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
         log.exception("unhandled error on %s %s rid=%s", request.method,
                       logged(request.path), logged(request.headers.get("X-Request-Id")))
         return json_error(500, "internal router error", "internal_error")
-
-
-async def _chat(request: web.Request) -> web.StreamResponse:
-    return await request.app[ROUTER].handle_generate(request, CHAT)
-
-
-async def _completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[ROUTER].handle_generate(request, COMPLETIONS)
-
-
-async def _models(request: web.Request) -> web.StreamResponse:
-    return await request.app[ROUTER].handle_models(request)
 
 
 async def _end_conversation(request: web.Request) -> web.Response:
@@ -155,9 +144,13 @@ def add_metrics_routes(app: web.Application) -> None:
 
 
 def add_routes(app: web.Application, debug: bool, metrics: bool = True) -> None:
-    app.router.add_post("/v1/chat/completions", _chat)
-    app.router.add_post("/v1/completions", _completions)
-    app.router.add_get("/v1/models", _models)
+    router = app[ROUTER]
+    # The router's own handlers, bound once: no lookup of it, or frame, on every request.
+    app.router.add_post("/v1/chat/completions",
+                        functools.partial(router.handle_generate, kind=CHAT))
+    app.router.add_post("/v1/completions",
+                        functools.partial(router.handle_generate, kind=COMPLETIONS))
+    app.router.add_get("/v1/models", router.handle_models)
     app.router.add_delete(CONVERSATION, _end_conversation)
     app.router.add_get("/ready", _ready)
     if metrics:
