@@ -117,8 +117,7 @@ class Conversations:
             if rid is not None and d.in_pool:
                 ctx.residency.release_ids(d.url, [rid])
             return
-        kv = dict(params)
-        n = kv.get("remote_num_tokens")
+        n = params.get("remote_num_tokens")
         n = n if isinstance(n, int) and not isinstance(n, bool) else 0
         chars = self.held_chars(turn, collector)
         prompt_key = self.prompt_key(turn) if turn.plan.keyed else None
@@ -126,9 +125,9 @@ class Conversations:
             limit = ctx.max_pinned(d.url)
             share = ctx.cfg.tenant_retention_share
             kept = Kept(
-                key, dumps_kept(kv), d.url, engine, n, tenant=accounting_tenant(turn.tenant),
+                key, dumps_kept(params), d.url, engine, n, tenant=accounting_tenant(turn.tenant),
                 prefix_len=prefix_len, chars=chars, prompt_key=prompt_key, request_id=rid,
-                blocks=handle_blocks(kv), max_pinned=limit,
+                blocks=handle_blocks(params), max_pinned=limit,
                 gap=turn.gap, replaces=turn.handle.superseded,
                 tenant_max_pinned=int(share * limit) if limit is not None and share < 1
                 else None)
