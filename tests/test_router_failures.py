@@ -7,6 +7,8 @@ import aiohttp
 import pytest
 from fake_engine import Cluster, sse_events
 
+from bidirkv.bench.traces import read_spans
+
 pytestmark = pytest.mark.timeout(30)
 
 U1 = [{"role": "user", "content": "hi"}]
@@ -238,3 +240,40 @@ async def test_a_decode_that_never_sends_a_byte_loses_the_turn_to_another():
             assert r["status"] == 200 and r["text"] == "Hello from the fake."
         assert c.d[0].generations(), "no turn went to the silent replica first"
         assert len(c.d[1].generations()) == 2
+
+
+@pytest.mark.parametrize("how", ["head", "nothing"])
+async def test_a_first_byte_timeout_is_a_timeout_on_both_decodes(tmp_path, caplog, how):
+    """Each decode sends its head and no event (or nothing at all) within
+    decodeFirstByteSeconds: each leg is a timeout (its span, its metric), the turn is
+    retried once elsewhere, the client gets a 504, and neither replica is taken out."""
+    spans = tmp_path / "s.jsonl"
+    async with Cluster(decode=2, config={"timeouts": {"decodeFirstByteSeconds": 0.3},
+                                         "tracing": {"file": str(spans)}}) as c:
+        for d in c.d:
+            if how == "head":
+                d.behaviour.stall_after = 0  # the head goes out as the stream is prepared
+            else:
+                d.behaviour.hang = True
+        r = await c.chat(U1, stream=True)
+        assert r["status"] == 504, r
+        rid = c.p[0].generations()[0].headers["X-Request-Id"]
+        error = r["error"]["error"]
+        assert (error["message"], error["type"]) == (
+            f"decode engine timed out (request {rid})", "upstream_timeout")
+        assert [len(d.generations()) for d in c.d] == [1, 1]
+        assert all(b.healthy for b in c.router.ctx.decode.backends)
+        for d in c.d:
+            await asyncio.wait_for(d.cancelled_event.wait(), 5)  # its connection closed
+        m = await c.metrics()
+        assert 'retries_total{reason="decode_before_first_byte"} 1.0' in m
+        assert 'leg_duration_seconds_count{leg="decode",result="error"} 2.0' in m
+        assert 'outcome="timeout",route="chat"} 1.0' in m
+        assert len(c.router.ctx.store) == 0
+    assert "decode failed before first byte (timed out)" in caplog.text
+    assert "decode failed (timed out)" in caplog.text
+    legs = [s for s in read_spans(spans) if s["name"] == "decode"]
+    assert [s["attributes"]["bidirkv.leg.result"] for s in legs] == ["timeout", "timeout"]
+    # The head arrived (its status is the span's) or nothing did.
+    status = 200 if how == "head" else None
+    assert [s["attributes"].get("http.response.status_code") for s in legs] == [status] * 2
