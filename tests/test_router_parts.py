@@ -79,29 +79,49 @@ class Router(Legs):
 
 
 ROUTER_CODE = [*sorted(DATAPATH.glob("*.py")), *sorted((DATAPATH.parent / "server").glob("*.py"))]
+# Every module of the router package: the sizes a reader holds apply to all of it.
+ROUTER_PACKAGE = sorted(DATAPATH.parent.rglob("*.py"))
+
+
+def declaration_table(f: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """A function that declares the attributes of self in straight lines (assignments
+    and calls only, no branch or loop; most of them `self.x = ...`), such as the
+    metrics' constructor: read as a table, not as a flow."""
+    if not all(isinstance(s, ast.Assign | ast.AnnAssign | ast.Expr) for s in f.body):
+        return False
+    on_self = sum(isinstance(s, ast.Assign) and any(
+        isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+        for t in s.targets) for s in f.body)
+    return on_self * 2 > len(f.body)
 
 
 def oversized(path: Path) -> list[str]:
     """What in `path` is past the sizes a reader holds: the module over 400 lines, a
-    class over 250, a function over 60."""
+    class over 250, a function over 60 (a declaration table aside)."""
     source = path.read_text()
     out = [f"{path.name}: {n} lines"] if (n := source.count("\n")) > 400 else []
     for node in ast.walk(ast.parse(source)):
         limit = 250 if isinstance(node, ast.ClassDef) else 60 if isinstance(
-            node, ast.FunctionDef | ast.AsyncFunctionDef) else None
+            node, ast.FunctionDef | ast.AsyncFunctionDef) and not declaration_table(
+            node) else None
         if limit is not None and (n := node.end_lineno - node.lineno + 1) > limit:
             out.append(f"{path.name}:{node.name}: {n} lines")
     return out
 
 
 def test_the_router_code_is_sized_for_a_reader():
-    assert [o for p in ROUTER_CODE for o in oversized(p)] == []
+    assert [o for p in ROUTER_PACKAGE for o in oversized(p)] == []
 
 
 def test_the_size_check_sees_a_long_function(tmp_path):
     long = tmp_path / "long.py"
     long.write_text("def f():\n" + "    x = 1\n" * 60)
     assert oversized(long) == ["long.py:f: 61 lines"]
+    table = tmp_path / "table.py"
+    table.write_text("def f(self):\n" + "    self.x = g(1)\n" * 60)
+    assert oversized(table) == []
+    table.write_text("def f(self):\n" + "    self.x = g(1)\n" * 59 + "    if x:\n        y()\n")
+    assert oversized(table) == ["table.py:f: 62 lines"]
 
 
 def forwarding_properties(source: str) -> list[str]:
