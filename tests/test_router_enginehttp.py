@@ -345,3 +345,68 @@ async def test_the_total_timeout_ends_an_answer_whose_bytes_keep_coming():
             await r.read()
         r.close()
         await settle(client, 0)
+
+
+def _soon(s):
+    return asyncio.get_running_loop().time() + s
+
+
+@pytest.mark.parametrize("sends", [b"", b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n"])
+async def test_no_first_body_bytes_by_the_first_byte_deadline_is_a_timeout(sends):
+    """Nothing, or a head without body bytes, by `first_byte_at`: TimeoutError (a leg's
+    timeout) at the head or at the first read, and the connection is closed."""
+    async def then_nothing(writer):
+        writer.write(sends)
+        await asyncio.sleep(30)
+
+    async with raw_engine(then_nothing) as (url, _):
+        client = EngineHTTP()
+        with pytest.raises(TimeoutError) as e:
+            async with await client.post(url, "/", b"{}", H, T,
+                                         first_byte_at=_soon(0.1)) as r:
+                assert sends and r.status == 200  # the head came: the body read times out
+                await r.readany()
+        assert classify(e.value) == ("timeout", "timed out")
+        await settle(client, 0)
+
+
+@pytest.mark.parametrize("status", [200, 500])
+async def test_the_first_byte_deadline_ends_at_a_200s_first_body_bytes(status):
+    """A 200's body may go on past the deadline once its first bytes came; an error
+    answer is read whole under it."""
+    async def first_then_the_rest(writer):
+        writer.write(b"HTTP/1.1 %d X\r\nContent-Length: 6\r\n\r\nabc" % status)
+        await writer.drain()
+        await asyncio.sleep(0.4)  # past the deadline
+        writer.write(b"def")
+
+    async with raw_engine(first_then_the_rest) as (url, _):
+        client = EngineHTTP()
+        r = await client.post(url, "/", b"{}", H, T, first_byte_at=_soon(0.1))
+        if status == 200:
+            assert await r.read() == b"abcdef"
+        else:
+            with pytest.raises(TimeoutError):
+                await r.read()
+        r.close()
+        await settle(client, 1 if status == 200 else 0)
+        client.close()
+
+
+@pytest.mark.parametrize("first", [True, False])
+async def test_a_connect_past_the_first_byte_deadline_is_a_timeout_not_a_connect_failure(
+        first, monkeypatch):
+    """Whichever of the connect timeout and the first-byte deadline comes first decides
+    what a hung connect is: a first-byte timeout, or a connect failure."""
+    loop = asyncio.get_running_loop()
+
+    async def never(*args, **kwargs):
+        await asyncio.sleep(30)
+
+    monkeypatch.setattr(loop, "create_connection", never)
+    client = EngineHTTP()
+    with pytest.raises(TimeoutError if first else ConnectError) as e:
+        await client.post("http://127.0.0.1:9", "/", b"{}", H, SimpleNamespace(
+            sock_connect=0.3 if first else 0.05, total=None, sock_read=None),
+            first_byte_at=_soon(0.05 if first else 0.3))
+    assert classify(e.value)[0] == ("timeout" if first else "connect")

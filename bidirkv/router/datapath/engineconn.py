@@ -1,15 +1,12 @@
-"""One connection to an engine and the answer read from it, for the legs' HTTP/1.1 client
-(enginehttp.py: the pool and the request written). `Connection.exchange` writes a request
-and waits for the answer's head; the `Response` reads the body and, closed, puts its
-connection back on its engine's idle list if the answer was read whole and it may carry
-another, else closes it. Each read is parsed in one pass: the head (HEAD_LIMIT) and a
+"""One connection to an engine (`Connection`) and the answer read from it (`Response`), for
+the legs' HTTP/1.1 client (enginehttp.py: the pool, the request written, when a connection
+goes back to its pool). Each read is parsed in one pass: the head (HEAD_LIMIT) and a
 chunk-size or trailer line (LINE_LIMIT) are bounded, a chunk size is hex digits, a chunk
 ends with CRLF; the body ends by Content-Length, with the last chunk, or at the close. A
-wait for bytes ends at the exchange's deadline or after the per-read timeout (one timer
-per connection, moved only when a wait must end before it fires). Reading pauses while
-over HIGH_WATER bytes wait unread (a slow client does not make the router hold a whole
-answer), resuming as they are read. A connection lost mid-answer says whether that was
-before its head and whether it had carried a request before (`Disconnected`).
+wait for bytes ends at the exchange's deadline, at its first-byte deadline (until a 200's
+first body bytes are read; an error answer is read whole under it) or after the per-read
+timeout: one timer per connection, moved only when a wait must end before it fires.
+Reading pauses while over HIGH_WATER bytes wait unread, resuming as they are read.
 """
 
 from __future__ import annotations
@@ -122,7 +119,9 @@ class Connection(asyncio.Protocol):
         self.error: BaseException | None = None
         self.open = self.keep_alive = self.paused = False
         self.waiter: asyncio.Future[None] | None = None
-        self.deadline: float | None = None
+        self.deadline: float | None = None  # the waits' bound: first_by while set, else total_by
+        self.first_by: float | None = None
+        self.total_by: float | None = None
         self.read_s: float | None = None
         self.wait_until: float | None = None  # when the wait in progress times out
         self.timer: asyncio.TimerHandle | None = None
@@ -153,9 +152,6 @@ class Connection(asyncio.Protocol):
             self.paused = True
             self.transport.pause_reading()  # type: ignore[union-attr]
         self._wake()
-
-    def eof_received(self) -> bool:
-        return False  # the transport closes; connection_lost says what that meant
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.open = False
@@ -260,27 +256,32 @@ class Connection(asyncio.Protocol):
             self.stage = UNTIL_CLOSE
 
     # -- the exchange ------------------------------------------------------------
-    async def exchange(self, request: bytes, deadline: float | None,
-                       read_s: float | None) -> Response:
-        """Write `request`; the response once its head has arrived. `deadline` (loop
-        time) bounds the whole exchange, `read_s` each wait for bytes."""
-        reused = self.send(request, deadline, read_s)
+    async def exchange(self, request: bytes, deadline: float | None, read_s: float | None,
+                       first_by: float | None = None) -> Response:
+        """Write `request`; the response once its head has arrived. Bounds: `deadline` the
+        exchange, `first_by` its first body bytes (loop times), `read_s` each wait."""
+        self.send(request, deadline, read_s, first_by)
         while self.stage == HEAD and self.error is None:
             await self.wait()
         if self.error is not None:
             self.abort()
             raise self.error
-        return Response(self, reused)
+        return Response(self)
 
-    def send(self, request: bytes, deadline: float | None, read_s: float | None) -> bool:
-        """Write a request; True when this connection had carried one before."""
+    def send(self, request: bytes, deadline: float | None, read_s: float | None,
+             first_by: float | None = None) -> None:
+        """Write a request (`requests` counts it)."""
         self.requests += 1
         self.stage, self.status, self.error = HEAD, 0, None
-        self.deadline, self.read_s = deadline, read_s
+        self.read_s, self.total_by, self.first_by = read_s, deadline, first_by
+        if first_by is not None and (deadline is None or first_by < deadline):
+            deadline = first_by
+        self.deadline = deadline
         self.transport.write(request)  # type: ignore[union-attr]
-        return self.requests > 1
 
     def take(self) -> bytes:
+        if self.first_by is not None and self.status == 200:
+            self.deadline, self.first_by = self.total_by, None
         data = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
         self.chunks.clear()
         self.buffered = 0
@@ -352,9 +353,8 @@ class Response:
 
     __slots__ = ("status", "reused", "_conn")
 
-    def __init__(self, conn: Connection, reused: bool) -> None:
-        self.status = conn.status
-        self.reused = reused
+    def __init__(self, conn: Connection) -> None:
+        self.status, self.reused = conn.status, conn.requests > 1
         self._conn: Connection | None = conn
 
     async def readany(self) -> bytes:

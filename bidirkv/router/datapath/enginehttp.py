@@ -13,8 +13,9 @@ connection and reads the answer (`Response`):
   after KEEPALIVE_S idle, before an engine drops it on its own clock (uvicorn after 5 s).
   An answer closed early (the client left, a failure, a cancellation) closes its
   connection;
-- timeouts: the connect, the whole exchange (from the request to the end of its answer)
-  and each wait for the next bytes.
+- timeouts: the connect, the whole exchange (from the request to the end of its answer),
+  each wait for the next bytes and, when asked, the first body bytes (connect included):
+  deadlines of the connection's one timer, not a timeout object per request.
 
 Health probes and the router's other calls keep the general client (sessions.py).
 """
@@ -85,11 +86,14 @@ class EngineHTTP:
         return len(self._conns)
 
     async def post(self, url: str, path: str, body: bytes, headers: dict[str, str],
-                   timeout: Any, fresh: bool = False) -> Response:
+                   timeout: Any, fresh: bool = False,
+                   first_byte_at: float | None = None) -> Response:
         """POST `body` to `url` + `path`; the response once its head has arrived.
         `timeout`: its `sock_connect`, `total` and `sock_read` (seconds or None) bound
         the connect, the whole exchange and each wait for bytes. `fresh`: on a new
-        connection, never a pooled one."""
+        connection, never a pooled one. `first_byte_at` (loop time): TimeoutError
+        unless the first bytes of a 200's body (an error answer whole) have come by
+        then, the connect included."""
         target = self._targets.get(url)
         if target is None:
             target = self._targets[url] = Target(url)
@@ -99,21 +103,27 @@ class EngineHTTP:
         deadline = None if timeout.total is None else now + timeout.total
         conn = None if fresh else self._pooled(target.key, now)
         if conn is None:
-            conn = await self._connect(loop, target, timeout.sock_connect)
-        return await conn.exchange(request, deadline, timeout.sock_read)
+            conn = await self._connect(loop, target, timeout.sock_connect, first_byte_at)
+        return await conn.exchange(request, deadline, timeout.sock_read, first_byte_at)
 
     async def _connect(self, loop: asyncio.AbstractEventLoop, target: Target,
-                       connect_s: float | None) -> Connection:
+                       connect_s: float | None, first_byte_at: float | None) -> Connection:
+        """A new connection; ConnectTimeout past `connect_s`, TimeoutError past
+        `first_byte_at` when that comes first (a first-byte timeout, as once connected)."""
         if self._closed:
             raise ConnectError("the client is closed")
         conn = Connection(loop, self._idle.setdefault(target.key, []), self._conns.discard)
+        at = None if connect_s is None else loop.time() + connect_s
+        first = first_byte_at is not None and (at is None or first_byte_at < at)
         try:
-            async with asyncio.timeout(connect_s):
+            async with asyncio.timeout_at(first_byte_at if first else at):
                 await loop.create_connection(
                     lambda: conn, target.host, target.port, ssl=target.ssl,
                     server_hostname=target.host if target.ssl else None)
         except TimeoutError:
             conn.abort()
+            if first:
+                raise
             raise ConnectTimeout(f"no connection to {target.authority} within "
                                  f"{connect_s} s") from None
         except OSError as exc:

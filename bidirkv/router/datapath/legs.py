@@ -274,24 +274,24 @@ class Legs:
         resp: Response | None = None
         try:
             try:
-                async with asyncio.timeout(first_byte_s):
-                    resp = await self.clients.post(d, PATHS[turn.kind], payload, rid, turn.auth,
-                                                   self.ctx.timeouts.decode,
-                                                   retry_stale=leg not in (DECODE, EXTEND),
-                                                   span=span)
-                    status = resp.status
-                    if resp.status != 200:
-                        body = await resp.read()
-                        raise UpstreamFailure(d.role, d, "status", resp.status, body,
-                                              f"HTTP {resp.status}")
-                    if not turn.stream:
-                        body = await resp.read()
-                        out = await self.relay.whole(turn, d, body, t, leg)
-                        result = "ok"
-                        return out, result
-                    first = await resp.readany()
-                    if alone:
-                        self._learn_first_byte(turn, leg, time.perf_counter() - t)
+                # The first-byte bound is the client's (a TimeoutError, as any timeout).
+                resp = await self.clients.post(d, PATHS[turn.kind], payload, rid, turn.auth,
+                                               self.ctx.timeouts.decode,
+                                               retry_stale=leg not in (DECODE, EXTEND),
+                                               span=span, first_byte_s=first_byte_s)
+                status = resp.status
+                if resp.status != 200:
+                    body = await resp.read()
+                    raise UpstreamFailure(d.role, d, "status", resp.status, body,
+                                          f"HTTP {resp.status}")
+                if not turn.stream:
+                    body = await resp.read()
+                    out = await self.relay.whole(turn, d, body, t, leg)
+                    result = "ok"
+                    return out, result
+                first = await resp.readany()
+                if alone:
+                    self._learn_first_byte(turn, leg, time.perf_counter() - t)
                 if not first:
                     raise UpstreamFailure(d.role, d, "protocol",
                                           detail="stream ended before any data")

@@ -26,6 +26,7 @@ other parts of the router post through it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -89,18 +90,23 @@ class Clients:
 
     async def post(self, b: Backend, path: str, payload: bytes | Callable[[], bytes],
                    rid: str, auth: str | None, timeout: aiohttp.ClientTimeout,
-                   retry_stale: bool = True, span: Leg = UNTRACED) -> Response:
+                   retry_stale: bool = True, span: Leg = UNTRACED,
+                   first_byte_s: float | None = None) -> Response:
         """The response, its head read; the caller closes it. A callable payload is built
         again for the stale-connection retry: the body carries a single-use proof, which
         the engine may have seen on the first attempt. `span`: the upstream request's
         span, whose context the request carries (the retry gets a span of its own).
-        `timeout`: its sock_connect, total and sock_read bound the request."""
+        `timeout`: its sock_connect, total and sock_read bound the request;
+        `first_byte_s`: TimeoutError unless the first bytes of a 200's body (an error
+        answer whole) came within it, the retry included."""
         engines = self.engines
         assert engines is not None, "the router has not started"
         headers = upstream_headers(rid, auth, span.headers)
+        first_at = None if first_byte_s is None else \
+            asyncio.get_running_loop().time() + first_byte_s
         try:
             return await engines.post(b.url, path, payload() if callable(payload) else payload,
-                                      headers, timeout)
+                                      headers, timeout, first_byte_at=first_at)
         except UPSTREAM_FAILURES as exc:
             if not retry_stale or not stale_connection(exc):
                 raise
@@ -110,7 +116,7 @@ class Clients:
             span.resend("stale_connection")
             headers = upstream_headers(rid, auth, span.headers)
         return await engines.post(b.url, path, payload() if callable(payload) else payload,
-                                  headers, timeout, fresh=True)
+                                  headers, timeout, fresh=True, first_byte_at=first_at)
 
     async def post_prefill(self, p: Backend, path: str,
                            payload: bytes | Callable[[], bytes], rid: str,
