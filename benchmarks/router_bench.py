@@ -8,7 +8,8 @@ the direct client has every CPU), then measures:
      both legs itself (P, then D), one conversation, requests interleaved;
   2. sustained req/s, streamed and not, at 50 and 200 concurrent conversations, router
      vs the direct two-leg client (and vLLM's example proxy with --vllm-proxy PATH), and
-     the router's CPU per request (ms/req: steadier than req/s on a shared machine);
+     the router's CPU per request (ms/req: steadier than req/s on a shared machine); the
+     modes take turns in --rounds slices, so a shared host's drift weighs on all alike;
   3. router RSS with 100k stored handles (filled through the router's debug route, which
      the router only serves with BIDIRKV_ROUTER_DEBUG=1).
 With --base DIR a second router runs from another checkout of the project (say a
@@ -245,12 +246,36 @@ async def throughput(client: Client, mode: str, conversations: int, stream: bool
     cpu0, t0 = cpu_seconds(pid), time.monotonic()
     await asyncio.gather(*(worker(i) for i in range(conversations)))
     elapsed = time.monotonic() - t0
-    # How busy the router's own core was: 100 % means the router is the limit. Its CPU
-    # per request holds still when the machine is shared (the req/s do not).
-    cpu = cpu_seconds(pid) - cpu0
-    return {"req_per_s": done / elapsed, "requests": done, "errors": errors,
-            "router_cpu": cpu / elapsed if ours else None,
-            "router_cpu_ms_per_req": 1000 * cpu / done if ours and done else None}
+    return {"requests": done, "errors": errors, "seconds": elapsed,
+            "cpu_seconds": cpu_seconds(pid) - cpu0 if ours else None}
+
+
+def merged(slices: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's slices as one run: its req/s over all of them and, for a router, how
+    busy its own core was (100 % means the router is the limit) and its CPU per request
+    (which holds still when the machine is shared; the req/s do not)."""
+    done = sum(s["requests"] for s in slices)
+    seconds = sum(s["seconds"] for s in slices)
+    cpu = None if slices[0]["cpu_seconds"] is None else sum(s["cpu_seconds"] for s in slices)
+    return {"req_per_s": done / seconds, "requests": done,
+            "errors": sum(s["errors"] for s in slices),
+            "round_req_per_s": [s["requests"] / s["seconds"] for s in slices],
+            "router_cpu": None if cpu is None else cpu / seconds,
+            "router_cpu_ms_per_req": 1000 * cpu / done if cpu is not None and done else None}
+
+
+async def interleaved(client: Client, modes: list[str], conversations: int, stream: bool,
+                      duration: float, rounds: int) -> list[dict[str, Any]]:
+    """Each mode for `duration` seconds in all, in `rounds` slices taken in turn (the
+    order rotated every round), so that a machine whose speed drifts while it runs (a
+    shared host) weighs on every mode alike rather than on the one measured last."""
+    slices: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    for k in range(rounds):
+        for m in modes[k % len(modes):] + modes[:k % len(modes)]:
+            slices[m].append(await throughput(client, m, conversations, stream,
+                                              duration / rounds))
+    return [{"mode": m, "conversations": conversations, "stream": stream, **merged(s)}
+            for m, s in slices.items()]
 
 
 async def fill_rss(stack: Stack, handles: int) -> dict[str, float]:
@@ -281,12 +306,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                       "handle_store": args.handle_store}
             result["ttft"] = await ttft(client, modes, args.requests)
             result["throughput"] = []
+            result["rounds"] = args.rounds
             for conv in args.conversations:
                 for stream in (True, False):
-                    for m in modes:
-                        r = await throughput(client, m, conv, stream, args.duration)
-                        result["throughput"].append(
-                            {"mode": m, "conversations": conv, "stream": stream, **r})
+                    result["throughput"] += await interleaved(
+                        client, modes, conv, stream, args.duration, args.rounds)
         result["memory"] = await fill_rss(stack, args.handles)
         return result
     finally:
@@ -304,18 +328,23 @@ def report(result: dict[str, Any]) -> str:
                          f" ms, p99 {t[m]['p99_ms'] - t['direct']['p99_ms']:.2f} ms")
     lines += ["", "Throughput (req/s)",
               f"{'mode':<12}{'conv':>6}{'stream':>8}{'req/s':>10}{'errors':>8}{'router cpu':>12}"
-              f"{'ms/req':>8}{'/direct':>9}"]
-    direct = {(r["conversations"], r["stream"]): r["req_per_s"] for r in result["throughput"]
+              f"{'ms/req':>8}{'/direct':>9}{'rounds':>13}"]
+    direct = {(r["conversations"], r["stream"]): r for r in result["throughput"]
               if r["mode"] == "direct"}
     for r in result["throughput"]:
-        busy = per = ratio = ""
+        busy = per = ratio = spread = ""
         if r.get("router_cpu") is not None:
             busy = f"{100 * r['router_cpu']:.0f} %"
             per = f"{r['router_cpu_ms_per_req'] or float('nan'):.2f}"
-        if r["mode"] != "direct" and direct.get((r["conversations"], r["stream"])):
-            ratio = f"{r['req_per_s'] / direct[r['conversations'], r['stream']]:.2f}"
+        d = direct.get((r["conversations"], r["stream"]))
+        if r["mode"] != "direct" and d and d["req_per_s"]:
+            ratio = f"{r['req_per_s'] / d['req_per_s']:.2f}"
+            each = [a / b for a, b in zip(r["round_req_per_s"], d["round_req_per_s"], strict=True)
+                    if b]
+            spread = f"{min(each):.2f}-{max(each):.2f}" if len(each) > 1 else ""
         lines.append(f"{r['mode']:<12}{r['conversations']:>6}{str(r['stream']):>8}"
-                     f"{r['req_per_s']:>10.0f}{r['errors']:>8}{busy:>12}{per:>8}{ratio:>9}")
+                     f"{r['req_per_s']:>10.0f}{r['errors']:>8}{busy:>12}{per:>8}{ratio:>9}"
+                     f"{spread:>13}")
     m = result["memory"]
     lines += ["", f"Router RSS: {m['rss_before_mb']:.0f} MB empty, {m['rss_after_mb']:.0f} MB "
               f"with {m['handles']} handles (64 blocks each)"]
@@ -358,7 +387,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=300, help="TTFT samples per mode")
-    ap.add_argument("--duration", type=float, default=5.0, help="seconds per throughput run")
+    ap.add_argument("--duration", type=float, default=5.0,
+                    help="seconds of throughput per mode (split over --rounds)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="slices each throughput run is taken in, the modes in turn; the "
+                    "table's `rounds` column is the spread of /direct between them")
     ap.add_argument("--conversations", type=int, nargs="+", default=[50, 200])
     ap.add_argument("--handles", type=int, default=100_000)
     ap.add_argument("--reply-tokens", type=int, default=8)
