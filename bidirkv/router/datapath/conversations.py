@@ -110,7 +110,7 @@ class Conversations:
                                                             "decode's handle")):
             # No engine of this release would admit it: not worth a store entry.
             log.warning("%s; not stored url=%s", problem, d.url)
-            ctx.metrics.evictions.labels("wire_version").inc()
+            ctx.metrics.evicted("wire_version", 1)
             key = None
         if key is None:
             # D retained the blocks for a handle nobody will ever send: free them now.

@@ -164,7 +164,9 @@ GC_YOUNG_THRESHOLD = 10_000
 def settle_gc() -> None:
     """Once the router listens: what it holds by then (modules, config, the app) lives
     as long as the process, so no collection walks it again, and young passes are
-    fewer."""
+    fewer. Collected first: cycles start-up left behind would never be freed once
+    frozen."""
+    gc.collect()
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
