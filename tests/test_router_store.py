@@ -428,3 +428,23 @@ def test_the_table_covers_every_step_of_the_store_protocol():
     methods = {name for name in vars(Store) if not name.startswith("_")
                and callable(getattr(Store, name))}
     assert methods - called == {"configure", "close"}
+
+
+def test_the_heaviest_tenants_heap_stays_bounded_at_a_bound():
+    """At a bound, every put adds to a tenant and the trim takes from the heaviest: a
+    tenant's weight swings between two values, and its heap copies must not pile up
+    (each put would then cost the whole heap)."""
+    from bidirkv.router.store.base import Weights
+
+    w = Weights()
+    w.add(b"small", 1)
+    w.add(b"big", 5)
+    for _ in range(3000):
+        w.add(b"big", 1)
+        assert w.heaviest() == b"big"
+        w.add(b"big", -1)
+    assert len(w._heap) <= 2 * len(w) + 64
+    w.add(b"small", 10)
+    assert w.heaviest() == b"small"
+    w.add(b"small", -11)
+    assert w.heaviest() == b"big" and w.total == 5

@@ -247,8 +247,10 @@ class Weights:
     oldest-first (ties between tenants are no rule of the store). Weights change on every
     put and the heaviest is asked only over a bound, so a change only marks its tenant;
     `heaviest()` pushes the marked ones' weights, in the order they last changed, onto a
-    max-heap whose stale items (weights changed since) are dropped at the top, and
-    filtered out once they outnumber live ones: amortised O(log n)."""
+    max-heap whose stale items (weights changed since) are dropped at the top; once the
+    heap outgrows twice the tenants it is rebuilt from the weights, one item each (a
+    tenant swinging between two weights leaves copies that are live half the time, which
+    no drop at the top would take): amortised O(log n)."""
 
     __slots__ = ("_w", "_heap", "_seq", "_changed", "total")
 
@@ -283,13 +285,17 @@ class Weights:
         w, heap = self._w, self._heap
         if len(w) == 1 and not heap:
             return next(iter(w))  # one tenant: nothing to weigh (its change stays marked)
-        for who in self._changed:
-            self._seq += 1
-            heapq.heappush(heap, (-w[who], self._seq, who))
-        self._changed.clear()
-        if len(heap) > 2 * len(w) + 64:
-            heap[:] = [item for item in heap if w.get(item[2]) == -item[0]]
+        changed = self._changed
+        if len(heap) + len(changed) > 2 * len(w) + 64:
+            order = [who for who in w if who not in changed] + list(changed)
+            heap[:] = [(-w[who], i, who) for i, who in enumerate(order)]
             heapq.heapify(heap)
+            self._seq = len(order)
+        else:
+            for who in changed:
+                self._seq += 1
+                heapq.heappush(heap, (-w[who], self._seq, who))
+        changed.clear()
         while heap:
             neg, _, who = heap[0]
             if w.get(who) == -neg:
