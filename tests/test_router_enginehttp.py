@@ -410,3 +410,31 @@ async def test_a_connect_past_the_first_byte_deadline_is_a_timeout_not_a_connect
             sock_connect=0.3 if first else 0.05, total=None, sock_read=None),
             first_byte_at=_soon(0.05 if first else 0.3))
     assert classify(e.value)[0] == ("timeout" if first else "connect")
+
+
+async def test_an_engine_that_speaks_before_the_request_fails_the_connect(monkeypatch):
+    """Bytes before any request close the connection at once (it cannot carry one); a
+    request must not then be written to it and wait for an answer that never comes."""
+    loop = asyncio.get_running_loop()
+
+    class Transport:
+        aborted = False
+
+        def abort(self):
+            self.aborted = True
+
+        def write(self, data):
+            raise AssertionError("a request was written to a closed connection")
+
+    async def speaks_first(factory, *args, **kwargs):
+        transport, protocol = Transport(), factory()
+        protocol.connection_made(transport)
+        protocol.data_received(b"HTTP/1.1 200 OK\r\n\r\n")
+        return transport, protocol
+
+    monkeypatch.setattr(loop, "create_connection", speaks_first)
+    client = EngineHTTP()
+    with pytest.raises(ConnectError, match="closed as it connected") as e:
+        await asyncio.wait_for(client.post("http://127.0.0.1:9", "/", b"{}", H, T), 10)
+    assert classify(e.value)[0] == "connect"
+    assert client.open_connections == 0

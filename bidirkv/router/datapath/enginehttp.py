@@ -131,10 +131,11 @@ class EngineHTTP:
         if self._closed:  # closed while connecting: nothing may go back to its pool
             conn.abort()
             raise ConnectError("the client is closed")
-        if conn.open:
-            self._conns.add(conn)
-            if self._sweeper is None:
-                self._sweeper = loop.call_later(KEEPALIVE_S, self._sweep, loop)
+        if not conn.open:  # the engine spoke first, or hung up: no request may wait on it
+            raise ConnectError(f"{target.authority}: closed as it connected")
+        self._conns.add(conn)
+        if self._sweeper is None:
+            self._sweeper = loop.call_later(KEEPALIVE_S, self._sweep, loop)
         return conn
 
     def _pooled(self, key: tuple[str, str, int], now: float) -> Connection | None:
