@@ -119,13 +119,11 @@ class Connection(asyncio.Protocol):
         self.error: BaseException | None = None
         self.open = self.keep_alive = self.paused = False
         self.waiter: asyncio.Future[None] | None = None
-        self.deadline: float | None = None  # the waits' bound: first_by while set, else total_by
-        self.first_by: float | None = None
+        self.first_by: float | None = None  # set only while sooner than total_by
         self.total_by: float | None = None
         self.read_s: float | None = None
         self.wait_until: float | None = None  # when the wait in progress times out
         self.timer: asyncio.TimerHandle | None = None
-        self.timer_at = 0.0
 
     # -- asyncio.Protocol --------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -273,15 +271,14 @@ class Connection(asyncio.Protocol):
         """Write a request (`requests` counts it)."""
         self.requests += 1
         self.stage, self.status, self.error = HEAD, 0, None
-        self.read_s, self.total_by, self.first_by = read_s, deadline, first_by
-        if first_by is not None and (deadline is None or first_by < deadline):
-            deadline = first_by
-        self.deadline = deadline
+        self.read_s, self.total_by = read_s, deadline
+        self.first_by = first_by if first_by is not None and (
+            deadline is None or first_by < deadline) else None
         self.transport.write(request)  # type: ignore[union-attr]
 
     def take(self) -> bytes:
         if self.first_by is not None and self.status == 200:
-            self.deadline, self.first_by = self.total_by, None
+            self.first_by = None
         data = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
         self.chunks.clear()
         self.buffered = 0
@@ -294,13 +291,13 @@ class Connection(asyncio.Protocol):
         """Until the connection has news (bytes, the end, a failure) or a timeout; any
         failure here (a timeout, a cancellation) closes the connection."""
         fut = self.waiter = self.loop.create_future()
-        when = self.deadline
+        when = self.first_by if self.first_by is not None else self.total_by
         if self.read_s is not None:
             at = self.loop.time() + self.read_s
             when = at if when is None else min(when, at)
         self.wait_until = when
         # Moved only when this wait must end sooner; fired early, it is set again.
-        if when is not None and (self.timer is None or self.timer_at > when):
+        if when is not None and (self.timer is None or self.timer.when() > when):
             self._set_timer(when)
         try:
             await fut
@@ -313,15 +310,14 @@ class Connection(asyncio.Protocol):
     def _set_timer(self, when: float) -> None:
         if self.timer is not None:
             self.timer.cancel()
-        self.timer_at = when
-        self.timer = self.loop.call_at(when, self._timer_fired)
+        self.timer = self.loop.call_at(when, self._timer_fired, when)
 
-    def _timer_fired(self) -> None:
+    def _timer_fired(self, at: float) -> None:
         self.timer = None
         fut, until = self.waiter, self.wait_until
         if fut is None or fut.done() or until is None:
             return  # no wait in progress: the next one sets the timer
-        if until <= self.timer_at:
+        if until <= at:
             fut.set_exception(TimeoutError())
         else:
             self._set_timer(until)
@@ -332,7 +328,7 @@ class Connection(asyncio.Protocol):
 
     def reset(self, now: float) -> None:
         self.stage, self.idle_since = IDLE, now
-        self.deadline = self.read_s = self.wait_until = None
+        self.first_by = self.total_by = self.read_s = self.wait_until = None
 
     def abort(self) -> None:
         self.keep_alive = False
