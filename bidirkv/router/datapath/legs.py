@@ -74,41 +74,35 @@ def _bidirkv_report(prefill_body: dict[str, Any]) -> dict[str, Any] | None:
     return info if isinstance(info, dict) else None
 
 
-def reuse_report(prefill_body: dict[str, Any]) -> ReuseReport | None:
-    info = _bidirkv_report(prefill_body)
-    if info is not None:
-        reused = _count(info.get("reused_tokens"))
-        offered = _count(info.get("offered_tokens"))
-        partial = reused is not None and offered is not None and reused < offered
-        return ReuseReport(reused, "bidirkv", partial)
-    usage = prefill_body.get("usage")
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
-    if cached is not None:
-        return ReuseReport(cached, "usage_cached", False)
-    return None
-
-
 class PrefillWork(NamedTuple):
     prompt_tokens: int
     computed: int  # tokens P prefilled
     read: int  # tokens P read from decode instead
 
 
-def prefill_work(prefill_body: dict[str, Any]) -> PrefillWork | None:
-    """What P's leg did, for the placement's cost model (None: P did not say)."""
-    usage = prefill_body.get("usage")
-    prompt = _count(usage.get("prompt_tokens")) if isinstance(usage, dict) else None
-    if not prompt:
-        return None
+def prefill_answer(prefill_body: dict[str, Any]
+                   ) -> tuple[ReuseReport | None, PrefillWork | None]:
+    """What P's answer says, read once: the reuse it reports (its bidirkv report, else
+    usage's cached tokens) and what its leg did, for the placement's cost model (None:
+    P did not give the prompt's tokens)."""
     info = _bidirkv_report(prefill_body)
+    usage = prefill_body.get("usage")
+    usage = usage if isinstance(usage, dict) else {}
+    prompt = _count(usage.get("prompt_tokens"))
     if info is not None:
-        read = _count(info.get("reused_tokens")) or 0
+        reused = _count(info.get("reused_tokens"))
+        offered = _count(info.get("offered_tokens"))
+        report: ReuseReport | None = ReuseReport(
+            reused, "bidirkv", reused is not None and offered is not None and reused < offered)
+        read = reused or 0
         computed = _count(info.get("recomputed_tokens"))
-        return PrefillWork(prompt, computed if computed is not None else prompt - read, read)
+        work = PrefillWork(prompt, computed if computed is not None else prompt - read,
+                           read) if prompt else None
+        return report, work
     details = usage.get("prompt_tokens_details")
     cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
-    return PrefillWork(prompt, prompt - (cached or 0), 0)
+    report = ReuseReport(cached, "usage_cached", False) if cached is not None else None
+    return report, PrefillWork(prompt, prompt - (cached or 0), 0) if prompt else None
 
 
 class Legs:
@@ -191,11 +185,10 @@ class Legs:
         if first:
             ctx.metrics.retries.labels("prefill_failed").inc()
 
-    def _learn_prefill(self, turn: Turn, data: dict[str, Any], seconds: float,
+    def _learn_prefill(self, turn: Turn, work: PrefillWork | None, seconds: float,
                        alone: bool) -> None:
         """`alone`: the leg started with no other in flight on its replica. One that
         queued behind others measured the queue too, which the estimate adds itself."""
-        work = prefill_work(data)
         if work is not None:
             turn.prompt_tokens = work.prompt_tokens
             costs = self.ctx.costs
@@ -215,9 +208,9 @@ class Legs:
         span ended, then the handle it was offered consumed and the reuse counted."""
         ctx = self.ctx
         ctx.metrics.observe_leg("prefill", "ok", took)
-        report = reuse_report(data)
+        report, work = prefill_answer(data)
         try:
-            self._learn_prefill(turn, data, took, alone)
+            self._learn_prefill(turn, work, took, alone)
             if span.recording:
                 self._trace_reuse(span, turn, report)
         finally:
@@ -253,7 +246,7 @@ class Legs:
         before the client got a byte."""
         ctx = self.ctx
         payload = functools.partial(decode_payload, ctx.handle_key, turn.body,
-                                    dict(LOCAL_PARAMS), ctx.residency.owner, turn.tenant,
+                                    LOCAL_PARAMS, ctx.residency.owner, turn.tenant,
                                     turn.gap)
         return await self.generate(request, turn, d, payload, rid, EXTEND, held_tokens)
 
