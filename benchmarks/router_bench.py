@@ -222,7 +222,10 @@ async def ttft(client: Client, modes: list[str], n: int) -> dict[str, dict[str, 
 
 
 async def throughput(client: Client, mode: str, conversations: int, stream: bool,
-                     duration: float) -> dict[str, float]:
+                     duration: float, tag: str) -> dict[str, Any]:
+    """`tag` names this run's conversations apart from every other run's: a router keeps
+    the handles of those it served, and a reused id would find one stored for another
+    history."""
     done = errors = 0
     end = time.monotonic() + duration
 
@@ -232,7 +235,7 @@ async def throughput(client: Client, mode: str, conversations: int, stream: bool
         history = [{"role": "user", "content": f"conversation {i} starts"}]
         while time.monotonic() < end:
             try:
-                await client.turn(mode, turn_body(f"tp-{mode}-{i}-{turns // 8}", history,
+                await client.turn(mode, turn_body(f"tp-{mode}-{tag}-{i}-{turns // 8}", history,
                                                   stream))
                 done += 1
             except (TimeoutError, aiohttp.ClientError, RuntimeError):
@@ -272,8 +275,9 @@ async def interleaved(client: Client, modes: list[str], conversations: int, stre
     slices: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for k in range(rounds):
         for m in modes[k % len(modes):] + modes[:k % len(modes)]:
-            slices[m].append(await throughput(client, m, conversations, stream,
-                                              duration / rounds))
+            slices[m].append(await throughput(
+                client, m, conversations, stream, duration / rounds,
+                f"{conversations}{'s' if stream else 'j'}{k}"))
     return [{"mode": m, "conversations": conversations, "stream": stream, **merged(s)}
             for m, s in slices.items()]
 
