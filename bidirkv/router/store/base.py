@@ -211,9 +211,9 @@ class ReturnOrder:
         back = self._top(self._back, live, skip)
         return back[1] if back is not None else None
 
-    def compact(self, live: Callable[[Entry], bool], alive: int) -> None:
-        """Rebuild the heaps without dead items once they outnumber the `alive` ones."""
-        bound = max(_COMPACT_MIN, 2 * alive)
+    def compact(self, live: Callable[[Entry], bool]) -> None:
+        """Rebuild the heaps without dead items once they outnumber the live ones."""
+        bound = max(_COMPACT_MIN, 2 * self.size)
         if len(self._due) <= bound and len(self._back) <= bound:
             return  # most puts
         for heap in (self._due, self._back):

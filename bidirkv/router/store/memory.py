@@ -85,7 +85,7 @@ class Index:
         if order is None:
             order = orders[tenant] = ReturnOrder()
         order.add(entry, gap, expires_wall)
-        order.compact(self.live, order.size)
+        order.compact(self.live)
         if tenant is not None and entry.prefix_len > 0:
             lengths = self.lengths.get(tenant)
             if lengths is None:
