@@ -59,7 +59,7 @@ sys.path.insert(2, str(ROOT / "benchmarks"))
 import rows  # noqa: E402
 from router_bench import pct  # noqa: E402
 
-from bidirkv.bench import plots  # noqa: E402
+from bidirkv.bench import plots, promtext  # noqa: E402
 from bidirkv.connector.core.residency import Residency  # noqa: E402
 
 RETENTION_S = 900.0  # the entries' deadline: far beyond the run, so none nears expiry
@@ -162,10 +162,18 @@ def vllm_stack(args: argparse.Namespace) -> Any:
     return args.stack
 
 
-def router_metric(url: str, name: str, **labels: str) -> float:
-    """The sum of the router's samples `name` with `labels` (0 when it has none)."""
-    from bidirkv.bench import promtext
-    return promtext.total(promtext.scrape(url + "/metrics"), name, **labels) or 0.0
+def router_samples(url: str) -> promtext.Samples:
+    """The router's metrics, scraped once (a table's figures from one instant); a router
+    that does not answer fails the run rather than reading as zeros."""
+    samples = promtext.scrape(url + "/metrics")
+    if samples is None:
+        raise RuntimeError(f"the router at {url} did not answer /metrics")
+    return samples
+
+
+def count(samples: promtext.Samples, name: str, **labels: str) -> float:
+    """The sum of the samples `name` with `labels` (0 when there are none)."""
+    return promtext.total(samples, name, **labels) or 0.0
 
 
 def measure_salt(args: argparse.Namespace) -> dict[str, Any]:
@@ -204,7 +212,8 @@ def measure_salt(args: argparse.Namespace) -> dict[str, Any]:
                 hits[kind].append(hit)
             print(f"  sample {i + 1}: " + ", ".join(f"{ttft[k][-1]:.0f} ms" for k in kinds),
                   flush=True)
-        placements = {d: router_metric(url, "bidirkv_router_placements_total", decision=d)
+        m = router_samples(url)
+        placements = {d: count(m, "bidirkv_router_placements_total", decision=d)
                       for d in ("extend", "decode", "read_back", "prefill", "move")}
     figures = {k: {"p50_ms": statistics.median(v), "p90_ms": pct(v, 0.9), "runs_ms": v,
                    "decode_prefix_hits_median": statistics.median(hits[k])}
@@ -238,27 +247,28 @@ def measure_extend(args: argparse.Namespace) -> dict[str, Any]:
         messages: list[dict] = []
         for n, words in enumerate((1600, 1800, 200), 1):
             messages.append({"role": "user", "content": random_text(words, seed=9000 + n)})
-            before = {d: router_metric(url, "bidirkv_router_placements_total", decision=d)
+            m = router_samples(url)
+            before = {d: count(m, "bidirkv_router_placements_total", decision=d)
                       for d in ("extend", "read_back", "prefill", "decode", "move")}
             reuse = metric(s.d_url, "vllm:prefix_cache_hits_total")
-            handles = router_metric(url, "bidirkv_router_handles")
+            handles = count(m, "bidirkv_router_handles")
             text = stream_text(stream(url + "/v1/chat/completions",
                                       chat(list(messages), stream=True)))
             messages.append({"role": "assistant", "content": text})
             time.sleep(0.5)  # the router's put and decode's step stats land after the reply
-            after = {d: router_metric(url, "bidirkv_router_placements_total", decision=d)
+            m = router_samples(url)
+            after = {d: count(m, "bidirkv_router_placements_total", decision=d)
                      for d in before}
             turns.append({
                 "turn": n, "new_words": words,
                 "placement": [d for d in before if after[d] > before[d]],
                 "handles_before": handles,
-                "handles_after": router_metric(url, "bidirkv_router_handles"),
+                "handles_after": count(m, "bidirkv_router_handles"),
                 "decode_prefix_hits": metric(s.d_url, "vllm:prefix_cache_hits_total")
                 - reuse,
-                "router_reuse": {o: router_metric(url, "bidirkv_router_reuse_total", outcome=o)
+                "router_reuse": {o: count(m, "bidirkv_router_reuse_total", outcome=o)
                                  for o in ("hit", "extended", "miss")},
-                "evictions": {r: router_metric(url, "bidirkv_router_handle_evictions_total",
-                                               reason=r)
+                "evictions": {r: count(m, "bidirkv_router_handle_evictions_total", reason=r)
                               for r in ("extended", "watermark", "pressure")},
             })
             print(f"  turn {n}: {turns[-1]['placement']}, handles "
