@@ -494,10 +494,11 @@ def report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(r: dict[str, Any], path: Path) -> None:
+def plot(r: dict[str, Any], path: Path) -> bool:
+    """Draw the figure to `path`; False when there is none to draw."""
     plt = rows.pyplot()
     if plt is None:
-        return
+        return False
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     hr = r["hit_rate"]
     axes[0].bar(["single replica", "alternating"], [hr["single"]["hit_rate"] * 100,
@@ -526,6 +527,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
     axes[2].set_title("store faults")
     fig.suptitle(f"router hardening - {r['machine']['model']} ({r['machine']['isa']})")
     plots.save(plt, fig, path)
+    return True
 
 
 def main() -> int:

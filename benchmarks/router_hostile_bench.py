@@ -271,10 +271,11 @@ def report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(r: dict[str, Any], path: Path) -> None:
+def plot(r: dict[str, Any], path: Path) -> bool:
+    """Draw the figure to `path`; False when there is none to draw."""
     plt = rows.pyplot()
     if plt is None:
-        return
+        return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     slow = {n: f for n, f in r["rows"].items() if "slow_uploads" in f}
     if slow:
@@ -292,6 +293,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
         axes[1].set_title(f"{long['requests']} x 2,000,000-char model, traced")
     fig.suptitle(f"router, hostile clients - {r['machine']['model']} ({r['machine']['isa']})")
     plots.save(plt, fig, path)
+    return True
 
 
 def main() -> int:

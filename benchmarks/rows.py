@@ -92,7 +92,7 @@ def pyplot() -> Any | None:
 
 
 def finish(result: dict[str, Any], text: str, out: Path, stem: str,
-           plot: Callable[[Path], None], png: Path | None = None) -> int:
+           plot: Callable[[Path], bool], png: Path | None = None) -> int:
     """Print the report `text`, write `stem`.json under `out` and draw the PNG (beside
     it unless `png` names another path); the exit status: 0 when every aim was met."""
     print()
@@ -101,7 +101,9 @@ def finish(result: dict[str, Any], text: str, out: Path, stem: str,
     doc = out / f"{stem}.json"
     doc.write_text(json.dumps(result, indent=2) + "\n")
     png = png or doc.with_suffix(".png")
-    plot(png)
-    drawn = png.exists() and png.stat().st_mtime >= doc.stat().st_mtime
-    print(f"\nwrote {doc}" + (f" and {png}" if drawn else " (no PNG: matplotlib is missing)"))
+    if plot(png):
+        print(f"\nwrote {doc} and {png}")
+    else:
+        why = "matplotlib is missing" if pyplot() is None else "no figure for the rows run"
+        print(f"\nwrote {doc} (no PNG: {why})")
     return 0 if all(result["aims"].values()) else 1

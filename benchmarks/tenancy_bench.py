@@ -327,11 +327,12 @@ def report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(r: dict[str, Any], path: Path, before: dict[str, Any] | None = None) -> None:
+def plot(r: dict[str, Any], path: Path, before: dict[str, Any] | None = None) -> bool:
+    """Draw the figure to `path`; False when there is none to draw."""
     plt = rows.pyplot()
     f = r["rows"].get("decode reclaim, many tenants")
     if plt is None or not f:
-        return
+        return False
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [p["tenants"] for p in f["points"]]
     ax.plot(xs, [p["median_ms"] for p in f["points"]], "o-", label=f"median, {f['residency']}")
@@ -350,6 +351,7 @@ def plot(r: dict[str, Any], path: Path, before: dict[str, Any] | None = None) ->
     ax.set_title(f"decode reclaim - {r['machine']['model']} ({r['machine']['isa']})",
                  fontsize=9)
     plots.save(plt, fig, path)
+    return True
 
 
 def main() -> int:
