@@ -65,6 +65,9 @@ def test_a_note_is_the_same_bytes_older_routers_made():
     ("another format", "d-1", lambda n: "2" + n[1:]),
     ("not text", "d-1", lambda n: 7),
     ("cut", "d-1", lambda n: n[:40]),
+    ("a MAC not ASCII", "d-1", lambda n: n.replace(".", ".é", 1)),
+    ("a lone surrogate", "d-1", lambda n: n[:-1] + "\ud800]"),
+    ("a request id with a lone surrogate", "d-1\ud800", lambda n: n),
 ])
 def test_a_note_that_does_not_check_gives_nothing(name, rid, note):
     assert decode(NK, rid, note(encode(NK, KEPT, 0.0)), "u") is None, name

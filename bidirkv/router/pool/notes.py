@@ -111,9 +111,13 @@ def decode(key: bytes, request_id: str, note: Any, url: str) -> Kept | None:
         return None
     fmt, _, rest = note.partition(".")
     mac, _, payload = rest.partition(".")
-    if fmt != FORMAT or not hmac.compare_digest(mac, _mac(key, request_id, payload.encode())):
-        return None
     try:
+        # Inside the try: a MAC that is not ASCII (compare_digest's TypeError) or text
+        # with a lone surrogate (encode's ValueError) is a note that does not check,
+        # not a failure of the whole recalled page.
+        if fmt != FORMAT or not hmac.compare_digest(
+                mac, _mac(key, request_id, payload.encode())):
+            return None
         (k, params, engine_id, num_tokens, tenant, prefix_len, blocks, chars, prompt_key,
          kept_at, gap) = loads(payload)
         kv = loads(params) if isinstance(params, str) else None
