@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-VERSION = 1
+VERSION = 2
 # kv_transfer_params, router -> engines (both legs)
 VERSION_KEY = "bidirkv_wire"  # the sender's VERSION (also in D's handle, engine -> router)
 PROOF_KEY = "bidirkv_proof"  # the router's single-use proof (bidirkv/proof.py)

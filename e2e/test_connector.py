@@ -87,7 +87,7 @@ def test_streamed_chat_turns_reuse_verified_decode_kv(stack):
     assert isinstance(groups, list) and len(groups[0]) == -(-handle1["remote_num_tokens"]
                                                            // BLOCK)
     held = handle1["bidirkv_blocks"]
-    assert held["bs"] == BLOCK and len(held["digests"]) == handle1["remote_num_tokens"] // BLOCK
+    assert held["bs"] == BLOCK and held["n"] == handle1["remote_num_tokens"] // BLOCK
     assert handle1[MAC_KEY] == sign(handle1, KEY.encode())
 
     body2 = chat([user1, {"role": "assistant", "content": text1},
@@ -100,7 +100,7 @@ def test_streamed_chat_turns_reuse_verified_decode_kv(stack):
     # The connector's own counter, in vLLM's /metrics beside NIXL's.
     want = counted + rep["reused_tokens"]
     assert metric_reaches(stack.p_url, "vllm:bidirkv_reused_tokens_total", want) == want
-    assert rep["reused_tokens"] == rep["offered_tokens"] == len(held["digests"]) * BLOCK
+    assert rep["reused_tokens"] == rep["offered_tokens"] == held["n"] * BLOCK
     assert rep["recomputed_tokens"] == p2["usage"]["prompt_tokens"] - rep["reused_tokens"]
     pulled = metric(stack.p_url, "vllm:nixl_bytes_transferred_sum") - before
     assert pulled > 0  # D -> P over NIXL
@@ -116,7 +116,7 @@ def test_streamed_completions_carry_params_and_are_reused(stack):
     prompt1 = random_text(280, seed=21)
     body1 = {"model": MODEL, "prompt": prompt1, **GEN}
     text1, handle1, _ = turn(stack, body1)
-    assert handle1 and handle1["do_remote_decode"] and handle1["bidirkv_blocks"]["digests"]
+    assert handle1 and handle1["do_remote_decode"] and handle1["bidirkv_blocks"]["n"]
     body2 = dict(body1, prompt=f"{prompt1} {text1.strip()} {random_text(40, seed=22)}")
     _, _, p2 = turn(stack, body2, handle1)
     assert report(p2)["reused_tokens"] == 2 * BLOCK, report(p2)
@@ -128,7 +128,7 @@ def test_edited_history_gives_exactly_the_reuse_off_output(stack, edit_at, reuse
     # (tokens 256-383) ends with the first 21 tokens of the reply.
     user1 = {"role": "user", "content": random_text(360, seed=31)}
     text1, handle1, _ = turn(stack, chat([user1]))
-    assert len(handle1["bidirkv_blocks"]["digests"]) == 3
+    assert handle1["bidirkv_blocks"]["n"] == 3
     words = text1.split()
     if edit_at == "assistant":
         # Token 367 of the history, inside block 2.

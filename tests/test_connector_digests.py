@@ -1,12 +1,18 @@
 """Block digests and the verified prefix (bidirkv/connector/core/digests.py)."""
 
+import base64
+import json
+from itertools import pairwise
 from types import SimpleNamespace
 
 import pytest
 
 from bidirkv.connector.core.digests import (
+    DIGEST_BYTES,
+    SPAN,
     HeldBlocks,
-    block_digests,
+    block_chain,
+    checkpoints,
     engine_shaping,
     fingerprint,
     model_seed,
@@ -21,7 +27,7 @@ REQ = request_seed(SEED, None, None)
 
 
 def held_for(tokens, seed=SEED, req=REQ, bs=BS):
-    return HeldBlocks(bs, fingerprint(seed), block_digests(req, tokens, bs))
+    return HeldBlocks.of(bs, fingerprint(seed), block_chain(req, tokens, bs))
 
 
 HELD_TOKENS = list(range(100, 118))  # 18 tokens: 4 full blocks + 2
@@ -32,10 +38,10 @@ def check(prompt, held=None, seed=SEED, req=REQ, bs=BS):
 
 
 def test_only_full_blocks_are_digested():
-    assert len(block_digests(REQ, HELD_TOKENS, BS)) == 4
-    assert block_digests(REQ, HELD_TOKENS, BS, max_blocks=2) == block_digests(
+    assert len(block_chain(REQ, HELD_TOKENS, BS)) == 4
+    assert block_chain(REQ, HELD_TOKENS, BS, max_blocks=2) == block_chain(
         REQ, HELD_TOKENS, BS)[:2]
-    assert block_digests(REQ, [1, 2, 3], BS) == []
+    assert block_chain(REQ, [1, 2, 3], BS) == []
 
 
 def test_exact_extension_reuses_every_held_block():
@@ -78,8 +84,8 @@ def test_different_model_or_dtype_never_matches():
                                                                                  None)))
     assert (v.blocks, v.reason) == (0, "model_mismatch")
     # Even with a forged fingerprint, the chain itself differs from block 0 on.
-    forged = HeldBlocks(BS, fingerprint(SEED),
-                        block_digests(request_seed(other, None, None), HELD_TOKENS, BS))
+    forged = HeldBlocks.of(BS, fingerprint(SEED),
+                           block_chain(request_seed(other, None, None), HELD_TOKENS, BS))
     assert check(HELD_TOKENS + [1], held=forged).blocks == 0
     assert model_seed("tiny-b", None, "torch.float32", "auto", BS) != SEED
 
@@ -145,8 +151,77 @@ def test_wire_record_round_trip_and_rejects():
     held = held_for(HELD_TOKENS)
     assert parse_held(held.to_wire(), max_blocks=10) == held
     wire = held.to_wire()
-    assert parse_held(wire, max_blocks=3) is None  # more digests than blocks
-    for bad in (None, [], {**wire, "v": 2}, {**wire, "bs": "4"}, {**wire, "bs": True},
-                {**wire, "fp": 5}, {**wire, "digests": "x"}, {**wire, "digests": [1]},
-                {**wire, "digests": ["ab"]}):
+    assert parse_held(wire, max_blocks=3) is None  # more blocks than the handle lists
+    short = base64.b64encode(b"x" * (3 * DIGEST_BYTES)).decode()
+    for bad in (None, [], {**wire, "v": 1}, {**wire, "v": 3}, {**wire, "bs": "4"},
+                {**wire, "bs": True}, {**wire, "fp": 5}, {**wire, "n": -1},
+                {**wire, "n": True}, {**wire, "n": 5}, {**wire, "cp": 7},
+                {**wire, "cp": short}, {**wire, "cp": "!" * len(wire["cp"])},
+                {"v": 1, "bs": BS, "fp": wire["fp"], "digests": ["ab" * 16] * 4}):
         assert parse_held(bad, max_blocks=10) is None
+
+
+# -- agent-length histories: 16-token blocks, as GPU engines use ----------------------
+GPU_BS = 16
+LONG = [(i * 7919) % 50_000 for i in range(8192 * GPU_BS + 5)]  # 8,192 full blocks
+
+
+@pytest.fixture(scope="module")
+def long_chain():
+    return block_chain(REQ, LONG, GPU_BS)
+
+
+def test_every_block_is_a_checkpoint_up_to_a_span():
+    assert checkpoints(0) == []
+    assert checkpoints(SPAN) == list(range(1, SPAN + 1))
+    points = checkpoints(8192)
+    assert points[-1] == 8192 and points == sorted(set(points))
+    assert len(points) <= SPAN + 14  # the spans, then 1, 2, 4, ... back from the end
+    assert max(b - a for a, b in pairwise([0, *points])) <= -(-8192 // SPAN)
+
+
+def test_the_record_of_8192_blocks_stays_within_its_bound(long_chain):
+    wire = json.dumps(HeldBlocks.of(GPU_BS, fingerprint(SEED), long_chain).to_wire())
+    assert len(wire) <= 4096
+    # One digest a block (the record before) was ~70 times that.
+    assert len(wire) * 50 < 8192 * 2 * DIGEST_BYTES
+
+
+@pytest.mark.parametrize("edit_block", [5000, 1, 8191])
+def test_an_edit_reuses_its_unedited_prefix_within_one_span(long_chain, edit_block):
+    held = HeldBlocks.of(GPU_BS, fingerprint(SEED), long_chain)
+    prompt = list(LONG) + [1, 2, 3]
+    prompt[(edit_block - 1) * GPU_BS + 3] = 999_999  # a token of block `edit_block`
+    v = verify_prefix(held, prompt, SEED, REQ, GPU_BS)
+    span = -(-8192 // SPAN)
+    assert v.reason == "mismatch"
+    assert edit_block - 1 - span <= v.blocks <= edit_block - 1
+    # Close to the end the checkpoints are denser: an edit there costs at most its
+    # distance from the end again.
+    if 8192 - edit_block < span:
+        assert v.blocks >= edit_block - 1 - 2 * (8192 - edit_block + 1)
+
+
+def test_a_whole_long_history_is_reused(long_chain):
+    held = HeldBlocks.of(GPU_BS, fingerprint(SEED), long_chain)
+    v = verify_prefix(held, list(LONG) + [1], SEED, REQ, GPU_BS)
+    assert (v.blocks, v.reason) == (8192, "match")
+
+
+def test_a_tampered_checkpoint_is_a_miss_from_there_never_a_wrong_read(long_chain):
+    held = HeldBlocks.of(GPU_BS, fingerprint(SEED), long_chain)
+    points = checkpoints(8192)
+    bad = list(held.digests)
+    i = points.index(next(p for p in points if p >= 4000))
+    bad[i] = bytes(DIGEST_BYTES)
+    v = verify_prefix(HeldBlocks(GPU_BS, held.fingerprint, 8192, tuple(bad)),
+                      list(LONG) + [1], SEED, REQ, GPU_BS)
+    # Reuse stops before the tampered checkpoint; everything read is proven by the
+    # checkpoint before it (a chained digest covers every token up to it).
+    assert (v.blocks, v.reason) == (points[i - 1], "mismatch")
+
+
+def test_a_record_claiming_more_blocks_than_its_handle_lists_is_refused(long_chain):
+    wire = HeldBlocks.of(GPU_BS, fingerprint(SEED), long_chain).to_wire()
+    assert parse_held(wire, max_blocks=8191) is None
+    assert parse_held(wire, max_blocks=8192) is not None

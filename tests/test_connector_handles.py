@@ -158,7 +158,7 @@ def test_a_handle_past_its_signed_expiry_is_dropped():
     assert admit(forged, KEY, MAX, now=0, wall=2000.0).reason == "unauthenticated"
 
 
-@pytest.mark.parametrize("version", [VERSION + 1, None, "1"])
+@pytest.mark.parametrize("version", [VERSION + 1, VERSION - 1, None, "1"])
 def test_a_handle_on_a_leg_of_another_wire_version_is_dropped(version):
     a = admit(d_handle(**{VERSION_KEY: version}), KEY, MAX, ReplayGuard(ttl=60), now=0)
     assert not a.handle and a.reason == "wire_version"

@@ -61,7 +61,7 @@ def test_drain_seconds_from_env():
 
 
 def test_endpoint_takes_drain_as_a_bool_only():
-    assert body_problem({"drain": True, "wire": 1}) is None
+    assert body_problem({"drain": True, "wire": 2}) is None
     assert body_problem({"drain": False}) is None
     assert body_problem({"drain": "yes"}) == "drain 'yes': must be true or false"
 

@@ -17,7 +17,10 @@ even with equal token ids.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import hmac
 import json
 import sys
 from array import array
@@ -25,9 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-VERSION = 1
+# 2: checkpoints of the chain instead of a digest per block.
+VERSION = 2
 DIGEST_BYTES = 16
-DIGEST_HEX = 2 * DIGEST_BYTES
 
 
 def _h(*parts: bytes) -> bytes:
@@ -88,48 +91,98 @@ def _token_bytes(tokens: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
-def block_digests(seed: bytes, tokens: Sequence[int], block_size: int,
-                  max_blocks: int | None = None) -> list[str]:
-    """Hex digest of each full block of `tokens` (a partial last block gets none)."""
+def block_chain(seed: bytes, tokens: Sequence[int], block_size: int,
+                max_blocks: int | None = None) -> list[bytes]:
+    """The chained digest of each full block of `tokens` (a partial last block gets none):
+    block i's covers every token up to the end of block i."""
     n = len(tokens) // block_size
     if max_blocks is not None:
         n = min(n, max_blocks)
-    out: list[str] = []
+    data = _token_bytes(tokens[: n * block_size])
+    width = 8 * block_size
+    out: list[bytes] = []
     prev = seed
     for i in range(n):
-        prev = _h(prev, _token_bytes(tokens[i * block_size:(i + 1) * block_size]))
-        out.append(prev.hex())
+        prev = _h(prev, data[i * width:(i + 1) * width])
+        out.append(prev)
     return out
+
+
+# The record carries the chain's digest at a few block counts, not at every block, so its
+# size does not grow with the history (agent contexts: 128k tokens are 8,192 blocks of 16;
+# one digest a block made a handle of ~300 KB). Which counts is a pure function of the
+# number of blocks held (`checkpoints`), so the record names none: at most SPAN evenly
+# spaced (an edit anywhere costs at most one span of recompute, 1/SPAN of the history),
+# and the counts 1, 2, 4, 8, ... blocks back from the end (an edit near the end, the
+# common case, costs at most about its distance from the end). A chained digest that
+# matches at block p proves every block up to p, so reuse stays exact.
+SPAN = 128
+
+
+def checkpoints(n: int) -> list[int]:
+    """The block counts (1-based, ascending) at which a record of `n` blocks carries the
+    chain's digest: every block when n <= SPAN."""
+    if n <= 0:
+        return []
+    step = -(-n // SPAN)
+    points = set(range(step, n + 1, step))
+    back = 1
+    while back <= n:
+        points.add(n - back + 1)
+        back *= 2
+    return sorted(points)
+
+
+def max_record_bytes(n: int) -> int:
+    """Digest bytes of a record of `n` blocks (what bounds a handle's size)."""
+    return DIGEST_BYTES * len(checkpoints(n))
 
 
 @dataclass(frozen=True)
 class HeldBlocks:
-    """What D says its retained blocks hold (the `bidirkv_blocks` record)."""
+    """What D says its retained blocks hold (the `bidirkv_blocks` record): `blocks` full
+    blocks, and the chain's digest at each of `checkpoints(blocks)`, in order."""
 
     block_size: int
     fingerprint: str
-    digests: list[str]
+    blocks: int
+    digests: tuple[bytes, ...]
+
+    @classmethod
+    def of(cls, block_size: int, fingerprint: str, chain: Sequence[bytes]) -> HeldBlocks:
+        """From the digest of every block (`block_chain`)."""
+        return cls(block_size, fingerprint, len(chain),
+                   tuple(chain[p - 1] for p in checkpoints(len(chain))))
 
     def to_wire(self) -> dict:
         return {"v": VERSION, "bs": self.block_size, "fp": self.fingerprint,
-                "digests": list(self.digests)}
+                "n": self.blocks, "cp": base64.b64encode(b"".join(self.digests)).decode()}
 
 
 def parse_held(record: object, max_blocks: int) -> HeldBlocks | None:
-    """The record from a handle, or None when it is not exactly what D writes."""
+    """The record from a handle, or None when it is not exactly what D writes (another
+    version, more blocks than the handle's block list, digests not one per checkpoint)."""
     if not isinstance(record, dict) or record.get("v") != VERSION:
         return None
-    bs, fp, digests = record.get("bs"), record.get("fp"), record.get("digests")
+    bs, fp, n, cp = record.get("bs"), record.get("fp"), record.get("n"), record.get("cp")
     if not (isinstance(bs, int) and not isinstance(bs, bool) and 0 < bs <= 1 << 20):
         return None
     if not (isinstance(fp, str) and len(fp) == 16):
         return None
-    if not (isinstance(digests, list) and len(digests) <= max_blocks):
+    if not (isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= max_blocks):
         return None
-    for d in digests:
-        if not (isinstance(d, str) and len(d) == DIGEST_HEX):
-            return None
-    return HeldBlocks(bs, fp, digests)
+    points = len(checkpoints(n))
+    # Checked before decoding: a caller cannot make P decode more than the bound.
+    if not (isinstance(cp, str) and len(cp) == 4 * -(-points * DIGEST_BYTES // 3)):
+        return None
+    try:
+        raw = base64.b64decode(cp, validate=True)
+    except (ValueError, binascii.Error):
+        return None
+    if len(raw) != points * DIGEST_BYTES:
+        return None
+    return HeldBlocks(bs, fp, n, tuple(raw[i:i + DIGEST_BYTES]
+                                       for i in range(0, len(raw), DIGEST_BYTES)))
 
 
 @dataclass(frozen=True)
@@ -142,25 +195,26 @@ class Verification:
 
 def verify_prefix(held: HeldBlocks, prompt: Sequence[int], seed: bytes, req_seed: bytes,
                   block_size: int) -> Verification:
-    """How many leading blocks of D's KV are valid for `prompt`.
+    """How many leading blocks of D's KV are valid for `prompt`: up to the last checkpoint
+    before the first that differs from P's own chain (or lies past what P may read).
 
     At least one prompt token is always left to compute: the last position must run
     through the model to produce logits, and a prompt covered to its end by reused
     blocks is a path vLLM handles by rewinding into a block that was just read.
     """
-    comparable = min(len(held.digests), max(len(prompt) - 1, 0) // held.block_size)
+    comparable = min(held.blocks, max(len(prompt) - 1, 0) // held.block_size)
     if held.block_size != block_size:
         return Verification(0, 0, comparable, "block_size_mismatch")
     if held.fingerprint != fingerprint(seed):
         return Verification(0, 0, comparable, "model_mismatch")
-    mine = block_digests(req_seed, prompt, block_size, comparable)
-    n = 0
-    while n < comparable and mine[n] == held.digests[n]:
-        n += 1
-    if n < comparable:
-        reason = "mismatch"
-    elif comparable < len(held.digests):
-        reason = "prompt_shorter"
-    else:
-        reason = "match"
+    mine = block_chain(req_seed, prompt, block_size, comparable)
+    n, reason = 0, "match"
+    for point, digest in zip(checkpoints(held.blocks), held.digests, strict=True):
+        if point > comparable:
+            reason = "prompt_shorter"
+            break
+        if not hmac.compare_digest(mine[point - 1], digest):
+            reason = "mismatch"
+            break
+        n = point
     return Verification(n, n * block_size, comparable, reason)

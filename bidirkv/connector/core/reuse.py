@@ -77,9 +77,7 @@ def plan(adm: Admission, offered: int, prompt: Sequence[int] | None, seed: bytes
         return refuse("unsupported_layout")
     if held is None:
         return refuse("no_digest")
-    if len(held.digests) * held.block_size > offered or any(
-        len(g) < len(held.digests) for g in ids
-    ):
+    if held.blocks * held.block_size > offered or any(len(g) < held.blocks for g in ids):
         return refuse("inconsistent_handle")
     v = verify_prefix(held, prompt, seed, req_seed, block_size)
     if v.blocks:

@@ -215,9 +215,9 @@ class Reuse:
             # D: what its retained blocks hold (prompt + output, minus the last sampled
             # token, whose KV was never computed).
             held = request.all_token_ids[: out.get("remote_num_tokens") or 0]
-            out[BLOCKS_KEY] = digests.HeldBlocks(
+            out[BLOCKS_KEY] = digests.HeldBlocks.of(
                 sched.block_size, st.fingerprint,
-                digests.block_digests(_request_seed(st, request), held, sched.block_size),
+                digests.block_chain(_request_seed(st, request), held, sched.block_size),
             ).to_wire()
         if out.get("remote_block_ids"):
             # How long the issuer keeps the blocks: D its TTL, P its lease (which D's
