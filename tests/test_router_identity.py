@@ -2,6 +2,7 @@
 each tenant's cache salt, and who names a tenant."""
 
 import hashlib
+import tracemalloc
 
 from bidirkv.router.request.identity import (
     ANONYMOUS,
@@ -125,6 +126,25 @@ def test_each_tenant_has_its_own_cache_salt_stable_turn_to_turn():
     # A client's salt splits its own tenant's cache, never reaches another's.
     assert keys.cache_salt(A, "mine") not in (salt, keys.cache_salt(B, "mine"))
     assert keys.cache_salt(A, "mine") == keys.cache_salt(A, "mine")
+    # The same values as every earlier router: replicas mid-rollout share the prefix cache.
+    assert keys.cache_salt(b"t" * 16) == "11ae9d0cbc4f4990f5fc12bbbe140368"
+    assert keys.cache_salt(b"t" * 16, "mine") == "fa2ea34adcea84d72224dd4cf2cdbdf0"
+
+
+def test_a_clients_salts_are_never_kept():
+    """However many distinct salts, and however long, the keys keep nothing of them (an
+    lru_cache keyed by the salt kept each one whole: 20 of 200 kB each kept 4 MB)."""
+    keys = LookupKeys(b"k" * 32)
+    keys.cache_salt(A, "warm")
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        salts = {keys.cache_salt(A, f"{i}:" + "s" * 200_000) for i in range(20)}
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(salts) == 20
+    assert kept < 200_000, kept
 
 
 class Clock:

@@ -1,5 +1,9 @@
-"""Tenants over HTTP against fake engines: each tenant's cache_salt on every leg, a client
-rotating credentials pooled past its address's cap, the gateway's trusted header."""
+"""Tenants over HTTP against fake engines: each tenant's cache_salt on every leg, a
+client's own salt bounded and never kept, a client rotating credentials pooled past its
+address's cap, the gateway's trusted header."""
+
+import gc
+import tracemalloc
 
 import pytest
 from fake_engine import Cluster
@@ -49,9 +53,37 @@ async def test_plain_pd_and_a_refused_salt():
         await c.chat(U1, headers=ALICE)
         [salt] = set(salts(c.p[0]) + salts(c.d[0]))
         assert salt is not None
-        # Not a salt vLLM takes: passed on as it came, for the engine to refuse.
-        await c.chat(U1, headers=ALICE, cache_salt="")
-        assert salts(c.p[0])[-1] == ""
+        # Not a salt vLLM takes: refused by the router, naming the field; no engine asked.
+        r = await c.chat(U1, headers=ALICE, cache_salt="")
+        assert r["status"] == 400 and r["error"]["error"]["param"] == "cache_salt"
+        assert len(c.p[0].generations()) == 1
+
+
+async def test_many_distinct_large_salts_grow_nothing_the_router_keeps():
+    """Over-long salts are refused before anything is kept (the router kept each one whole
+    in its salt cache and answered 200: 16 of 1 MB kept 16 MB); salts it takes reach the
+    legs each as its own, while its salt caches hold one entry per tenant."""
+    async with Cluster(handle_key=KEY) as c:
+        await c.chat(U1, headers=ALICE, cache_salt="warm")
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            answers = [await c.chat(U1, headers=ALICE, cache_salt=f"{i:02d}" + "s" * 999_998)
+                       for i in range(16)]
+            gc.collect()
+            kept = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert kept < 1_000_000, kept
+        assert {a["status"] for a in answers} == {400}
+        assert answers[0]["error"]["error"]["message"] == (
+            "cache_salt: 1000000 characters is too long; at most 128 allowed")
+        for i in range(20):
+            await c.chat(U1, headers=ALICE, cache_salt=f"{i:03d}" + "s" * 125)
+        assert len(set(salts(c.p[0])[-20:])) == 20
+        keys = c.router.ctx.keys
+        assert keys._salt_state.cache_info().currsize == 1
 
 
 async def test_a_client_rotating_credentials_is_pooled_past_its_cap():

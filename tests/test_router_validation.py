@@ -34,6 +34,13 @@ def parse(body, kind=CHAT, header=None):
         ({"messages": MSGS, "conversation_id": 7}, CHAT, "conversation_id: 7"),
         ({"messages": MSGS, "conversation_id": "x" * 600}, CHAT, "too long"),
         ({"messages": MSGS, "stream_options": "x"}, CHAT, "stream_options: 'x'"),
+        ({"messages": MSGS, "cache_salt": ""}, CHAT, "cache_salt: '' is not allowed; "
+                                                     "expected a non-empty string"),
+        ({"messages": MSGS, "cache_salt": 7}, CHAT, "cache_salt: 7"),
+        ({"messages": MSGS, "cache_salt": "s" * 129}, CHAT,
+         "cache_salt: 129 characters is too long; at most 128 allowed"),
+        ({"prompt": "a", "cache_salt": "s" * 2_000_000}, COMPLETIONS,
+         "cache_salt: 2000000 characters is too long; at most 128 allowed"),
         ({"prompt": None}, COMPLETIONS, "prompt: None"),
         ({}, COMPLETIONS, "prompt: required"),
         ({"prompt": [1, "a"]}, COMPLETIONS, "prompt: [1, 'a']"),
@@ -51,6 +58,13 @@ def test_consumed_fields_and_defaults():
                  "temperature": 0.5})
     assert req.conversation_id == "c" and req.stream is False
     assert req.body == {"messages": MSGS, "temperature": 0.5}
+
+
+def test_cache_salt_up_to_vllms_bound_is_taken():
+    assert parse({"messages": MSGS, "cache_salt": "s" * 128}).body["cache_salt"] == "s" * 128
+    with pytest.raises(ClientError) as exc:
+        parse({"messages": MSGS, "cache_salt": "s" * 129})
+    assert exc.value.param == "cache_salt"
 
 
 def test_header_id_and_body_precedence():

@@ -40,13 +40,9 @@ _PREFILL_DROP = ("max_completion_tokens", "min_tokens", "stream_options")
 def salt(body: dict[str, Any], salt_of: Callable[[str | None], str]) -> None:
     """Give the client's body its tenant's `cache_salt` (`salt_of(the client's salt)`).
     Set once on the body every leg is built from: both legs, an extend and a prefill-only
-    answer carry the same salt, so reuse between them is kept. A salt vLLM would refuse
-    (empty, not a string) is left for the engine to refuse."""
-    client = body.get(SALT_KEY)
-    if client is None:
-        body[SALT_KEY] = salt_of(None)
-    elif isinstance(client, str) and client:
-        body[SALT_KEY] = salt_of(client)
+    answer carry the same salt, so reuse between them is kept. The client's salt, if any,
+    is a non-empty string of at most MAX_CACHE_SALT characters (parse_request)."""
+    body[SALT_KEY] = salt_of(body.get(SALT_KEY))
 
 
 def prefill_body(body: dict[str, Any], handle: dict[str, Any] | None,

@@ -162,14 +162,17 @@ class ChatHistory:
 class LookupKeys:
     """Every lookup key of one router: tenants, explicit ids, chat histories, prompts."""
 
-    __slots__ = ("_key", "_prefix", "cache_salt", "conversation_label", "explicit_key")
+    __slots__ = ("_key", "_prefix", "_salt_state", "_tenant_salt", "conversation_label",
+                 "explicit_key")
 
     def __init__(self, handle_key: bytes | None = None) -> None:
         self._key = derive_hash_key(handle_key) if handle_key else _PROCESS_HASH_KEY
         # Pure in their arguments and asked for on every turn of a conversation: the
         # conversations in use hash once, not per turn (bounded: a bot's fresh ids only
-        # push older ones out).
-        self.cache_salt = lru_cache(KEYED_CACHE)(self._cache_salt)
+        # push older ones out, and validation holds an id to MAX_CONVERSATION_ID).
+        # Salts are cached by tenant alone (cache_salt): a client's own salt is never kept.
+        self._salt_state = lru_cache(KEYED_CACHE)(self._salt_start)
+        self._tenant_salt = lru_cache(KEYED_CACHE)(self._salt_of_tenant)
         self.conversation_label = lru_cache(KEYED_CACHE)(self._conversation_label)
         self.explicit_key = lru_cache(KEYED_CACHE)(self._explicit_key)
         # The keyed state every prefix hash of a tenant starts from (copied, never fed).
@@ -200,16 +203,28 @@ class LookupKeys:
         return self._hasher(b"label", isolation_tenant(tenant),
                             conversation_id.encode("utf-8", "surrogatepass")).hexdigest()[:10]
 
-    def _cache_salt(self, tenant: bytes, client_salt: str | None = None) -> str:
+    def cache_salt(self, tenant: bytes, client_salt: str | None = None) -> str:
         """The tenant's `cache_salt`: vLLM's prefix cache (and the connector's digests)
         match only requests of one salt, so no tenant's timing can tell whether another's
         prompt is cached. The same salt turn after turn: a tenant's own conversations
         keep their reuse. A client's own salt still splits its tenant's cache, but is
-        folded into the tenant's (two tenants sending one salt share nothing)."""
-        h = self._hasher(b"salt", isolation_tenant(tenant))
-        if client_salt is not None:
-            h.update(client_salt.encode("utf-8", "surrogatepass"))
+        folded into the tenant's (two tenants sending one salt share nothing).
+
+        Only the tenant (a digest) keys a cache here: a client's salt is fed to a copy of
+        its tenant's keyed state on each call and never kept, so distinct salts, however
+        many or long, grow nothing. Keying a cache by the salt's digest instead would
+        hash the salt to find it, which is all the work the salt itself costs."""
+        if client_salt is None:
+            return self._tenant_salt(tenant)
+        h = self._salt_state(tenant).copy()
+        h.update(client_salt.encode("utf-8", "surrogatepass"))
         return h.hexdigest()[:SALT_HEX_LEN]
+
+    def _salt_start(self, tenant: bytes) -> Any:
+        return self._hasher(b"salt", isolation_tenant(tenant))
+
+    def _salt_of_tenant(self, tenant: bytes) -> str:
+        return self._salt_start(tenant).hexdigest()[:SALT_HEX_LEN]
 
     def _explicit_key(self, tenant: bytes, conversation_id: str) -> bytes:
         return self._hasher(b"id", isolation_tenant(tenant),

@@ -21,6 +21,10 @@ from bidirkv.router.request.bodycheck import (
 CHAT = "chat"
 COMPLETIONS = "completions"
 MAX_CONVERSATION_ID = 512
+# vLLM's own bound (vllm/entrypoints/generate/base/protocol.py, `validate_cache_salt`):
+# a client written for vLLM sends no longer salt. The engines never see it (the router
+# sends its keyed digest instead), so vLLM's forbidden characters do not matter here.
+MAX_CACHE_SALT = 128
 
 
 class ClientError(Exception):
@@ -47,6 +51,11 @@ def _show(value: Any) -> str:
 
 def _bad(field: str, value: Any, allowed: str) -> ClientError:
     return ClientError(400, f"{field}: {_show(value)} is not allowed; expected {allowed}", field)
+
+
+def _too_long(field: str, value: str, limit: int) -> ClientError:
+    return ClientError(400, f"{field}: {len(value)} characters is too long; at most {limit} "
+                       "allowed", field)
 
 
 class ParsedRequest:
@@ -155,7 +164,19 @@ def _checked_fields(body: dict[str, Any], kind: str, max_model_len: int | None) 
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise _bad("stream_options", so, "an object")
+    _check_cache_salt(body.get("cache_salt"))
     return stream
+
+
+def _check_cache_salt(salt: Any) -> None:
+    """What vLLM takes: a non-empty string, no longer than it takes (a salt is a secret
+    of a few dozen characters; a megabyte of one is only work for the router)."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise _bad("cache_salt", salt, "a non-empty string")
+    if len(salt) > MAX_CACHE_SALT:
+        raise _too_long("cache_salt", salt, MAX_CACHE_SALT)
 
 
 def _conversation_id(body: dict[str, Any], header: str | None) -> str | None:
@@ -170,12 +191,7 @@ def _conversation_id(body: dict[str, Any], header: str | None) -> str | None:
         if not isinstance(conversation_id, str) or not conversation_id:
             raise _bad(field, conversation_id, "a non-empty string")
         if len(conversation_id) > MAX_CONVERSATION_ID:
-            raise ClientError(
-                400,
-                f"{field}: {len(conversation_id)} characters is too long; "
-                f"at most {MAX_CONVERSATION_ID} allowed",
-                field,
-            )
+            raise _too_long(field, conversation_id, MAX_CONVERSATION_ID)
     return conversation_id
 
 
