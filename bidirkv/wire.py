@@ -42,6 +42,12 @@ RECALL_FIELD = "recall"
 RECALL_NOTES_FIELD = "notes"
 RECALL_NEXT_FIELD = "recallNext"
 RECALL_MORE_FIELD = "recallMore"
+# Beside a recalled page: what each note leaves out of its handle (NOTE_LEAVES_OUT), from
+# the handle decode issued for that request (request id -> those fields).
+RECALL_HANDLES_FIELD = "recallHandles"
+# The parts of a handle that grow with the history: a note carries neither (it stays a
+# few hundred bytes at any length), decode, which issued them, gives them back.
+NOTE_LEAVES_OUT = ("remote_block_ids", BLOCKS_KEY)
 
 # Decode keeps at most this much of a tenant label: a direct caller cannot grow its
 # memory with it; the router sends TENANT_LABEL_LEN.

@@ -36,7 +36,7 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
-from bidirkv.wire import VERSION, VERSION_KEY
+from bidirkv.wire import NOTE_LEAVES_OUT, VERSION, VERSION_KEY
 
 
 @dataclass
@@ -113,7 +113,8 @@ class FakeEngine:
         # decode: the request ids it handed out a handle for (what it retains), and the
         # notes their owner left beside them (request id -> (sequence, owner, note)), as
         # bidirkv/connector/core/notes.py keeps them.
-        self.issued: set[str] = set()
+        # request id -> what the note leaves out of its handle (wire.NOTE_LEAVES_OUT)
+        self.issued: dict[str, dict[str, Any]] = {}
         self.notes: dict[str, tuple[int, str, str]] = {}
         self._note_seq = itertools.count(1)
         self._blocks = itertools.count(1)
@@ -211,7 +212,7 @@ class FakeEngine:
             return web.json_response({}, status=self.behaviour.residency_status)
         self.released.extend(body.get("release") or [])
         for rid in body.get("release") or []:
-            self.issued.discard(rid)
+            self.issued.pop(rid, None)
             self.notes.pop(rid, None)
         if body.get("release"):
             self.released_event.set()
@@ -229,9 +230,16 @@ class FakeEngine:
             mine = sorted((seq, rid, note) for rid, (seq, who, note) in self.notes.items()
                           if who == owner and seq > body["recall"])
             out.update({"notes": {rid: note for _, rid, note in mine},
+                        "recallHandles": {rid: self.issued[rid] for _, rid, _ in mine},
                         "recallNext": max([body["recall"]] + [s for s, _, _ in mine]),
                         "recallMore": False})
         return web.json_response(out)
+
+    def issue(self, params: dict[str, Any]) -> None:
+        """Decode handed out `params`: it retains the request, and keeps what a note
+        leaves out of the handle for a recall."""
+        self.issued[params["remote_request_id"]] = {
+            k: params[k] for k in NOTE_LEAVES_OUT if k in params}
 
     def forget_notes(self) -> None:
         """A restart of the engine: it retains nothing, so it holds no notes."""
@@ -326,7 +334,7 @@ class FakeEngine:
             out["kv_transfer_params"] = None  # what vLLM answers to a request without any
         elif not b.no_params:
             out["kv_transfer_params"] = self._params(self._rid(request), n)
-            self.issued.add(out["kv_transfer_params"]["remote_request_id"])
+            self.issue(out["kv_transfer_params"])
         choice: dict[str, Any] = {"index": 0, "finish_reason": "stop"}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -369,7 +377,7 @@ class FakeEngine:
         whole = self.role == "prefill"
         params = None if b.no_params or whole else self._params(self._rid(request), n)
         if params is not None:
-            self.issued.add(params["remote_request_id"])
+            self.issue(params)
         finish = [{"index": 0, "delta": {}, "finish_reason": "stop"}] if chat else \
             [{"index": 0, "text": "", "finish_reason": "stop"}]
         if params is not None and (b.params_on_last_chunk or b.native_stream_params):

@@ -74,11 +74,11 @@ def test_recall_pages_by_size_and_a_later_recall_gets_only_what_came_since():
     got, cursor, more = {}, 0, True
     pages = 0
     while more:
-        page, cursor, more = notes.page("me", cursor)
+        page, _, cursor, more = notes.page("me", cursor)
         got.update(page)
         pages += 1
     assert sorted(got) == [f"r{i}" for i in range(5)] and pages == 3
-    assert notes.page("me", cursor) == ({}, cursor, False)
+    assert notes.page("me", cursor) == ({}, {}, cursor, False)
     notes.keep("r9", "me", "new")
     notes.keep("r1", "me", "moved")  # replaced: comes again, with its new note
     assert notes.page("me", cursor)[0] == {"r9": "new", "r1": "moved"}
@@ -125,3 +125,28 @@ def test_the_utility_keeps_and_recalls_for_the_calling_owner():
                                           "recall": 0})["notes"] == {}
     finally:
         core.install(None)
+
+
+def test_a_recall_gives_back_what_each_note_leaves_out_of_its_handle():
+    # A long conversation's handle: its block ids and digest record stay on decode, which
+    # issued them, and come back beside the note; the note itself stays small.
+    res, _ = held(n=0)
+    ids = [list(range(1000, 13_500))]
+    res.retain("long", 12_500, "r1", 1e9, block_ids=ids[0],
+               bulk={"remote_block_ids": ids, "bidirkv_blocks": {"v": 2}})
+    res.retain("short", 2, "r1", 1e9, block_ids=[1, 2],
+               bulk={"remote_block_ids": [[1, 2]]})
+    keep(res, "r1", {"long": "n1", "short": "n2"})
+    out = exchange(res.notes, res.lock, res.holds, "r1", {}, 0, res.bulk_of)
+    assert out["notes"] == {"long": "n1", "short": "n2"}
+    assert out["recallHandles"] == {
+        "long": {"remote_block_ids": ids, "bidirkv_blocks": {"v": 2}},
+        "short": {"remote_block_ids": [[1, 2]]}}
+    # The page's bound counts them: a page of 1 KiB holds one such note at a time.
+    res.notes.page_chars = 1024
+    first = exchange(res.notes, res.lock, res.holds, "r1", {}, 0, res.bulk_of)
+    assert list(first["notes"]) == ["long"] and first["recallMore"] is True
+    assert list(first["recallHandles"]) == ["long"]
+    # A request that left takes what it was issued with along.
+    res.on_freed(["long"])
+    assert res.bulk_of("long") is None

@@ -20,14 +20,20 @@ from router_process import KEY, RouterProcess
 
 from bidirkv.router.pool.notes import decode, encode, merge, note_key, stable_owner
 from bidirkv.router.store.base import Entry, Kept
-from bidirkv.wire import MAX_NOTE_LEN, VERSION, VERSION_KEY
+from bidirkv.wire import BLOCKS_KEY, MAX_NOTE_LEN, NOTE_LEAVES_OUT, VERSION, VERSION_KEY
 
 NK = note_key(KEY.encode())
-PARAMS = json.dumps({"remote_request_id": "d-1", VERSION_KEY: VERSION,
-                     "remote_block_ids": [[1, 2, 3]]}).encode()
+HANDLE = {"remote_request_id": "d-1", VERSION_KEY: VERSION, "remote_block_ids": [[1, 2, 3]],
+          BLOCKS_KEY: {"v": 2, "n": 3}}
+BULK = {k: HANDLE[k] for k in NOTE_LEAVES_OUT}
+PARAMS = json.dumps(HANDLE).encode()
 KEPT = Kept(b"k" * 32, PARAMS, "http://d0", "eng-1", 40, tenant=b"t" * 16, prefix_len=0,
             request_id="d-1", blocks=3, chars=120, prompt_key=b"\0\0\0\2" + b"p" * 16,
             kept_at=1000.0, gap=12.5)
+
+
+def note_of(kept: Kept, at: float, key: bytes = NK) -> str | None:
+    return encode(key, kept, at, json.loads(kept.params))
 
 
 # -- pure: the owner, the note and the merge --------------------------------------------------
@@ -38,31 +44,45 @@ def test_the_owner_is_the_same_for_every_process_of_a_resource_and_only_it():
 
 
 def test_a_note_gives_back_the_kept_record_on_the_replica_it_is_recalled_from():
-    note = encode(NK, KEPT, 5.0)
-    back = decode(NK, "d-1", note, "http://d0-again")
+    note = note_of(KEPT, 5.0)
+    back = decode(NK, "d-1", note, "http://d0-again", BULK)
     assert back == dataclasses.replace(KEPT, decode_url="http://d0-again",
                                        params=back.params)
     assert json.loads(back.params) == json.loads(PARAMS)
     # An unknown kept_at is the time the note was made.
-    assert decode(NK, "d-1", encode(NK, dataclasses.replace(KEPT, kept_at=None), 5.0),
-                  "u").kept_at == 5.0
+    assert decode(NK, "d-1", note_of(dataclasses.replace(KEPT, kept_at=None), 5.0),
+                  "u", BULK).kept_at == 5.0
+
+
+def test_a_note_leaves_out_what_grows_with_the_history_and_decode_gives_it_back():
+    # 200k tokens in blocks of 16: 12,500 block ids and the digest record.
+    ids = [[100_000 + i for i in range(12_500)]]
+    long = {**HANDLE, "remote_block_ids": ids, BLOCKS_KEY: {"v": 2, "cp": "A" * 3000}}
+    kept = dataclasses.replace(KEPT, params=json.dumps(long).encode(), blocks=12_500)
+    note = note_of(kept, 5.0)
+    assert note is not None and len(note) <= 1024 and "100000" not in note
+    back = decode(NK, "d-1", note, "u", {k: long[k] for k in NOTE_LEAVES_OUT})
+    assert json.loads(back.params) == long
+    # Nothing given back (a decode of an older release, or a request it no longer
+    # holds): nothing to put back, the conversation's next turn recomputes.
+    for bulk in (None, {}, {"remote_block_ids": "x"}, [1]):
+        assert decode(NK, "d-1", note, "u", bulk) is None
 
 
 def test_a_note_is_the_same_bytes_older_routers_made():
     # Notes outlive the process that signed them (a rollout recalls an older release's):
     # the form and the MAC are pinned, whatever the encoder keeps cached.
-    assert encode(NK, KEPT, 0.0) == (
-        '1.2qjacR1oJgI4Ezm91XZq_Q.["a2tra2tra2tra2tra2tra2tra2tra2tra2tra2tra2s=",'
-        '"{\\"remote_request_id\\": \\"d-1\\", \\"bidirkv_wire\\": 1, '
-        '\\"remote_block_ids\\": [[1, 2, 3]]}","eng-1",40,"dHR0dHR0dHR0dHR0dHR0dA==",0,3,'
-        '120,"AAAAAnBwcHBwcHBwcHBwcHBwcHA=",1000.0,12.5]')
+    assert note_of(KEPT, 0.0) == (
+        '2.jnrMelWZVmxBa1h5RpVO2Q.["a2tra2tra2tra2tra2tra2tra2tra2tra2tra2tra2s=",'
+        '"{\\"remote_request_id\\":\\"d-1\\",\\"bidirkv_wire\\":2}","eng-1",40,'
+        '"dHR0dHR0dHR0dHR0dHR0dA==",0,3,120,"AAAAAnBwcHBwcHBwcHBwcHBwcHA=",1000.0,12.5]')
 
 
 @pytest.mark.parametrize("name, rid, note", [
     ("another request's", "d-2", lambda n: n),
-    ("another key's", "d-1", lambda n: encode(note_key(b"x" * 64), KEPT, 0.0)),
+    ("another key's", "d-1", lambda n: note_of(KEPT, 0.0, note_key(b"x" * 64))),
     ("changed", "d-1", lambda n: n.replace('"eng-1"', '"eng-2"')),
-    ("another format", "d-1", lambda n: "2" + n[1:]),
+    ("another format", "d-1", lambda n: "1" + n[1:]),
     ("not text", "d-1", lambda n: 7),
     ("cut", "d-1", lambda n: n[:40]),
     ("a MAC not ASCII", "d-1", lambda n: n.replace(".", ".é", 1)),
@@ -70,21 +90,21 @@ def test_a_note_is_the_same_bytes_older_routers_made():
     ("a request id with a lone surrogate", "d-1\ud800", lambda n: n),
 ])
 def test_a_note_that_does_not_check_gives_nothing(name, rid, note):
-    assert decode(NK, rid, note(encode(NK, KEPT, 0.0)), "u") is None, name
+    assert decode(NK, rid, note(note_of(KEPT, 0.0)), "u", BULK) is None, name
 
 
 def test_a_signed_note_that_is_no_handle_of_this_release_gives_nothing():
     old = dataclasses.replace(KEPT, params=json.dumps({VERSION_KEY: VERSION + 1}).encode())
-    assert decode(NK, "d-1", encode(NK, old, 0.0), "u") is None
-    assert decode(NK, "d-1", encode(NK, dataclasses.replace(KEPT, num_tokens=-1), 0.0),
-                  "u") is None
+    assert decode(NK, "d-1", note_of(old, 0.0), "u", BULK) is None
+    assert decode(NK, "d-1", note_of(dataclasses.replace(KEPT, num_tokens=-1), 0.0),
+                  "u", BULK) is None
 
 
 def test_a_note_longer_than_decode_keeps_is_not_made():
     big = dataclasses.replace(KEPT, params=json.dumps(
         {VERSION_KEY: VERSION, "x": "y" * MAX_NOTE_LEN}).encode())
-    assert encode(NK, big, 0.0) is None
-    assert encode(NK, dataclasses.replace(KEPT, request_id=None), 0.0) is None
+    assert note_of(big, 0.0) is None
+    assert note_of(dataclasses.replace(KEPT, request_id=None), 0.0) is None
 
 
 def entry(request_id: str, kept_at: float, reserved: bool = False) -> Entry:
@@ -281,15 +301,15 @@ async def client_and_decode():
 async def test_a_note_goes_with_the_next_call_and_a_release_takes_its_queued_note_back():
     client, d = await client_and_decode()
     try:
-        d.issued.update({"d-1", "d-2"})
-        client.keep(dataclasses.replace(KEPT, decode_url=d.url, request_id="d-1"))
-        client.keep(dataclasses.replace(KEPT, decode_url=d.url, request_id="d-2"))
+        d.issued.update({"d-1": BULK, "d-2": BULK})
+        client.keep(dataclasses.replace(KEPT, decode_url=d.url, request_id="d-1"), HANDLE)
+        client.keep(dataclasses.replace(KEPT, decode_url=d.url, request_id="d-2"), HANDLE)
         client.release_ids(d.url, ["d-2"])
         async with aiohttp.ClientSession() as s:
             assert await client.call(s, d.url)
         call = d.residency_calls[-1]
         assert set(call["keep"]) == {"d-1"} and call["release"] == ["d-2"]
-        assert decode(NK, "d-1", call["keep"]["d-1"], d.url).key == KEPT.key
+        assert decode(NK, "d-1", call["keep"]["d-1"], d.url, BULK).key == KEPT.key
         assert client.replica(d.url).keeping == {}
     finally:
         await d.stop()
@@ -298,8 +318,8 @@ async def test_a_note_goes_with_the_next_call_and_a_release_takes_its_queued_not
 async def test_notes_of_a_call_decode_did_not_take_wait_for_the_next_and_a_refused_batch_goes():
     client, d = await client_and_decode()
     try:
-        d.issued.add("d-1")
-        client.keep(dataclasses.replace(KEPT, decode_url=d.url, request_id="d-1"))
+        d.issued["d-1"] = BULK
+        client.keep(dataclasses.replace(KEPT, decode_url=d.url, request_id="d-1"), HANDLE)
         d.behaviour.residency_status = 429
         async with aiohttp.ClientSession() as s:
             assert not await client.call(s, d.url)
@@ -316,7 +336,7 @@ async def test_without_notes_key_no_note_is_made():
     client, d = await client_and_decode()
     try:
         client.notes_key = None  # a shared store: it keeps the handles itself
-        client.keep(dataclasses.replace(KEPT, decode_url=d.url))
+        client.keep(dataclasses.replace(KEPT, decode_url=d.url), HANDLE)
         assert client.replica(d.url).keeping == {}
     finally:
         await d.stop()
@@ -370,14 +390,14 @@ async def test_a_recall_puts_back_a_page_and_follows_what_comes_after():
         recall.follow_s, recall.follow_every_s = 0.3, 0.05
         client.replica(d.url)  # in the pool (a replica removed is not followed)
         now = time.time()
-        d.issued.update({"d-1", "d-2"})
-        d.notes["d-1"] = (1, client.owner, encode(NK, note(K, "d-1", now), now))
+        d.issued.update({"d-1": BULK, "d-2": BULK})
+        d.notes["d-1"] = (1, client.owner, note_of(note(K, "d-1", now), now))
         async with aiohttp.ClientSession() as s:
             task = asyncio.ensure_future(recall.replica(s, d.url))
             while store.peek(K) is None:
                 await asyncio.sleep(0.01)
             # Kept by another router of the resource after this one recalled: newer.
-            d.notes["d-2"] = (2, client.owner, encode(NK, note(K, "d-2", now + 1), now))
+            d.notes["d-2"] = (2, client.owner, note_of(note(K, "d-2", now + 1), now))
             assert await task == 2
         assert store.peek(K).request_id == "d-2" and store.peek(K).decode_url == d.url
         # The handle it replaced is released on decode (with the next call).

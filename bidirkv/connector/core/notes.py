@@ -14,6 +14,12 @@ then only lost by a router restart, as before).
 Recall is paged by a cursor: every kept note gets the next sequence number, and a page
 is the caller's notes after a cursor, up to `PAGE_CHARS`. The cursor also serves a
 router that recalls again later: it gets only what was kept since.
+
+A note does not carry what grows with the history (the block ids and the digest record,
+wire.NOTE_LEAVES_OUT): decode issued them and keeps them with the retained request, and
+a page gives them back beside each note (`RECALL_HANDLES_FIELD`). So a note stays a few
+hundred bytes however long the conversation, and a restart keeps conversations of any
+length.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from dataclasses import dataclass, field
 from bidirkv.wire import MAX_KEEP as MAX_KEEP_NOTES
 from bidirkv.wire import (
     MAX_NOTE_LEN,
+    RECALL_HANDLES_FIELD,
     RECALL_MORE_FIELD,
     RECALL_NEXT_FIELD,
     RECALL_NOTES_FIELD,
@@ -82,10 +89,13 @@ class Notes:
         if len(self._seqs) > 2 * len(self._rid_of) + 64:
             self._seqs = [s for s in self._seqs if s in self._rid_of]
 
-    def page(self, owner: str, after: int) -> tuple[dict[str, str], int, bool]:
-        """The owner's notes kept after cursor `after`, up to `page_chars`: (request id
-        -> note, the cursor to ask from next, whether more may follow)."""
+    def page(self, owner: str, after: int, bulk_of: Callable[[str], dict | None] = (
+            lambda rid: None)) -> tuple[dict[str, str], dict[str, dict], int, bool]:
+        """The owner's notes kept after cursor `after`, up to `page_chars` with what their
+        handles were issued with (`bulk_of`): (request id -> note, request id -> those
+        fields, the cursor to ask from next, whether more may follow)."""
         out: dict[str, str] = {}
+        bulks: dict[str, dict] = {}
         size, cursor = 0, after
         start = bisect.bisect_right(self._seqs, after)
         for seq in self._seqs[start:]:
@@ -94,21 +104,36 @@ class Notes:
                 continue
             _, who, note = self.by_rid[rid]
             if who == owner:
-                if out and size + len(note) > self.page_chars:
-                    return out, cursor, True
+                bulk = bulk_of(rid)
+                chars = len(note) + _bulk_chars(bulk)
+                if out and size + chars > self.page_chars:
+                    return out, bulks, cursor, True
                 out[rid] = note
-                size += len(note)
+                if bulk:
+                    bulks[rid] = bulk
+                size += chars
             cursor = seq
         # The cursor stays where the next note will land, so a later recall from it
         # returns only what was kept since.
-        return out, max(cursor, self._next - 1), False
+        return out, bulks, max(cursor, self._next - 1), False
+
+
+def _bulk_chars(bulk: dict | None) -> int:
+    """About the JSON characters of a handle's bulk (block ids of up to 7 digits and the
+    digest record's ~3 KB): the page's bound, without encoding it here."""
+    if not bulk:
+        return 0
+    ids = bulk.get("remote_block_ids") or ()
+    return 8 * sum(len(g) for g in ids if isinstance(g, list | tuple)) + 4096
 
 
 def exchange(notes: Notes, lock: threading.Lock, holds: Callable[[str, str], bool],
-             owner: str, keep: dict[str, str], recall: int | None) -> dict:
+             owner: str, keep: dict[str, str], recall: int | None,
+             bulk_of: Callable[[str], dict | None] = lambda rid: None) -> dict:
     """One residency call's notes: keep those for requests `owner` holds here (`holds`,
     asked under `lock`, the lock retention's own changes drop notes under), then the page
-    of a recall from cursor `recall` (None: no recall). The answer's fields."""
+    of a recall from cursor `recall` (None: no recall), with what each handle was issued
+    with (`bulk_of`, asked under `lock` too). The answer's fields."""
     out: dict = {}
     with lock:
         if keep:
@@ -117,9 +142,9 @@ def exchange(notes: Notes, lock: threading.Lock, holds: Callable[[str, str], boo
                        and notes.keep(rid, owner, note))
             out["notesKept"] = kept
         if recall is not None:
-            page, cursor, more = notes.page(owner, recall)
-            out.update({RECALL_NOTES_FIELD: page, RECALL_NEXT_FIELD: cursor,
-                        RECALL_MORE_FIELD: more})
+            page, bulks, cursor, more = notes.page(owner, recall, bulk_of)
+            out.update({RECALL_NOTES_FIELD: page, RECALL_HANDLES_FIELD: bulks,
+                        RECALL_NEXT_FIELD: cursor, RECALL_MORE_FIELD: more})
         out["notesHeld"] = len(notes)
         if notes.refused:
             out["notesRefused"] = dict(notes.refused)

@@ -76,6 +76,9 @@ class Held:
     # vLLM's ids of its blocks (empty: unknown, then all `blocks` count as its own). An
     # extend shares its history's blocks with the turn it extends (prefix caching).
     ids: tuple[int, ...] = ()
+    # What a router's note leaves out of the handle this request was issued with
+    # (wire.NOTE_LEAVES_OUT), given back beside the note on a recall.
+    bulk: dict | None = None
 
 
 @dataclass
@@ -123,11 +126,12 @@ class Residency:
     # -- engine thread: lifecycle ---------------------------------------------------------
     def retain(self, req_id: str, blocks: int, owner: str | None, deadline: float,
                tenant: str | None = None, gap: float | None = None,
-               block_ids: Iterable[int] = ()) -> None:
+               block_ids: Iterable[int] = (), bulk: dict | None = None) -> None:
         now = self.clock()
         with self.lock:
             h = self.held[req_id] = Held(req_id, blocks, owner, deadline, tenant=tenant,
-                                         kept_at=now, gap=gap, ids=tuple(block_ids))
+                                         kept_at=now, gap=gap, ids=tuple(block_ids),
+                                         bulk=bulk)
             if gap is not None:
                 self.prior_gap = next_gap(self.prior_gap, gap)
             mine = self._free.setdefault(tenant, OrderedDict())
@@ -231,6 +235,11 @@ class Residency:
         with self.lock:
             return sum(self._release(h, cause) for rid in req_ids
                        if (h := self.held.get(rid)) is not None)
+
+    def bulk_of(self, req_id: str) -> dict | None:
+        """What the handle `req_id` was issued with and a note leaves out (under `lock`)."""
+        h = self.held.get(req_id)
+        return None if h is None else h.bulk
 
     def holds(self, req_id: str, owner: str) -> bool:
         """Caller holds the lock: `owner`'s request is retained here, nothing acting on it

@@ -24,7 +24,7 @@ from typing import Any
 from bidirkv.connector.core.residency import Residency
 from bidirkv.connector.hooks import tally
 from bidirkv.returns import gap_of
-from bidirkv.wire import MAX_TENANT_LEN, OWNER_KEY, RETURN_KEY, TENANT_KEY
+from bidirkv.wire import MAX_TENANT_LEN, NOTE_LEAVES_OUT, OWNER_KEY, RETURN_KEY, TENANT_KEY
 
 
 def bidirectional(sched: Any) -> bool:
@@ -58,7 +58,8 @@ class Retention:
             ids = [b for g in out.get("remote_block_ids") or () for b in g]
             self.residency.retain(request.request_id, len(ids),
                                   owner if isinstance(owner, str) else None, deadline,
-                                  tenant, gap_of(params.get(RETURN_KEY)), ids)
+                                  tenant, gap_of(params.get(RETURN_KEY)), ids,
+                                  {k: out[k] for k in NOTE_LEAVES_OUT if k in out})
 
     def after_alloc(self, request: Any) -> None:
         params = request.kv_transfer_params

@@ -127,7 +127,8 @@ def residency_utility(engine: Any, body: dict) -> dict:
     out.update(res.stats())
     if isinstance(owner, str):
         out.update(exchange(res.notes, res.lock, res.holds, owner,
-                            body.get(RESIDENCY_KEEP_FIELD) or {}, body.get(RECALL_FIELD)))
+                            body.get(RESIDENCY_KEEP_FIELD) or {}, body.get(RECALL_FIELD),
+                            res.bulk_of))
     return out
 
 

@@ -132,7 +132,7 @@ class Conversations:
                 tenant_max_pinned=int(share * limit) if limit is not None and share < 1
                 else None)
             await ctx.store.put(kept)
-            ctx.residency.keep(kept)  # its note on decode, when the store is in-process
+            ctx.residency.keep(kept, params)  # its note on decode, with the in-process store
         except StoreUnavailable:
             if rid is not None:  # not kept anywhere: D frees the blocks now
                 ctx.residency.release_ids(d.url, [rid])

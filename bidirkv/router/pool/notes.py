@@ -8,9 +8,11 @@ lease its predecessor held and decode frees nothing. (A shared store names its o
 which replaces this one once the store answers.)
 
 A note is the `Kept` record the router stored, less what the recall knows anyway (the
-request id it is kept beside, the replica it is recalled from): `1.<mac>.<JSON>`, the
-MAC an HMAC-SHA256 (cut to 16 bytes) over the request id and the JSON, under a key
-derived from the handle key. Decode keeps it opaque; a note that does not check, names
+request id it is kept beside, the replica it is recalled from) and less what grows with
+the history (the handle's block ids and digest record, wire.NOTE_LEAVES_OUT: decode
+issued them and gives them back beside the note): `2.<mac>.<JSON>`, the MAC an
+HMAC-SHA256 (cut to 16 bytes) over the request id and the JSON, under a key derived from
+the handle key. A few hundred bytes at any length of conversation. Decode keeps it opaque; a note that does not check, names
 another request, or breaks a bound is dropped on recall, never stored. What a note
 names is still only a handle: decode and prefill verify it when it is used, so a
 recalled handle decode no longer holds is a miss, never a wrong read.
@@ -30,9 +32,10 @@ from typing import Any
 from bidirkv.proof import keyed_sha256
 from bidirkv.router.codec import dumps, dumps_kept, loads
 from bidirkv.router.store.base import Entry, Kept
-from bidirkv.wire import MAX_NOTE_LEN, VERSION_KEY, version_problem
+from bidirkv.wire import MAX_NOTE_LEN, NOTE_LEAVES_OUT, VERSION_KEY, version_problem
 
-FORMAT = "1"
+# 2: the handle without NOTE_LEAVES_OUT, which decode gives back on a recall.
+FORMAT = "2"
 MAC_LEN = 16
 _OWNER_PERSON = b"bidirkv-owner"
 _NOTE_PERSON = b"bidirkv-note"
@@ -77,12 +80,13 @@ def _mac(key: bytes, request_id: str, payload: bytes) -> str:
         _URLSAFE).decode()
 
 
-def encode(key: bytes, kept: Kept, kept_at: float) -> str | None:
-    """The note of a kept handle (None: it has no request id, or the note would be longer
-    than decode keeps one)."""
+def encode(key: bytes, kept: Kept, kept_at: float, params: dict[str, Any]) -> str | None:
+    """The note of a kept handle, whose params are `params` (None: it has no request id,
+    or the note would be longer than decode keeps one)."""
     if kept.request_id is None:
         return None
-    payload = dumps([_b64(kept.key), kept.params.decode(), kept.engine_id, kept.num_tokens,
+    slim = {k: v for k, v in params.items() if k not in NOTE_LEAVES_OUT}
+    payload = dumps([_b64(kept.key), dumps(slim).decode(), kept.engine_id, kept.num_tokens,
                      _tenant_b64(kept.tenant), kept.prefix_len, kept.blocks, kept.chars,
                      _b64(kept.prompt_key),
                      kept_at if kept.kept_at is None else kept.kept_at, kept.gap])
@@ -104,9 +108,14 @@ def _time(v: Any, optional: bool = False) -> float | None:
     return float(v)
 
 
-def decode(key: bytes, request_id: str, note: Any, url: str) -> Kept | None:
-    """The `Kept` record of a recalled note (None: not one this router signed for this
-    request, or not a handle this release can use)."""
+def decode(key: bytes, request_id: str, note: Any, url: str, bulk: Any) -> Kept | None:
+    """The `Kept` record of a recalled note, its handle completed with what decode gave
+    back beside it (`bulk`: the handle's NOTE_LEAVES_OUT as decode issued it). None: not
+    one this router signed for this request, not a handle this release can use, or
+    nothing given back to complete it. What decode gives back is checked where it is
+    used (the handle's MAC covers it): a wrong one is a miss, never a wrong read."""
+    if not isinstance(bulk, dict) or not isinstance(bulk.get("remote_block_ids"), list):
+        return None
     if not isinstance(note, str) or len(note) > MAX_NOTE_LEN:
         return None
     fmt, _, rest = note.partition(".")
@@ -123,6 +132,7 @@ def decode(key: bytes, request_id: str, note: Any, url: str) -> Kept | None:
         kv = loads(params) if isinstance(params, str) else None
         if not isinstance(kv, dict) or version_problem(kv.get(VERSION_KEY), "a note"):
             return None
+        kv.update((k, bulk[k]) for k in NOTE_LEAVES_OUT if k in bulk)
         if engine_id is not None and not isinstance(engine_id, str):
             return None
         return Kept(_unb64(k) or b"", dumps_kept(kv), url, engine_id, _int(num_tokens),

@@ -26,7 +26,13 @@ from bidirkv.router.codec import loads
 from bidirkv.router.pool.notes import decode, merge
 from bidirkv.router.pool.residency import ResidencyClient
 from bidirkv.router.store.base import Entry, Store, StoreUnavailable
-from bidirkv.wire import RECALL_FIELD, RECALL_MORE_FIELD, RECALL_NEXT_FIELD, RECALL_NOTES_FIELD
+from bidirkv.wire import (
+    RECALL_FIELD,
+    RECALL_HANDLES_FIELD,
+    RECALL_MORE_FIELD,
+    RECALL_NEXT_FIELD,
+    RECALL_NOTES_FIELD,
+)
 
 log = logging.getLogger("bidirkv.router")
 
@@ -109,19 +115,23 @@ class Recall:
             notes, nxt = report.get(RECALL_NOTES_FIELD), report.get(RECALL_NEXT_FIELD)
             if not isinstance(notes, dict) or not isinstance(nxt, int) or nxt < cursor:
                 return None  # a decode without notes: nothing to recall there
-            restored += await self.restore(url, notes)
+            handles = report.get(RECALL_HANDLES_FIELD)
+            restored += await self.restore(url, notes,
+                                           handles if isinstance(handles, dict) else {})
             cursor = nxt
             if report.get(RECALL_MORE_FIELD) is not True:
                 break
         return cursor, restored
 
-    async def restore(self, url: str, notes: dict[str, Any]) -> int:
-        """Put the live notes of one page back into the store; how many went in."""
+    async def restore(self, url: str, notes: dict[str, Any],
+                      handles: dict[str, Any]) -> int:
+        """Put the live notes of one page back into the store, their handles completed
+        from `handles`; how many went in."""
         key = self.residency.notes_key
         if key is None:
             return 0
         recalled = [k for rid, note in notes.items()
-                    if (k := decode(key, rid, note, url)) is not None]
+                    if (k := decode(key, rid, note, url, handles.get(rid))) is not None]
         n = 0
         for kept in merge(recalled, self.peek, time.time(), self.ttl()):
             try:

@@ -129,13 +129,13 @@ class ResidencyClient:
             self._wake.set()
         return len(request_ids)
 
-    def keep(self, kept: Kept) -> None:
-        """Queue the note of a handle the store kept (in-process store only), for the
-        next call to its replica."""
+    def keep(self, kept: Kept, params: dict[str, Any]) -> None:
+        """Queue the note of a handle the store kept (in-process store only; `params`: the
+        handle, as parsed), for the next call to its replica."""
         if self.notes_key is None or kept.request_id is None:
             return
         r = self.replica(kept.decode_url)
-        note = encode(self.notes_key, kept, time.time()) if r.supported else None
+        note = encode(self.notes_key, kept, time.time(), params) if r.supported else None
         if note is None:
             return
         r.keeping[kept.request_id] = note
