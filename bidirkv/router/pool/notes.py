@@ -12,8 +12,9 @@ request id it is kept beside, the replica it is recalled from) and less what gro
 the history (the handle's block ids and digest record, wire.NOTE_LEAVES_OUT: decode
 issued them and gives them back beside the note): `2.<mac>.<JSON>`, the MAC an
 HMAC-SHA256 (cut to 16 bytes) over the request id and the JSON, under a key derived from
-the handle key. A few hundred bytes at any length of conversation. Decode keeps it opaque; a note that does not check, names
-another request, or breaks a bound is dropped on recall, never stored. What a note
+the handle key. A few hundred bytes at any length of conversation. Decode keeps it
+opaque; a note that does not check, names another request, or breaks a bound is dropped
+on recall, never stored. What a note
 names is still only a handle: decode and prefill verify it when it is used, so a
 recalled handle decode no longer holds is a miss, never a wrong read.
 """
