@@ -10,6 +10,7 @@ the reuse-off output (float32, greedy).
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -163,7 +164,7 @@ def run(tmp_path, procs, router_url, p_url, d_urls):
            "spec": {"containers": [{"ports": [{"name": "http",
                                                "containerPort": int(leaving.rsplit(":", 1)[1])}]}]}}
     held = len(convs[leaving])
-    assert wait_for(lambda: fetch_retained(metrics_url(pod)) == held,
+    assert wait_for(lambda: asyncio.run(fetch_retained(metrics_url(pod))) == held,
                     f"the leaving replica's gauge to show {held} retained", 10)
 
     reused = metric_reaches(p_url, "vllm:bidirkv_reused_tokens_total", 0)

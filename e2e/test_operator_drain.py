@@ -132,13 +132,24 @@ async def test_the_status_shows_draining_pods_and_one_event_when_a_drain_runs_ou
         # reports it (status is the kubelet's: dropped on create).
         pod["spec"]["containers"][0]["ports"] = [
             {"name": "http", "containerPort": engine.port, "protocol": "TCP"}]
-        await client.call("POST", "/api/v1/namespaces/ns1/pods", pod)
-        await client.call("PATCH", "/api/v1/namespaces/ns1/pods/tiny-decode-1/status",
-                          {"status": {"podIP": "127.0.0.1"}}, MERGE)
+        # A pod with the same labels and engine that its StatefulSet did not make (anyone
+        # allowed to create pods in the namespace can): neither listed nor read.
+        stray = json.loads(json.dumps(pod))
+        stray["metadata"]["name"] = "tiny-decode-7"
+        # The reference the StatefulSet controller writes on the pods it makes.
+        sts = await client.get("StatefulSet", "ns1", "tiny-decode")
+        pod["metadata"]["ownerReferences"] = [{
+            "apiVersion": "apps/v1", "kind": "StatefulSet", "name": "tiny-decode",
+            "uid": sts["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]
+        for one in (pod, stray):
+            await client.call("POST", "/api/v1/namespaces/ns1/pods", one)
+            await client.call(
+                "PATCH", f"/api/v1/namespaces/ns1/pods/{one['metadata']['name']}/status",
+                {"status": {"podIP": "127.0.0.1"}}, MERGE)
         # A pod of another resource is not this one's.
         await client.call("POST", "/api/v1/namespaces/ns1/pods",
                           _decode_pod("other-decode-0", instance="other"))
-        for name in ("tiny-decode-1", "other-decode-0"):
+        for name in ("tiny-decode-7", "tiny-decode-1", "other-decode-0"):
             await _delete_pod(client, name)  # marked; its drain ends 3 s from now
         live = await client.call("GET", "/api/v1/namespaces/ns1/pods/tiny-decode-1")
         assert live["metadata"]["deletionGracePeriodSeconds"] == 150

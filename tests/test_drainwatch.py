@@ -23,9 +23,9 @@ from bidirkv.operator.reconcile.drainwatch import (
     timed_out_message,
 )
 from bidirkv.operator.reconcile.heldcount import (
+    HeldReads,
     fetch_retained,
     metrics_url,
-    read_held,
     retained_in,
     to_read,
 )
@@ -248,6 +248,7 @@ def _with_port(obj, ip="10.0.0.7", port=8000, name="http"):
     (_with_port(pod()), "http://10.0.0.7:8000/metrics"),
     (_with_port(pod(), ip="fd00::7", port=8080), "http://[fd00::7]:8080/metrics"),
     (_with_port(pod(), ip=None), None),            # not scheduled yet: no IP
+    (_with_port(pod(), ip="metrics.example"), None),  # not an IP: no name is looked up
     (_with_port(pod(), name="api"), None),         # no port named http
     (_with_port(pod(), port="8000"), None),
 ])
@@ -292,15 +293,15 @@ def engine():
 
 async def test_the_operator_reads_what_draining_engines_hold(engine):
     good = _with_port(pod("d1"), ip="127.0.0.1", port=engine)
-    assert await read_held([good], at(10)) == {"d1": 5}
+    assert await HeldReads().read([good], at(10)) == {"d1": 5}
     assert _Engine.paths[-1].startswith("/metrics?name")
     # A closed port, an engine that answers an error or garbage: unknown, no error.
     gone = _with_port(pod("d2"), ip="127.0.0.1", port=closed_port())
-    assert await read_held([good, gone], at(10)) == {"d1": 5}
+    assert await HeldReads().read([good, gone], at(10)) == {"d1": 5}
     _Engine.status = 503
-    assert fetch_retained(metrics_url(good)) is None
+    assert await fetch_retained(metrics_url(good)) is None
     _Engine.status, _Engine.body = 200, "<html>not metrics</html>"
-    assert fetch_retained(metrics_url(good)) is None
+    assert await fetch_retained(metrics_url(good)) is None
 
 
 def closed_port() -> int:

@@ -17,7 +17,7 @@ from typing import Any
 
 from bidirkv.operator.api import spec as api
 from bidirkv.operator.kube import ApiError, KubeClient
-from bidirkv.operator.reconcile.diff import differs, owned_by, replacement
+from bidirkv.operator.reconcile.diff import controlled_by, differs, owned_by, replacement
 from bidirkv.operator.reconcile.drainwatch import (
     DRAIN_TIMED_OUT,
     newly_timed_out,
@@ -25,7 +25,7 @@ from bidirkv.operator.reconcile.drainwatch import (
     parse_time,
     timed_out_message,
 )
-from bidirkv.operator.reconcile.heldcount import read_held
+from bidirkv.operator.reconcile.heldcount import HeldReads
 from bidirkv.operator.reconcile.status import compute_status, same_status
 from bidirkv.operator.render.autoscaling import AUTOSCALER_KINDS, SCALED_OBJECT_API_VERSION
 from bidirkv.operator.render.children import (
@@ -107,6 +107,8 @@ class Controller:
         # that `idle` does not wait for drains.
         self._drain_looks: dict[str, asyncio.TimerHandle] = {}
         self._pods_refused = False
+        # Draining decode pods' gauges: read on the event loop, one read per pod at once.
+        self.held_reads = HeldReads()
         self.reconciles = 0
 
     # -- watch events ---------------------------------------------------------------
@@ -243,11 +245,11 @@ class Controller:
         for kind, name in optional_children(owner):
             if (kind, name) not in seen:
                 await self._remove((kind, owner.namespace, name), owner)
-        pods = await self._engine_pods(owner)
+        pods = await self._engine_pods(owner, seen)
         now = self.now()
         when = parse_time(now)
         # What each draining decode pod still holds, from its engine (unknown on failure).
-        held = await read_held(pods["decode"], when) if pods and when else {}
+        held = await self.held_reads.read(pods["decode"], when) if pods and when else {}
         status = compute_status(owner, spec, generation, seen, previous, now, problem,
                                 pods, held)
         await self._write_status(body, status)
@@ -283,14 +285,21 @@ class Controller:
                 out[role] = max(counts)
         return out
 
-    async def _engine_pods(self, owner: Owner) -> dict[str, list[dict[str, Any]]] | None:
-        """Each role's pods, for their drains (None: they could not be listed, and the
+    async def _engine_pods(self, owner: Owner,
+                           seen: dict[tuple[str, str], dict[str, Any] | None]
+                           ) -> dict[str, list[dict[str, Any]]] | None:
+        """Each role's pods, for their drains: those its StatefulSet (as this pass applied
+        it, `seen`) controls, not every pod with its labels, which anyone allowed to create
+        pods in the namespace could give one (None: they could not be listed, and the
         status keeps what it last said of them)."""
         out: dict[str, list[dict[str, Any]]] = {}
         try:
             for role in ROLES:
-                out[role] = await self.client.list("Pod", owner.namespace,
-                                                   selector_string(owner, role))
+                sts = seen.get(("StatefulSet", child_name(owner, role))) or {}
+                uid = (sts.get("metadata") or {}).get("uid")
+                listed = await self.client.list("Pod", owner.namespace,
+                                                selector_string(owner, role))
+                out[role] = [p for p in listed if uid and controlled_by(p, uid)]
         except ApiError as exc:
             if not self._pods_refused:
                 log.warning("cannot list engine pods (%s): the status does not follow "

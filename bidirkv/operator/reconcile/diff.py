@@ -113,3 +113,10 @@ def replacement(desired: dict[str, Any], actual: dict[str, Any]) -> dict[str, An
 
 def owned_by(obj: dict[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in obj.get("metadata", {}).get("ownerReferences", []))
+
+
+def controlled_by(obj: dict[str, Any], uid: str) -> bool:
+    """`obj`'s managing controller is the object with `uid` (a StatefulSet's pods: the
+    reference it writes, `controller: true`; labels alone say nothing of who made it)."""
+    return any(ref.get("uid") == uid and ref.get("controller") is True
+               for ref in (obj.get("metadata") or {}).get("ownerReferences") or [])
