@@ -171,21 +171,42 @@ def test_hpa_per_role_against_the_table(role, auto, metric, target):
 
 
 # (decode's drain, vLLM's stop, decode's scale-down period: one pod per grace period, the
-# two together, within the HPA's bounds on a policy's period)
-BEHAVIOR = [(120, 60, 180), (0, 0, 60), (0, 30, 60), (480, 60, 540), (3600, 60, 1800)]
+# two together, within the HPA's bounds on a policy's period; its stabilisation window:
+# the grace period, at least the HPA's default 300 s, at most its bound 3600 s)
+BEHAVIOR = [(120, 60, 180, 300), (0, 0, 60, 300), (0, 30, 60, 300), (480, 60, 540, 540),
+            (3600, 60, 1800, 3600), (3600, 0, 1800, 3600), (1000, 3600, 1800, 3600)]
 
 
-@pytest.mark.parametrize(("drain", "stop", "period"), BEHAVIOR)
-def test_decode_scales_down_one_pod_per_grace_period(drain, stop, period):
+def _decode_hpa(drain: int, stop: int) -> tuple[dict, dict]:
     spec = parse_spec({**spec_with(decode={"autoscaling": {"maxReplicas": 4},
                                            "drainSeconds": drain},
                                    prefill={"autoscaling": {"maxReplicas": 4}}),
                        "engine": {"terminationGracePeriodSeconds": stop}})
     hpas = {h["metadata"]["name"]: h for h in
             autoscaling.autoscalers(OWNER, spec, ("prefill", "decode"))}
-    assert hpas["tiny-decode"]["spec"]["behavior"] == {"scaleDown": {"policies": [
-        {"type": "Pods", "value": 1, "periodSeconds": period}]}}
-    assert "behavior" not in hpas["tiny-prefill"]["spec"]
+    return hpas["tiny-decode"], hpas["tiny-prefill"]
+
+
+@pytest.mark.parametrize(("drain", "stop", "period", "window"), BEHAVIOR)
+def test_decode_scales_down_one_pod_per_grace_period(drain, stop, period, window):
+    decode, prefill = _decode_hpa(drain, stop)
+    assert decode["spec"]["behavior"] == {"scaleDown": {
+        "stabilizationWindowSeconds": window,
+        "policies": [{"type": "Pods", "value": 1, "periodSeconds": period}]}}
+    assert "behavior" not in prefill["spec"]
+    for version in KUBE_VERSIONS:
+        assert schema_errors(decode, version) == []
+
+
+@pytest.mark.parametrize("drain", [0, 1, 299, 300, 1799, 3599, 3600])
+def test_decode_scales_down_only_on_a_need_lower_for_at_least_a_drain(drain):
+    """A StatefulSet makes no pod of an ordinal whose old pod still terminates: a scale-up
+    right after a scale-down waits out that pod's drain. So a pod leaves only once the
+    lower need held for at least as long as a drain lasts."""
+    for stop in (0, 60, 3600):
+        decode, _ = _decode_hpa(drain, stop)
+        window = decode["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"]
+        assert drain <= window <= autoscaling.MAX_STABILIZATION_WINDOW_S
 
 
 SEL = 'namespace="ns1",pod=~"tiny-{role}-[0-9]+"'

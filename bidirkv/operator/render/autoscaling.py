@@ -5,7 +5,7 @@ Decode scales on its KV working set (`vllm:bidirkv_kv_working_set_ratio`, export
 engines: vLLM's KV usage counts the retained blocks decode would give up to new work, and
 would scale decode up for conversations only kept for reuse). Prefill scales on its queue
 or its TTFT. A decode pod that leaves drains what it holds, so decode scales down one pod
-per grace period at most.
+per grace period at most, and only on a need that stayed lower for a grace period.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ DEFAULT_TARGET = {ScaleMetric.kv_working_set: "700m", ScaleMetric.queue: "4",
 DEFAULT_METRIC = {"prefill": ScaleMetric.queue, "decode": ScaleMetric.kv_working_set}
 # The HPA's bounds on a scaling policy's period.
 MIN_SCALE_DOWN_PERIOD_S, MAX_SCALE_DOWN_PERIOD_S = 60, 1800
+# The HPA's own scale-down stabilisation window, and its bound on any window.
+DEFAULT_SCALE_DOWN_WINDOW_S, MAX_STABILIZATION_WINDOW_S = 300, 3600
 TTFT_WINDOW = "1m"
 
 
@@ -74,12 +76,20 @@ def _scale_target(owner: Owner, role: str) -> dict[str, str]:
 def behavior(spec: api.DisaggregatedInferenceSpec, role: str) -> dict[str, Any] | None:
     """Decode leaves one pod per grace period (its drain, then vLLM's stop: drain.py):
     each leaving pod drains its conversations, and drains that overlap would move them
-    onto pods that leave next."""
+    onto pods that leave next.
+
+    It also scales down only on a need that stayed lower for a grace period (the
+    stabilisation window; at least the drain, which is at most the window's bound): a
+    StatefulSet makes no pod of an ordinal whose old pod still terminates, so a scale-up
+    soon after a scale-down waits for that pod's drain, and a dip shorter than a drain
+    should not remove a pod."""
     if role != "decode":
         return None
-    period = min(MAX_SCALE_DOWN_PERIOD_S,
-                 max(MIN_SCALE_DOWN_PERIOD_S, grace_seconds(spec, role)))
-    return {"scaleDown": {"policies": [{"type": "Pods", "value": 1, "periodSeconds": period}]}}
+    grace = grace_seconds(spec, role)
+    period = min(MAX_SCALE_DOWN_PERIOD_S, max(MIN_SCALE_DOWN_PERIOD_S, grace))
+    window = min(MAX_STABILIZATION_WINDOW_S, max(DEFAULT_SCALE_DOWN_WINDOW_S, grace))
+    return {"scaleDown": {"stabilizationWindowSeconds": window,
+                          "policies": [{"type": "Pods", "value": 1, "periodSeconds": period}]}}
 
 
 def horizontal_pod_autoscaler(owner: Owner, spec: api.DisaggregatedInferenceSpec,
