@@ -234,8 +234,8 @@ class Timeouts(Section):
         "read): past it the turn goes to another replica, as before any byte of a failed "
         "leg.", 120.0)
     body_read_seconds: Seconds = _positive(
-        3600, "A client's whole request body: a slow sender must not hold an admission "
-        "slot.", 30.0)
+        3600, "A client's whole request body, else a 408: a slow sender must not hold its "
+        "connection and its place among the requests still reading for long.", 30.0)
     idle_connection_seconds: Seconds = _positive(
         86400, "A client connection that has sent no complete request head this long after "
         "it opened, or after its last response, is closed (like nginx's "
@@ -373,7 +373,27 @@ class RouterKnobs(Section):
         "memory limit. At least `maxBodyBytes`.")
     max_inflight_requests: Annotated[int, Strict()] = Field(
         default=512, ge=1, le=1_000_000,
-        description="Requests the router serves at once; more wait for a slot.")
+        description="Requests the router serves at once, each counted from when its whole "
+        "body has arrived; past it a 429 with `Retry-After: 1` (nothing waits for a "
+        "slot).")
+    # A request whose body is still arriving holds a connection, a task and the bytes it
+    # was charged, not an in-flight slot; silent ones are gone after the upload grace.
+    max_reading_requests: Annotated[int, Strict()] = Field(
+        default=2048, ge=1, le=1_000_000,
+        description="Requests whose body is still arriving, at once (a body that came with "
+        "its request head is never one of them); past it a 429 and the connection closed. "
+        "Each is cut off (408) once its body falls under 32 KiB/s on average after its "
+        "first 2 s, or past `timeouts.bodyReadSeconds`.")
+    # 64: a client whose bodies arrive in a few ms has a handful arriving at once even at
+    # thousands of requests a second; one address sending only request heads holds 64
+    # places for 2 s at a time, never an in-flight slot.
+    max_reading_requests_per_source: Annotated[int, Strict()] = Field(
+        default=64, ge=1, le=1_000_000,
+        description="Requests whose body is still arriving from one client address at "
+        "once; past it that address's new ones get a 429 and their connection closed, "
+        "while other addresses are served. Behind a proxy that passes bodies on as they "
+        "arrive every client has the proxy's address: raise it there, or let the proxy "
+        "bound its clients. `maxReadingRequests` bounds all addresses together.")
     # Their count, not the bytes, is what a body costs on the event loop (~12 us each):
     # 8192 is ~2700 messages with content parts, past any 100k-token history, and at most
     # ~0.1 s of work.

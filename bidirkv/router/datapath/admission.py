@@ -1,9 +1,12 @@
 """Admission: a client request becomes a `Turn`, or a refusal before it costs anything.
 
 At most maxInflightRequests requests and maxInflightBodyBytes of bodies at once; past
-either a 429 with Retry-After. A body is parsed into objects many times its size, so the
-bytes bound is what keeps the pod within memory. A refused body is still drained, at a
-pace shared by every refusal of the process.
+either a 429 with Retry-After. A request takes its in-flight slot once its body is here,
+not when its head arrives: until then it is one of the requests still reading
+(reading.py), bounded in all and per client address, so connections that send a head and
+nothing more hold none of the slots that complete requests need. A body is parsed into
+objects many times its size, so the bytes bound is what keeps the pod within memory. A
+refused body is still drained, at a pace shared by every refusal of the process.
 
 A body is charged as its bytes arrive, not by the length it declares: a connection that
 declares 4 MiB and sends nothing holds no bytes, and one that sends slowly is cut off
@@ -16,6 +19,7 @@ requests keep flowing while large uploads fill the rest.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -26,6 +30,7 @@ from aiohttp import web
 from bidirkv.router.datapath.context import Context
 from bidirkv.router.datapath.conversations import Conversations
 from bidirkv.router.datapath.modes import modes_of
+from bidirkv.router.datapath.reading import PER_SOURCE_KNOB, Readers
 from bidirkv.router.datapath.replies import json_error
 from bidirkv.router.datapath.reservation import Reservation
 from bidirkv.router.datapath.tracing import Trace
@@ -75,6 +80,17 @@ async def drained(request: web.Request, resp: web.Response) -> web.Response:
             transport.resume_reading()
     if not request.content.at_eof():
         resp.force_close()
+    return resp
+
+
+async def shut(request: web.Request, resp: web.Response) -> web.Response:
+    """Send `resp`, then close the connection at once. Left to aiohttp, the rest of the
+    body would be read and dropped for up to 10 s after the answer (its lingering close):
+    a silent client's connection held that much longer for nothing."""
+    with contextlib.suppress(ConnectionError):  # the client went first: nothing to send
+        await resp.prepare(request)
+        await resp.write_eof()
+    request.protocol.force_close()  # what is written still goes out before the close
     return resp
 
 
@@ -180,6 +196,7 @@ class Intake:
         self.conversations = conversations
         self.inflight = 0
         self.inflight_bytes = 0
+        self.readers = Readers()
         self._big_bodies = asyncio.Lock()
 
     async def admit(self, request: web.Request, kind: str, trace: Trace, t0: float,
@@ -196,28 +213,52 @@ class Intake:
                 "bytes (maxBodyBytes)", "request_too_large")), "client_error"
         small = n is not None and n <= SMALL_BODY_BYTES
         room = body_room(cfg.max_inflight_body_bytes, cfg.max_body_bytes, small)
+        # Complete requests hold every slot: refused before its body is read, which would
+        # most likely find none free either.
         if (self.inflight >= cfg.max_inflight_requests
                 or self.inflight_bytes + (n or 0) > room):
             metrics.request(kind, "overloaded")
             return await drained(request, self._overloaded()), "overloaded"
-        self.inflight += 1
         charge = Charge(n if small else 0)
         self.inflight_bytes += charge.bytes
         try:
-            turn = await self._turn(request, kind, trace, t0, charge, None if small else room)
-            if isinstance(turn, Turn):
-                return await serve(request, turn)
+            got = await self._in_slot(request, charge, None if small else room, kind,
+                                      trace, t0, serve)
+            if isinstance(got, tuple):
+                return got
         finally:
-            self.inflight -= 1
             self.inflight_bytes -= charge.bytes
-        # Refused: the slot and the bytes are free again before the rest of a body refused
-        # part-way is drained, which lasts as long as the client keeps sending.
-        resp = turn.resp if isinstance(turn, _Undrained) else turn
+        # Refused: the bytes are free again before the rest of a body refused part-way is
+        # drained, which lasts as long as the client keeps sending.
+        resp = got.resp if isinstance(got, _Undrained) else got
         outcome = "overloaded" if resp.status == 429 else "client_error"
         metrics.request(kind, outcome)
-        if isinstance(turn, _Undrained):
+        if isinstance(got, _Undrained):
             resp = await drained(request, resp)
+        elif resp.keep_alive is False:  # _closing's: the rest of the body is not waited for
+            resp = await shut(request, resp)
         return resp, outcome
+
+    async def _in_slot(self, request: web.Request, charge: Charge, room: int | None,
+                       kind: str, trace: Trace, t0: float,
+                       serve: Callable[[web.Request, Turn], Awaitable[Served]]
+                       ) -> Served | web.Response | _Undrained:
+        """The body read, then `serve`'s answer for its turn in an in-flight slot held
+        until it returns; else the refusal (of the body, or every slot taken while it
+        arrived)."""
+        raw = await self._body(request, charge, room)
+        if not isinstance(raw, bytes):
+            return raw
+        if self.inflight >= self.ctx.cfg.max_inflight_requests:
+            return self._overloaded()
+        self.inflight += 1
+        try:
+            parsing = self._turn(request, raw, kind, trace, t0)
+            del raw  # _turn lets go of the bytes once parsed: none held while it is served
+            turn = await parsing
+            return await serve(request, turn) if isinstance(turn, Turn) else turn
+        finally:
+            self.inflight -= 1
 
     def _overloaded(self) -> web.Response:
         cfg = self.ctx.cfg
@@ -226,20 +267,61 @@ class Intake:
             f"{cfg.max_inflight_body_bytes} body bytes in flight (maxInflightRequests, "
             "maxInflightBodyBytes); retry", "overloaded", headers={"Retry-After": "1"})
 
-    async def _read(self, request: web.Request, charge: Charge, room: int | None) -> bytes:
-        """The whole body, each chunk charged as it arrives (`room`: the total it may
-        bring the in-flight bytes to; None: charged up front). 413 past maxBodyBytes,
-        429 past `room`, _TooSlow under the minimum rate, TimeoutError past
+    def _too_many_reading(self, knob: str) -> web.Response:
+        """The refusal of a request whose body is still arriving, past `knob`'s cap; its
+        connection is closed, nothing more of it read."""
+        cfg = self.ctx.cfg
+        if knob == PER_SOURCE_KNOB:
+            said = (f"this client address has {cfg.max_reading_requests_per_source} "
+                    "requests whose body is still arriving, the most one address may have")
+        else:
+            said = (f"the router is at its limit of {cfg.max_reading_requests} requests "
+                    "whose body is still arriving")
+        return _closing(json_error(429, f"{said} ({knob}); retry", "overloaded",
+                                   headers={"Retry-After": "1"}))
+
+    async def _body(self, request: web.Request, charge: Charge, room: int | None
+                    ) -> bytes | web.Response | _Undrained:
+        """The whole body, or the client's error. A body not here whole is read only
+        if its source and the router have room for one more request still reading."""
+        cfg = self.ctx.cfg
+        content = request.content
+        try:
+            if content.is_eof():
+                # All of it came with the headers (most bodies do): no read waits, so there
+                # is no pace or deadline to keep, and it is one chunk, as readany gives it.
+                body = content.read_nowait()
+                self._take(body, len(body), cfg.max_body_bytes, charge, room)
+                return body
+            source = request.remote or ""
+            knob = self.readers.full(source, cfg.max_reading_requests,
+                                     cfg.max_reading_requests_per_source)
+            if knob is not None:
+                return self._too_many_reading(knob)
+            with self.readers.reading(source):
+                return await self._read(content, charge, room)
+        except _TooSlow as e:
+            return _closing(json_error(
+                408, f"request body arriving too slowly: {e.received} bytes after "
+                f"{e.after:.1f} s; at least {MIN_UPLOAD_BYTES_PER_S} bytes/s on average "
+                f"after the first {UPLOAD_GRACE_S:g} s is required", "request_timeout"))
+        except TimeoutError:
+            return _closing(json_error(
+                408, "request body not received within "
+                f"{cfg.timeouts.body_read_seconds:g} s (timeouts.bodyReadSeconds)",
+                "request_timeout"))
+        except ClientError as e:
+            return _Undrained(self._overloaded() if e.status == 429 else
+                              json_error(e.status, e.message, e.type, e.param))
+
+    async def _read(self, content: web.StreamReader, charge: Charge, room: int | None
+                    ) -> bytes:
+        """The rest of a body not here whole, each chunk charged as it arrives (`room`:
+        the total it may bring the in-flight bytes to; None: charged up front). 413 past
+        maxBodyBytes, 429 past `room`, _TooSlow under the minimum rate, TimeoutError past
         timeouts.bodyReadSeconds."""
         cfg = self.ctx.cfg
         limit = cfg.max_body_bytes
-        content = request.content
-        if content.is_eof():
-            # All of it came with the headers (most bodies do): no read waits, so there
-            # is no pace or deadline to keep, and it is one chunk, as readany gives it.
-            body = content.read_nowait()
-            self._take(body, len(body), limit, charge, room)
-            return body
         loop = asyncio.get_running_loop()
         start = loop.time()
         end = start + cfg.timeouts.body_read_seconds
@@ -271,27 +353,12 @@ class Intake:
             charge.bytes += len(chunk)
             self.inflight_bytes += len(chunk)
 
-    async def _turn(self, request: web.Request, kind: str, trace: Trace, t0: float,
-                    charge: Charge, room: int | None) -> Turn | web.Response | _Undrained:
-        """The request's turn, its conversation named (its handle taken); else the
-        client's error."""
+    async def _turn(self, request: web.Request, raw: bytes, kind: str, trace: Trace,
+                    t0: float) -> Turn | web.Response:
+        """The turn of the body `raw`, its conversation named (its handle taken); else
+        the client's error."""
         ctx = self.ctx
         cfg = ctx.cfg
-        try:
-            raw = await self._read(request, charge, room)
-        except _TooSlow as e:
-            return _closing(json_error(
-                408, f"request body arriving too slowly: {e.received} bytes after "
-                f"{e.after:.1f} s; at least {MIN_UPLOAD_BYTES_PER_S} bytes/s on average "
-                f"after the first {UPLOAD_GRACE_S:g} s is required", "request_timeout"))
-        except TimeoutError:
-            return _closing(json_error(
-                408, "request body not received within "
-                f"{cfg.timeouts.body_read_seconds:g} s (timeouts.bodyReadSeconds)",
-                "request_timeout"))
-        except ClientError as e:
-            return _Undrained(self._overloaded() if e.status == 429 else
-                              json_error(e.status, e.message, e.type, e.param))
         # Parsing, validating and hashing a body is work on the loop in one piece per
         # step: big bodies take those steps one body at a time, yielding in between, so a
         # burst of them delays everyone else by one step, not by all of them.
