@@ -23,6 +23,7 @@ EXTRA = {
     "serve": "engine",
     "local": "tools",
     "bench": "tools",
+    "sizing": "operator",
 }
 
 
@@ -107,6 +108,12 @@ def _bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _sizing(args: argparse.Namespace) -> int:
+    from bidirkv.sizing import run
+
+    return run(args)
+
+
 def _add_arguments(parser: argparse.ArgumentParser, command: str, module: str,
                    running: str | None) -> None:
     """The arguments `module` declares for `command`. Only the command being run must
@@ -164,6 +171,11 @@ def build_parser(running: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="multi-turn TTFT benchmark against a router")
     _add_arguments(p, "bench", "bidirkv.bench.cli", running)
     p.set_defaults(func=_bench)
+
+    p = sub.add_parser("sizing", help="how many conversations a decode replica keeps at a "
+                       "context length")
+    _add_arguments(p, "sizing", "bidirkv.sizing", running)
+    p.set_defaults(func=_sizing)
     return parser
 
 
