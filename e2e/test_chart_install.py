@@ -58,9 +58,6 @@ HA_VALUES = {"replicaCount": 2, "watchNamespaces": ["default", "ns1"],
 # apiGroup, resource, verb, resourceName or ""). The runs use every other rule granted
 # (events by a name clash, update by a hand edit of each kind, peering in both scopes).
 ALLOWED_UNUSED: dict[tuple[str, str, str, str], str] = {
-    ("", "secrets", "get", ""): "the handle-key Secret's owners, read (as metadata alone) "
-    "only when its create finds one already there: a restarted operator or a planted "
-    "Secret (e2e/test_operator.py runs both)",
     # The example's roles have fixed replica counts, so this run makes no autoscaler; the
     # rights are the ones an autoscaled role needs, and e2e/test_operator_autoscaling.py
     # exercises each (create, update to a new target, delete on a switch of engine).
@@ -348,8 +345,7 @@ CHILDREN = [("apps/v1", "statefulsets", "prefill"), ("apps/v1", "statefulsets", 
             ("policy/v1", "poddisruptionbudgets", "decode"), ("v1", "configmaps", "router"),
             ("apps/v1", "deployments", "router"),
             ("networking.k8s.io/v1", "networkpolicies", "engines"),
-            ("networking.k8s.io/v1", "networkpolicies", "router"),
-            ("v1", "secrets", "handle-key")]
+            ("networking.k8s.io/v1", "networkpolicies", "router")]
 # One hand edit per kind the operator writes; it must put each back (update).
 DRIFT = [("apps/v1", "statefulsets", "decode", {"spec": {"replicas": 7}},
           lambda o: o["spec"]["replicas"] == 2),
@@ -374,8 +370,13 @@ def exercise_operator(server: KubeAPIServer, example: dict, ns: str) -> None:
         return server.get(api_version, plural, ns, f"{name}-{component}")
 
     eventually(lambda: all(child(*c) for c in CHILDREN), "every child of the example")
-    eventually(lambda: (server.get(f"{api.GROUP}/{api.VERSION}", api.PLURAL, ns, name) or {})
-               .get("status", {}).get("conditions"), "the example's status")
+    status = eventually(lambda: ((server.get(f"{api.GROUP}/{api.VERSION}", api.PLURAL, ns,
+                                             name) or {}).get("status") or {}).get(
+        "conditions") and server.get(f"{api.GROUP}/{api.VERSION}", api.PLURAL, ns,
+                                     name)["status"], "the example's status")
+    # The handle-key Secret: the one the status records (created, never read).
+    key = status["handleKey"]
+    assert server.get("v1", "secrets", ns, key["name"])["metadata"]["uid"] == key["uid"]
     eventually(lambda: [e for e in server.list("v1", "events", ns)
                         if e["reason"] == "ChildConflict"], "a ChildConflict event")
     for api_version, plural, component, patch, _ in DRIFT:

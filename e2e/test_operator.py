@@ -211,14 +211,23 @@ async def test_restart_with_nothing_changed_writes_nothing(minimal, example):
                 controller.loop.call_soon_threadsafe(controller.controller.schedule, uid, 0)
             await eventually(lambda: controller.reconciles >= seen + 2, what="two reconciles")
             await controller.idle()
-        # Only the handle-key Secrets' creates, which the server refused (409: they exist):
-        # a new process asks by creating, then reads their owners (metadata alone).
-        assert [r for r in server.writes() if r.resource != "secrets"] == []
-        assert sorted((r.verb, r.namespace) for r in server.writes()) == [
-            ("create", "default"), ("create", "ns1")]
+        # Not even the handle-key Secrets: each is recorded in its resource's status.
+        assert server.writes() == []
+        assert [r for r in server.requests if r.resource == "secrets"] == []
 
 
-async def test_the_handle_key_secret_is_created_once_and_never_shown(minimal):
+def mounted_secrets(kids) -> set[str]:
+    """Every Secret the children's pod templates read."""
+    out = set()
+    for obj in kids.values():
+        template = (obj.get("spec") or {}).get("template")
+        for c in (template or {}).get("spec", {}).get("containers", []):
+            out |= {e["valueFrom"]["secretKeyRef"]["name"] for e in c.get("env") or []
+                    if "secretKeyRef" in e.get("valueFrom", {})}
+    return out
+
+
+async def test_the_handle_key_secret_is_created_once_recorded_and_never_read(minimal):
     import base64
     import json
 
@@ -226,12 +235,19 @@ async def test_the_handle_key_secret_is_created_once_and_never_shown(minimal):
         async with running_operator(client) as controller:
             await client.call("POST", di_path("ns1"), resource(minimal, "ns1"))
             await _converged(client, controller)
-            secret = await client.get("Secret", "ns1", "tiny-handle-key")
+            di = await get_di(client, "ns1", "tiny")
+            record = di["status"]["handleKey"]
+            assert record["name"] == f"tiny-handle-key-{di['metadata']['uid'][:8]}"
+            secret = await client.get("Secret", "ns1", record["name"])
+            assert secret["metadata"]["uid"] == record["uid"]
             key = base64.b64decode(secret["data"]["current"]).decode()
             assert len(key) == 64 and int(key, 16) >= 0  # 256 random bits, hex
-            assert secret["metadata"]["ownerReferences"][0]["kind"] == "DisaggregatedInference"
-            # A spec change reconciles again, and a new process asks again (409: it
-            # exists, then its owners, as metadata alone): the Secret is not rewritten.
+            (ref,) = secret["metadata"]["ownerReferences"]
+            assert (ref["kind"], ref["uid"], ref["controller"]) == (
+                "DisaggregatedInference", di["metadata"]["uid"], True)
+            assert mounted_secrets(await children(client, "ns1", "tiny")) == {record["name"]}
+            # A spec change reconciles again, and so does a new process: the record is
+            # all they go by, and the Secret is neither created again nor rewritten.
             await client.call("PATCH", di_path("ns1", "tiny"),
                               {"spec": {"decode": {"replicas": 2}}},
                               "application/merge-patch+json")
@@ -240,13 +256,11 @@ async def test_the_handle_key_secret_is_created_once_and_never_shown(minimal):
         async with running_operator(client) as controller:
             await eventually(lambda: controller.reconciles >= 1, what="a reconcile")
             await controller.idle()
-        secret_writes = [r.verb for r in server.writes() if r.resource == "secrets"]
-        assert secret_writes == ["create", "create"]
-        # The operator never asked for a Secret's data: every read of one was of its
-        # metadata alone (the test's own read above was the one other).
+        assert [r.verb for r in server.writes() if r.resource == "secrets"] == ["create"]
+        # The operator never read a Secret: the test's own read above is the one there is.
         reads = [r for r in server.requests
                  if r.resource == "secrets" and r.verb in ("get", "list", "watch")]
-        assert len(server.metadata_reads) == 1 and len(reads) == 2
+        assert len(reads) == 1 and server.metadata_reads == []
         # Nowhere but in the Secret: not in status, events or any child.
         others = [await get_di(client, "ns1", "tiny"),
                   *server.list("v1", "events", "ns1"),
@@ -254,50 +268,43 @@ async def test_the_handle_key_secret_is_created_once_and_never_shown(minimal):
         assert key not in json.dumps(others)
 
 
-async def test_a_planted_handle_key_is_used_by_nothing_until_deleted_or_adopted(minimal):
-    planted = {"apiVersion": "v1", "kind": "Secret", "metadata": {
-        "name": "tiny-handle-key", "namespace": "ns1"}, "data": {"current": "YWJj"}}
-    async with api_server() as (server, client), running_operator(client):
-        # Someone allowed to create Secrets in the namespace got there first.
-        await client.create(planted)
+async def test_a_planted_handle_key_is_never_mounted(minimal):
+    """A Secret put where the operator would create the key, before its first pass (by
+    anyone allowed to create Secrets in the namespace, who can read the resource's uid),
+    even owned by the resource, is left unused: the key is created under a generated
+    name and the status records that one."""
+    async with api_server() as (server, client):
         await client.call("POST", di_path("ns1"), resource(minimal, "ns1"))
-        di = await eventually(lambda: _phase(client, "ns1", "tiny", "Degraded"),
-                              what="phase Degraded")
-        c = cond(di, "Reconciled")
-        assert (c["status"], c["reason"]) == ("False", "HandleKeyNotOwned")
-        assert ("Secret ns1/tiny-handle-key exists and is not owned by this "
-                "DisaggregatedInference (its owners: none)") in c["message"]
-        assert f"uid {di['metadata']['uid']}" in c["message"]  # how to adopt it
-        # No engine, router or other child that would sign or check with it.
-        assert not any((await children(client, "ns1", "tiny")).values())
-        events = [e for e in server.list("v1", "events", "ns1")
-                  if e.get("reason") == "HandleKeyNotOwned"]
-        assert len(events) == 1
-
-        # The author adopts it as the resource's key: an ownerReference to the resource.
-        await client.call("PATCH", KINDS["Secret"].path("ns1", "tiny-handle-key"), {
-            "metadata": {"ownerReferences": [{
-                "apiVersion": "bidirkv.io/v1alpha1", "kind": "DisaggregatedInference",
-                "name": "tiny", "uid": di["metadata"]["uid"]}]}},
-            "application/merge-patch+json")
-        await eventually(lambda: all_children(client, "ns1", "tiny"), timeout=20,
-                         what="children once the key is the resource's (retried)")
-        await eventually(lambda: _reconciled(client), what="Reconciled again")
-        secret = await client.get("Secret", "ns1", "tiny-handle-key")
-        assert secret["data"] == {"current": "YWJj"}  # used as it is, never rewritten
-
-    # Deleted instead, the operator makes its own.
-    async with api_server() as (server, client), running_operator(client):
-        await client.create(planted)
-        await client.call("POST", di_path("ns1"), resource(minimal, "ns1"))
-        await eventually(lambda: _phase(client, "ns1", "tiny", "Degraded"), what="Degraded")
-        old = await client.get("Secret", "ns1", "tiny-handle-key")
-        await client.delete("Secret", "ns1", "tiny-handle-key", old["metadata"]["uid"])
-        await eventually(lambda: all_children(client, "ns1", "tiny"), timeout=20,
-                         what="children once the planted key is gone")
-        secret = await client.get("Secret", "ns1", "tiny-handle-key")
+        uid = (await get_di(client, "ns1", "tiny"))["metadata"]["uid"]
+        owned = [{"apiVersion": "bidirkv.io/v1alpha1", "kind": "DisaggregatedInference",
+                  "name": "tiny", "uid": uid, "controller": True}]
+        planted = [f"tiny-handle-key-{uid[:8]}", "tiny-handle-key"]  # and the former name
+        for name in planted:
+            await client.create({"apiVersion": "v1", "kind": "Secret", "metadata": {
+                "name": name, "namespace": "ns1", "ownerReferences": owned},
+                "data": {"current": "YWJj"}})
+        server.requests.clear()
+        async with running_operator(client) as controller:
+            await _converged(client, controller)
+        requests = [r.verb for r in server.requests if r.resource == "secrets"]
+        mounted = mounted_secrets(await children(client, "ns1", "tiny"))
+        assert mounted and mounted.isdisjoint(planted), mounted
+        assert requests == ["create", "create"]  # the first refused; and no read
+        di = await get_di(client, "ns1", "tiny")
+        record = di["status"]["handleKey"]
+        assert record["name"].startswith(f"{planted[0]}-") and record["name"] not in planted
+        assert cond(di, "Reconciled")["status"] == "True"
+        assert mounted == {record["name"]}
+        secret = await client.get("Secret", "ns1", record["name"])
+        assert secret["metadata"]["uid"] == record["uid"]
         assert secret["data"] != {"current": "YWJj"}
-        assert secret["metadata"]["ownerReferences"][0]["name"] == "tiny"
+        for name in planted:  # left as they were
+            assert (await client.get("Secret", "ns1", name))["data"] == {"current": "YWJj"}
+        (event,) = [e for e in server.list("v1", "events", "ns1")
+                    if e.get("reason") == "HandleKeyNameTaken"]
+        assert event["type"] == "Warning"
+        assert f"Secret ns1/{planted[0]} already existed" in event["message"]
+        assert f"the key is Secret ns1/{record['name']}" in event["message"]
 
 
 async def _decode_replicas(client, n):

@@ -464,6 +464,7 @@ async def test_switching_engines_deletes_the_old_autoscaler_before_creating_the_
     body = copy.deepcopy(minimal)
     body["metadata"]["generation"] = 1
     body["spec"]["decode"] = {"autoscaling": {"maxReplicas": 4}}
+    cluster.api.hold(body)
     await controller.reconcile(body)
     assert ("HorizontalPodAutoscaler", "ns1", "tiny-decode") in cluster.api.objects
     body["spec"]["decode"]["autoscaling"].update(engine="keda", keda={"serverAddress": PROM})

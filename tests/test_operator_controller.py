@@ -64,7 +64,11 @@ class Client:
         self._maybe_fail("POST", obj["kind"])
         obj = copy.deepcopy(obj)
         meta = obj["metadata"]
-        meta.setdefault("name", meta.get("generateName", "") + "x")
+        if "name" not in meta:
+            meta["name"] = f"{meta['generateName']}g{len(self.objects)}"
+        if (obj["kind"], meta["namespace"], meta["name"]) in self.objects:
+            raise ApiError(409, "AlreadyExists", f"{meta['name']} already exists")
+        meta.setdefault("uid", f"uid-{obj['kind']}-{meta['name']}")
         meta.update(resourceVersion="1", generation=1)
         self.objects[(obj["kind"], meta["namespace"], meta["name"])] = obj
         return copy.deepcopy(obj)
@@ -78,21 +82,34 @@ class Client:
         return copy.deepcopy(obj)
 
     async def patch_status(self, kind, namespace, name, status):
+        """A merge patch of the status of a resource held (`hold`); None for any other."""
         self.calls.append(("PATCH", kind))
         self.writes += 1
         self._maybe_fail("PATCH", kind)
-        return None
+        obj = self.objects.get((kind, namespace, name))
+        if obj is None:
+            return None
+        merged = {**(obj.get("status") or {}), **status}
+        obj["status"] = {k: v for k, v in merged.items() if v is not None}
+        return copy.deepcopy(obj)
+
+    def hold(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Serve `body` as the resource: its GET and its status writes."""
+        meta = body["metadata"]
+        self.objects[(body["kind"], meta["namespace"], meta["name"])] = copy.deepcopy(body)
+        return body
 
 
-def owner_body(minimal) -> dict[str, Any]:
+def owner_body(minimal, client: Client | None = None) -> dict[str, Any]:
     body = copy.deepcopy(minimal)
     body["metadata"].update(generation=1)
-    return body
+    return client.hold(body) if client is not None else body
 
 
 async def test_triggers_are_coalesced_into_one_reconcile(minimal):
-    controller = Controller(Client(), debounce=0.05)
-    body = owner_body(minimal)
+    client = Client()
+    controller = Controller(client, debounce=0.05)
+    body = owner_body(minimal, client)
     controller.owners["u-1"] = body
     for _ in range(20):
         controller.schedule("u-1", 0.05)
@@ -113,7 +130,7 @@ async def test_failures_back_off_exponentially_up_to_the_cap(minimal, monkeypatc
 
     monkeypatch.setattr(controller, "schedule", record)
     client.fail["GET", "*"] = [ApiError(500, "InternalError", "boom")] * 5
-    controller.owners["u-1"] = owner_body(minimal)
+    controller.owners["u-1"] = owner_body(minimal, client)
     record("u-1", 0)
     while len(delays) < 6:
         await asyncio.sleep(0.01)
@@ -125,7 +142,7 @@ async def test_failures_back_off_exponentially_up_to_the_cap(minimal, monkeypatc
 async def test_a_conflict_on_create_reads_the_winner_and_goes_on(minimal):
     client = Client()
     controller = Controller(client)
-    body = owner_body(minimal)
+    body = owner_body(minimal, client)
     children = render_resource(body)
     # Another replica created the first child between our GET and our POST.
     first = children[0]
@@ -134,42 +151,93 @@ async def test_a_conflict_on_create_reads_the_winner_and_goes_on(minimal):
     client.hidden.add(key)
     client.fail["POST", "Service"] = [ApiError(409, "AlreadyExists", "exists")]
     await controller.reconcile(body)
-    # After the handle-key Secret's create (never a read of it):
-    assert client.calls[0] == ("POST", "Secret")
-    assert client.calls[1:5] == [("GET", "Service"), ("POST", "Service"), ("GET", "Service"),
+    # After the handle-key Secret's create and record (never a read of it):
+    assert client.calls[1:3] == [("POST", "Secret"), ("PATCH", "DisaggregatedInference")]
+    assert client.calls[3:7] == [("GET", "Service"), ("POST", "Service"), ("GET", "Service"),
                                  ("GET", "StatefulSet")]
     assert ("PUT", "Service") not in client.calls  # the winner's object matched: kept
 
 
-async def test_a_handle_key_secret_of_someone_else_stops_the_pass(minimal):
-    from bidirkv.operator.reconcile.controller import HandleKeyNotOwned
+def _mounted(client) -> set[str]:
+    """The Secrets the pod templates the client holds read."""
+    return {e["valueFrom"]["secretKeyRef"]["name"]
+            for (kind, _, _), obj in client.objects.items() if kind in ("StatefulSet",
+                                                                        "Deployment")
+            for c in obj["spec"]["template"]["spec"]["containers"]
+            for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})}
 
+
+async def test_the_key_is_created_recorded_then_taken_from_the_record(minimal):
     client = Client()
     controller = Controller(client)
-    body = owner_body(minimal)
-    key = ("Secret", "ns1", "tiny-handle-key")
-    client.objects[key] = {"kind": "Secret", "metadata": {"name": key[2], "namespace": "ns1"}}
-    client.fail["POST", "Secret"] = [ApiError(409, "AlreadyExists", "exists")]
-    with pytest.raises(HandleKeyNotOwned, match="not owned by this DisaggregatedInference"):
-        await controller.reconcile(body)
-    # Its owners were read as metadata, and nothing but the status and an event written.
-    assert client.calls[:2] == [("POST", "Secret"), ("GET_METADATA", "Secret")]
-    assert {c for c in client.calls if c[0] in ("POST", "PUT")} == {
-        ("POST", "Secret"), ("POST", "Event")}
-    assert {k[0] for k in client.objects} == {"Secret", "Event"}
-
-    # Adopted by an ownerReference to the resource: the next pass applies the spec.
-    client.objects[key]["metadata"]["ownerReferences"] = [
-        {"kind": "DisaggregatedInference", "name": "tiny", "uid": "u-1"}]
-    client.fail["POST", "Secret"] = [ApiError(409, "AlreadyExists", "exists")]
+    body = owner_body(minimal, client)
     await controller.reconcile(body)
-    assert ("StatefulSet", "ns1", "tiny-decode") in client.objects
+    # A fresh look at the resource, the create, the record: before any child.
+    assert client.calls[:3] == [("GET", "DisaggregatedInference"), ("POST", "Secret"),
+                                ("PATCH", "DisaggregatedInference")]
+    record = client.objects[("DisaggregatedInference", "ns1", "tiny")]["status"]["handleKey"]
+    assert record == {"name": "tiny-handle-key-u-1", "uid": "uid-Secret-tiny-handle-key-u-1"}
+    assert _mounted(client) == {"tiny-handle-key-u-1"}
+    # The next pass goes by the record alone: nothing asked of Secrets or the resource.
+    client.calls.clear()
+    await controller.reconcile(copy.deepcopy(client.objects[
+        ("DisaggregatedInference", "ns1", "tiny")]))
+    assert not [c for c in client.calls if c[1] in ("Secret", "DisaggregatedInference")
+                and c[0] != "PATCH"]
+    # A body older than the record (a watch event behind the status write): the fresh
+    # look finds the record, and no second Secret is made.
+    client.calls.clear()
+    await controller.reconcile(body)
+    assert ("POST", "Secret") not in client.calls
+    assert [k for k in client.objects if k[0] == "Secret"] == [
+        ("Secret", "ns1", "tiny-handle-key-u-1")]
+
+
+async def test_a_secret_already_at_the_first_name_is_never_mounted(minimal):
+    client = Client()
+    controller = Controller(client)
+    body = owner_body(minimal, client)
+    taken = ("Secret", "ns1", "tiny-handle-key-u-1")
+    # Planted, even with an ownerReference to the resource: the operator cannot tell.
+    client.objects[taken] = {"kind": "Secret", "metadata": {
+        "name": taken[2], "namespace": "ns1", "ownerReferences": [
+            {"kind": "DisaggregatedInference", "name": "tiny", "uid": "u-1"}]}}
+    await controller.reconcile(body)
+    record = client.objects[("DisaggregatedInference", "ns1", "tiny")]["status"]["handleKey"]
+    assert record["name"].startswith("tiny-handle-key-u-1-")
+    assert _mounted(client) == {record["name"]}
+    assert ("GET", "Secret") not in client.calls  # never read, not even its owners
+    (event,) = [o for k, o in client.objects.items() if k[0] == "Event"]
+    assert event["reason"] == "HandleKeyNameTaken" and event["type"] == "Warning"
+    assert "Secret ns1/tiny-handle-key-u-1 already existed" in event["message"]
+
+
+async def test_a_record_the_crd_drops_fails_the_pass_and_makes_no_second_secret(minimal):
+    from bidirkv.operator.reconcile.keysecret import RecordDropped
+
+    class OldCrd(Client):
+        async def patch_status(self, kind, namespace, name, status):
+            status = {k: v for k, v in status.items() if k != "handleKey"}  # pruned
+            return await super().patch_status(kind, namespace, name, status)
+
+    client = OldCrd()
+    controller = Controller(client)
+    body = owner_body(minimal, client)
+    for _ in range(2):
+        with pytest.raises(RecordDropped, match="CRD is older than this operator"):
+            await controller.reconcile(body)
+    assert [k for k in client.objects if k[0] == "Secret"] == [
+        ("Secret", "ns1", "tiny-handle-key-u-1")]
+    assert not [k for k in client.objects if k[0] == "StatefulSet"]
+    status = client.objects[("DisaggregatedInference", "ns1", "tiny")]["status"]
+    reconciled = next(c for c in status["conditions"] if c["type"] == "Reconciled")
+    assert (reconciled["reason"], status["phase"]) == ("CrdOutdated", "Degraded")
 
 
 async def test_a_foreign_child_is_reported_not_taken(minimal):
     client = Client()
     controller = Controller(client)
-    body = owner_body(minimal)
+    body = owner_body(minimal, client)
     svc = render_resource(body)[0]
     foreign = copy.deepcopy(svc)
     foreign["metadata"]["ownerReferences"] = []

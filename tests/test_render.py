@@ -57,16 +57,25 @@ def test_children_and_owner_references(minimal):
         assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "bidir-kv-operator"
 
 
-def test_engines_and_router_read_the_key_from_the_secret_and_mount_no_token(minimal):
+@pytest.mark.parametrize(("status", "secret"), [
+    (None, "tiny-handle-key-u-1"),  # before the first pass: the first name tried
+    ({"handleKey": {"name": "tiny-handle-key-u-1-x7k2p", "uid": "s-1"}},
+     "tiny-handle-key-u-1-x7k2p"),  # the one the status records
+])
+def test_engines_and_router_read_the_key_from_the_secret_and_mount_no_token(minimal, status,
+                                                                            secret):
+    if status is not None:
+        minimal["status"] = status
     objs = by_kind_name(render_resource(minimal))
-    ref = {"secretKeyRef": {"name": "tiny-handle-key", "key": "current"}}
+    ref = {"secretKeyRef": {"name": secret, "key": "current"}}
     for kind, name in (("StatefulSet", "tiny-prefill"), ("StatefulSet", "tiny-decode"),
                        ("Deployment", "tiny-router")):
         pod = objs[(kind, name)]["spec"]["template"]["spec"]
         assert pod["automountServiceAccountToken"] is False
         e = env(pod["containers"][0])
         assert e["BIDIRKV_HANDLE_KEY"] == ref
-        assert e["BIDIRKV_HANDLE_KEY_PREVIOUS"]["secretKeyRef"]["optional"] is True
+        assert e["BIDIRKV_HANDLE_KEY_PREVIOUS"]["secretKeyRef"] == {
+            "name": secret, "key": "previous", "optional": True}
     # Rendering references the Secret; the operator creates it (never rendered).
     assert not any(k[0] == "Secret" for k in objs)
 

@@ -32,7 +32,7 @@ LocalSecrets = Mapping[str, Mapping[str, str]]
 def local_secrets(key: str | None = None) -> dict[str, dict[str, str]]:
     """The Secrets a local stack stands in for: a fresh handle key per stack (as the
     operator creates one per resource)."""
-    return {secret_name(LOCAL_OWNER.name): {CURRENT: key or new_key()}}
+    return {secret_name(LOCAL_OWNER): {CURRENT: key or new_key()}}
 
 
 @dataclass(frozen=True)

@@ -61,10 +61,6 @@ KINDS = {
 }
 
 
-# Asks the API server for an object's metadata alone (as `kubectl get -o name` does).
-METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
-
-
 class ApiError(Exception):
     def __init__(self, status: int, reason: str, message: str):
         super().__init__(f"{status} {reason}: {message}")
@@ -77,14 +73,13 @@ def request(
     path: str,
     body: Any = None,
     content_type: str | None = None,
-    accept: str = "application/json",
 ) -> Any:
     """One request through the official client, authenticated as its generated methods
     are (bearer token, refreshed in-cluster tokens, client certificates); raises ApiError.
 
     `ApiClient.call_api` alone sends no credentials: they are added when a request is
     serialized (`param_serialize`)."""
-    headers = {"Accept": accept}
+    headers = {"Accept": "application/json"}
     if body is not None:
         headers["Content-Type"] = content_type or "application/json"
     params = api_client.param_serialize(
@@ -130,19 +125,6 @@ class KubeClient:
         query = urllib.parse.urlencode({"labelSelector": label_selector})
         out = await self.call("GET", f"{KINDS[kind].path(namespace)}?{query}")
         return list(out.get("items") or [])
-
-    async def get_metadata(self, kind: str, namespace: str, name: str
-                           ) -> dict[str, Any] | None:
-        """The object's metadata only (PartialObjectMetadata): for a Secret, its owners
-        without its data, which never reaches the operator."""
-        try:
-            return await asyncio.to_thread(
-                request, self._client, "GET", KINDS[kind].path(namespace, name), None, None,
-                METADATA_ONLY)
-        except ApiError as exc:
-            if exc.status == 404:
-                return None
-            raise
 
     async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         kind = KINDS[obj["kind"]]

@@ -69,6 +69,16 @@ class Phase(StrEnum):
     Invalid = "Invalid"
 
 
+class HandleKeyRecord(_Model):
+    name: str = Field(
+        description="The Secret in the resource's namespace that holds its handle key, "
+        "which every engine and router pod reads by this name. The operator created it "
+        "and recorded it here before any child referred to it; it never reads it.")
+    uid: str = Field(
+        description="That Secret's uid as the API server answered the create: a Secret of "
+        "this name with another uid is not the one the operator created.")
+
+
 class DisaggregatedInferenceStatus(_Model):
     observed_generation: int | None = Field(default=None, description="Last generation seen.")
     phase: Phase | None = Field(default=None, description="Summary state.")
@@ -79,4 +89,6 @@ class DisaggregatedInferenceStatus(_Model):
     kv_fingerprint: str | None = Field(
         default=None, description="Hash of what prefill and decode must share."
     )
+    handle_key: HandleKeyRecord | None = Field(
+        default=None, description="The handle-key Secret the operator created.")
     conditions: list[Condition] = Field(default_factory=list, description="Conditions.")

@@ -10,6 +10,7 @@ filling writes nothing when nothing changed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import logging
 from collections.abc import Callable
@@ -26,21 +27,16 @@ from bidirkv.operator.reconcile.drainwatch import (
     timed_out_message,
 )
 from bidirkv.operator.reconcile.heldcount import HeldReads
+from bidirkv.operator.reconcile.keysecret import CRD_OUTDATED, KeySecrets, RecordDropped
 from bidirkv.operator.reconcile.status import compute_status, same_status
 from bidirkv.operator.render.autoscaling import AUTOSCALER_KINDS, SCALED_OBJECT_API_VERSION
 from bidirkv.operator.render.children import (
     Owner,
-    child_metadata,
     optional_children,
     render,
     selector_string,
 )
-from bidirkv.operator.render.handlekey import (
-    HANDLE_KEY_NOT_OWNED,
-    new_secret,
-    not_owned_problem,
-    secret_name,
-)
+from bidirkv.operator.render.handlekey import STATUS_FIELD, recorded
 from bidirkv.operator.render.monitoring import POD_MONITOR_API_VERSION
 from bidirkv.operator.render.naming import child_name
 from bidirkv.operator.render.netpol import namespace_error
@@ -99,8 +95,7 @@ class Controller:
         self._pending: dict[str, asyncio.TimerHandle | asyncio.Task] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._failures: dict[str, int] = {}
-        # Resources whose handle-key Secret was seen: one GET per resource and process.
-        self._keys_ok: set[str] = set()
+        self._keys = KeySecrets(client, self._event)
         # Optional children confirmed absent: not looked up again until rendered.
         self._absent: set[Key] = set()
         # While pods drain: the next look at them (drainwatch.py), outside `_pending` so
@@ -117,7 +112,7 @@ class Controller:
         if event_type == "DELETED" or body["metadata"].get("deletionTimestamp"):
             # Children carry owner references: the garbage collector removes them.
             self.owners.pop(uid, None)
-            self._keys_ok.discard(uid)
+            self._keys.forget(uid)
             self._cancel(uid)
             if (look := self._drain_looks.pop(uid, None)) is not None:
                 look.cancel()
@@ -206,24 +201,24 @@ class Controller:
     async def reconcile(self, body: dict[str, Any]) -> None:
         self.reconciles += 1
         meta = body["metadata"]
-        owner = Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
         generation = meta.get("generation")
         previous = body.get("status") or {}
+        key = recorded(previous)
+        owner = Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"],
+                      handle_key=key and key["name"])
         try:
             spec = api.parse_spec(body.get("spec") or {})
-            desired = render(owner, spec, await self._observed_replicas(owner, spec),
-                             operator_namespace=self.operator_namespace)
+            observed = await self._observed_replicas(owner, spec)
+            desired = render(owner, spec, observed, operator_namespace=self.operator_namespace)
         except api.SpecError as exc:
             await self._report_invalid(body, owner, generation, previous, str(exc))
             return
-
-        key_problem = await self._ensure_key(owner)
-        if key_problem is not None:
-            # Engines and router would sign with a key someone else holds: nothing is
-            # created or changed (pods already running keep theirs) until it is resolved.
-            await self._report_invalid(body, owner, generation, previous, key_problem,
-                                       HANDLE_KEY_NOT_OWNED, "Degraded")
-            raise HandleKeyNotOwned(key_problem)  # retried with backoff
+        if key is None:
+            # No child refers to a key before the Secret created here is recorded.
+            key = await self._record_key(body, owner, previous)
+            previous = {**previous, STATUS_FIELD: key}
+            owner = dataclasses.replace(owner, handle_key=key["name"])
+            desired = render(owner, spec, observed, operator_namespace=self.operator_namespace)
         seen: dict[tuple[str, str], dict[str, Any] | None] = {}
         problem = None
         for obj in desired:
@@ -326,33 +321,18 @@ class Controller:
         if uid in self.owners:
             self.schedule(uid, 0)
 
-    async def _ensure_key(self, owner: Owner) -> str | None:
-        """Create the resource's handle-key Secret when it is missing; never rewrite it.
-        None when the Secret is this resource's, else what is wrong with it.
-
-        Create first, and a 409 means it exists: then only its metadata is read (never its
-        data, so the key does not reach the operator) to see that this resource owns it.
-        One of that name that anyone allowed to create Secrets in the namespace put there
-        first would hold the key that signs every handle and proof. A key the user brings
-        is taken once it carries an ownerReference to this resource. Its content is never
-        logged, compared or put in status or events.
-        """
-        if owner.uid in self._keys_ok:
-            return None
-        name = secret_name(owner.name)
+    async def _record_key(self, body: dict[str, Any], owner: Owner,
+                          previous: dict[str, Any]) -> dict[str, str]:
+        """The handle-key Secret the pods mount, created and recorded (keysecret.py)."""
         try:
-            await self.client.create(new_secret(child_metadata(owner, "handle-key", name)))
-            log.info("created Secret/%s", name)
-        except ApiError as exc:
-            if exc.status != 409:
-                raise
-            existing = await self.client.get_metadata("Secret", owner.namespace, name)
-            if existing is None:  # deleted since: the next pass creates it
-                raise
-            if not owned_by(existing, owner.uid):
-                return not_owned_problem(owner, existing)
-        self._keys_ok.add(owner.uid)
-        return None
+            key, server_body = await self._keys.record(body, owner)
+        except RecordDropped as exc:
+            await self._report_invalid(body, owner, body["metadata"].get("generation"),
+                                       previous, str(exc), CRD_OUTDATED, "Degraded")
+            raise  # retried with backoff, recording the same Secret
+        if server_body and owner.uid in self.owners:
+            self.owners[owner.uid] = server_body
+        return key
 
     async def _remove(self, key: Key, owner: Owner) -> None:
         """Delete an optional child this resource owns and no longer renders."""
@@ -454,10 +434,6 @@ class Controller:
 
 class ChildConflict(Exception):
     """A child name is taken by an object this resource does not own."""
-
-
-class HandleKeyNotOwned(Exception):
-    """The resource's handle-key Secret exists and this resource does not own it."""
 
 
 class KindMissing(Exception):

@@ -16,6 +16,7 @@ from bidirkv.operator.reconcile.drainwatch import (
 from bidirkv.operator.render.autoscaling import role_replicas
 from bidirkv.operator.render.children import Owner, child_name, router_url, selector_string
 from bidirkv.operator.render.drain import short_drain
+from bidirkv.operator.render.handlekey import STATUS_FIELD as HANDLE_KEY_FIELD
 from bidirkv.roleconfig import ROLES, kv_fingerprint
 
 # The condition that says what is wrong when the spec cannot be reconciled.
@@ -115,6 +116,9 @@ def compute_status(
     role's pods as listed (None: not listed, the last drains are kept); `held`: the
     conversations each draining decode pod holds, by pod name, as read this pass."""
     status: dict[str, Any] = {"observedGeneration": generation}
+    # A record, not a reading: kept as it is (a status write without it would drop it).
+    if HANDLE_KEY_FIELD in previous:
+        status[HANDLE_KEY_FIELD] = previous[HANDLE_KEY_FIELD]
     if spec is None:
         # The spec is unusable: keep the counts of what runs, say what is wrong.
         for key in ("prefill", "decode", "routerReady", "routerUrl", "kvFingerprint"):

@@ -22,6 +22,7 @@ from bidirkv.operator.render.engine import (  # noqa: F401 - re-exported
     engine_statefulset,
     pod_disruption_budget,
 )
+from bidirkv.operator.render.handlekey import recorded
 from bidirkv.operator.render.monitoring import POD_MONITOR_COMPONENT, pod_monitor
 from bidirkv.operator.render.naming import (  # noqa: F401 - re-exported: what users of render import
     MANAGED_BY,
@@ -107,6 +108,7 @@ def render_resource(obj: dict[str, Any], *,
         name=meta["name"],
         namespace=meta.get("namespace") or "default",
         uid=meta.get("uid") or "00000000-0000-0000-0000-000000000000",
+        handle_key=(recorded(obj.get("status")) or {}).get("name"),
     )
     return render(owner, api.parse_spec(obj.get("spec") or {}),
                   operator_namespace=operator_namespace)

@@ -164,7 +164,7 @@ def engine_pod_template(
         "command": ["bidir-kv", "serve", "--role", role, "--"],
         "args": rc.args,
         "env": [*rc.env, *drain_env(spec, role), *_model_cache_env(spec, role, cache),
-                *key_env(owner.name)],
+                *key_env(owner)],
         "ports": [
             {"name": name, "containerPort": port, "protocol": "TCP"}
             for name, port in rc.ports.items()

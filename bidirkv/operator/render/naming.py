@@ -19,6 +19,9 @@ class Owner:
     name: str
     namespace: str
     uid: str
+    # The Secret holding the handle key, as the status records it (handlekey.py); None
+    # until the operator created one.
+    handle_key: str | None = None
 
 
 def config_hash(obj: Any) -> str:

@@ -138,7 +138,7 @@ def router_deployment(owner: Owner, spec: api.DisaggregatedInferenceSpec,
         ],
         "ports": [{"name": "http", "containerPort": placement.port, "protocol": "TCP"}],
         # The key signs the router's proof on decode legs (bidirkv/proof.py).
-        "env": key_env(owner.name) + _store_password_env(spec) + otlp_headers_env(spec),
+        "env": key_env(owner) + _store_password_env(spec) + otlp_headers_env(spec),
         "readinessProbe": http_probe("/ready", 5, 2, 3),
         "livenessProbe": http_probe("/health", 10, 3, 5),
         "resources": {

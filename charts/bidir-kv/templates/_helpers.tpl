@@ -80,10 +80,12 @@ Every verb here is one the operator uses; e2e/test_chart_install.py compares the
 the requests of a real operator run.
 */}}
 {{- define "bidir-kv.operatorRules" -}}
-# DisaggregatedInference: kopf lists and watches them; the controller writes /status.
+# DisaggregatedInference: kopf lists and watches them; the controller writes /status,
+# and gets one afresh before it creates its handle-key Secret (the cached one may predate
+# the status that records it).
 - apiGroups: ["bidirkv.io"]
   resources: ["disaggregatedinferences"]
-  verbs: ["list", "watch"]
+  verbs: ["get", "list", "watch"]
 - apiGroups: ["bidirkv.io"]
   resources: ["disaggregatedinferences/status"]
   verbs: ["patch"]
@@ -118,13 +120,13 @@ the requests of a real operator run.
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
   verbs: ["get", "create", "update", "delete"]
-# The handle-key Secret of each resource: created once (409: it exists), then got as
-# metadata alone (PartialObjectMetadata: its owners, never its data) to check that the
-# resource owns it, as one planted first would hold the key. `get` would allow reading
-# any Secret here; the operator asks for no Secret's data. Never listed or watched.
+# The handle-key Secret of each resource: created once, and recorded (name and uid) in
+# the resource's status, which is all the operator and the pods go by. Create alone: no
+# Secret is ever read, listed, watched or changed, and one the operator did not see
+# itself create (a 409) is never used (docs/operator.md, Isolation).
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["create", "get"]
+  verbs: ["create"]
 # Engine pods, watched and listed by label: a pod being deleted drains, and the status
 # says which do and until when (only their metadata, spec and pod IP are read: a draining
 # decode pod's engine is asked how many conversations it still holds).
