@@ -330,7 +330,9 @@ class RouterKnobs(Section):
         "it authenticated (and strips from what clients send). Set, it alone names the "
         "tenant, `tenantHeader` and `maxTenantsPerSource` are not used, and a request "
         "without it belongs to one anonymous tenant. The per-tenant caps and fair eviction "
-        "are fair between real tenants only with it.",
+        "are fair between real tenants only with it. Whoever reaches the router can send "
+        "it: a DisaggregatedInference with it needs `networkPolicy.routerFrom` admitting "
+        "the gateway alone and a ClusterIP Service.",
     )
     max_tenants_per_source: Annotated[int, Strict()] = Field(
         default=64,

@@ -88,6 +88,10 @@ GOOD_SPECS = [
      "prefill": {"efaDevices": 2, "resources": {"requests": {"memory": "1Gi"}}},
      "decode": {"efaDevices": 8, "resources": {"requests": {"cpu": 4}},
                 "tolerations": [{"key": "gpu", "operator": "Exists"}]}},
+    # A gateway sets the tenant header, and only the gateway reaches the router.
+    {"model": {"name": "m"}, "router": {"trustedTenantHeader": "X-Tenant"},
+     "networkPolicy": {"routerFrom": [{"namespaceSelector": {
+         "matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}]}},
     # An optional object inside an optional object stays absent (no `{}` default that
     # would then miss its required fields).
     {"model": {"name": "m"}, "router": {"handleStore": {"url": "redis://v:6379/0"}}},
@@ -123,6 +127,15 @@ BAD_SPECS = [
     {"model": {"name": "m"}, "decode": {"efaDevices": 1}},
     {"model": {"name": "m"}, "router": {"serviceType": "ExternalName"}},
     {"model": {"name": "m"}, "networkPolicy": {"metricsFrom": [{}]}},
+    # A tenant header believed from anyone who reaches the router (CEL rules).
+    {"model": {"name": "m"}, "router": {"trustedTenantHeader": "X-Tenant"}},
+    {"model": {"name": "m"}, "router": {"trustedTenantHeader": "X-Tenant"},
+     "networkPolicy": {"enabled": False, "routerFrom": [{"podSelector": {}}]}},
+    {"model": {"name": "m"}, "router": {"trustedTenantHeader": "X-Tenant"},
+     "networkPolicy": {"routerFrom": [{"namespaceSelector": {}}]}},
+    {"model": {"name": "m"}, "router": {"trustedTenantHeader": "X-Tenant",
+                                        "serviceType": "LoadBalancer"},
+     "networkPolicy": {"routerFrom": [{"podSelector": {"matchLabels": {"app": "gw"}}}]}},
     # Two routers without a shared store would split conversations (CEL rule).
     {"model": {"name": "m"}, "router": {"replicas": 2}},
     {"model": {"name": "m"}, "router": {"handleStore": {"url": "redis://u:pw@v:6379/0"}}},
@@ -176,6 +189,27 @@ def test_crd_and_models_refuse_alike(spec):
     _, errors = _crd_validate(spec)
     assert errors, f"CRD accepted {spec}"
     with pytest.raises(SpecError):
+        parse_spec(spec)
+
+
+def test_a_trusted_tenant_header_without_a_gateway_only_router_is_refused_by_name():
+    spec = {"model": {"name": "m"}, "router": {"trustedTenantHeader": "X-Tenant"}}
+    _, errors = _crd_validate(spec)
+    assert any("router.trustedTenantHeader needs networkPolicy.enabled and a "
+               "networkPolicy.routerFrom" in str(e) for e in errors), errors
+    with pytest.raises(SpecError) as err:
+        parse_spec(spec)
+    said = str(err.value)
+    assert "spec.router.trustedTenantHeader: 'X-Tenant'" in said
+    assert "spec.networkPolicy.routerFrom is empty" in said
+    assert "Set spec.networkPolicy.routerFrom to the gateway's pods alone" in said
+
+    spec["router"]["serviceType"] = "LoadBalancer"
+    spec["networkPolicy"] = {"routerFrom": [{"podSelector": {"matchLabels": {"app": "gw"}}}]}
+    _, errors = _crd_validate(spec)
+    assert [e for e in errors if "router.serviceType must be ClusterIP" in str(e)], errors
+    with pytest.raises(SpecError, match=r"spec.router.serviceType: 'LoadBalancer' must be "
+                       r"'ClusterIP' while spec.router.trustedTenantHeader is set"):
         parse_spec(spec)
 
 

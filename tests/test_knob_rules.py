@@ -142,6 +142,8 @@ PYTHON_SAYS = {
     "kvTransfer.ownerLeaseSeconds must be at least twice":
         "spec.kvTransfer.ownerLeaseSeconds (",
     "every networkPolicy.metricsFrom": "needs namespaceSelector or podSelector",
+    "router.trustedTenantHeader needs": "spec.router.trustedTenantHeader:",
+    "router.serviceType must be ClusterIP": "spec.router.serviceType:",
     "kvTransfer.backend must be LIBFABRIC": "spec.kvTransfer.backend:",
     "prefill.efaDevices and decode.efaDevices must be at least 1": "must be >= 1 when efa",
     "efaDevices must be 0 on both roles": "must be 0 unless efa.enabled",
@@ -149,6 +151,7 @@ PYTHON_SAYS = {
     "prefill.modelCache needs exactly one": "spec.prefill.modelCache",
     "decode.modelCache needs exactly one": "spec.decode.modelCache",
 }
+GATEWAY = {"podSelector": {"matchLabels": {"app": "gateway"}}}
 SPECS = [
     {},
     {"router": {"conversationTtlSeconds": 470}},
@@ -165,6 +168,21 @@ SPECS = [
     {"networkPolicy": {"metricsFrom": [{}]}},
     {"networkPolicy": {"routerFrom": [{"namespaceSelector": {}}, {}]}},
     {"networkPolicy": {"metricsFrom": [{"podSelector": {}}]}},
+    {"router": {"trustedTenantHeader": "X-Tenant"}},
+    {"router": {"trustedTenantHeader": "X-Tenant"}, "networkPolicy": {"routerFrom": [GATEWAY]}},
+    {"router": {"trustedTenantHeader": "X-Tenant"},
+     "networkPolicy": {"enabled": False, "routerFrom": [GATEWAY]}},
+    {"router": {"trustedTenantHeader": "X-Tenant"},
+     "networkPolicy": {"routerFrom": [GATEWAY, {"namespaceSelector": {}}]}},
+    {"router": {"trustedTenantHeader": "X-Tenant"}, "networkPolicy": {"routerFrom": [
+        {"namespaceSelector": {"matchLabels": {}, "matchExpressions": []},
+         "podSelector": {}}]}},
+    {"router": {"trustedTenantHeader": "X-Tenant"}, "networkPolicy": {"routerFrom": [
+        {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app": "gateway"}}}]}},
+    {"router": {"trustedTenantHeader": "X-Tenant", "serviceType": "LoadBalancer"},
+     "networkPolicy": {"routerFrom": [GATEWAY]}},
+    {"router": {"trustedTenantHeader": "X-Tenant", "serviceType": "NodePort"}},
+    {"router": {"serviceType": "LoadBalancer"}},
     {"efa": {"enabled": True}, "prefill": {"efaDevices": 1}, "decode": {"efaDevices": 1}},
     {"efa": {"enabled": True}, "kvTransfer": {"backend": "LIBFABRIC"},
      "prefill": {"efaDevices": 1}, "decode": {"efaDevices": 1}},
@@ -220,6 +238,7 @@ def test_every_router_key_is_set_from_the_crd_or_listed():
         "router": {"maxConversationsPerTenant": 5, "trustedTenantHeader": "X-Tenant",
                    "replicas": 2,
                    "handleStore": {"url": "redis://v:6379/0"}},
+        "networkPolicy": {"routerFrom": [GATEWAY]},
         "monitoring": {"tracing": {"otlpEndpoint": "http://c:4318/v1/traces"}},
     })
     rendered = _leaves(router_config(Owner("x", "ns", "u"), spec))

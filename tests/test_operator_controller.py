@@ -234,6 +234,24 @@ async def test_a_record_the_crd_drops_fails_the_pass_and_makes_no_second_secret(
     assert (reconciled["reason"], status["phase"]) == ("CrdOutdated", "Degraded")
 
 
+async def test_a_trusted_tenant_header_open_to_anyone_creates_nothing(minimal):
+    """Where the CRD's rule is not there to refuse it (an older CRD), the operator does:
+    no child, the condition and an event naming both fields."""
+    client = Client()
+    controller = Controller(client)
+    minimal["spec"]["router"] = {"trustedTenantHeader": "X-Tenant"}
+    body = owner_body(minimal, client)
+    await controller.reconcile(body)
+    assert {k[0] for k in client.objects} == {"DisaggregatedInference", "Event"}
+    status = client.objects[("DisaggregatedInference", "ns1", "tiny")]["status"]
+    reconciled = next(c for c in status["conditions"] if c["type"] == "Reconciled")
+    assert (status["phase"], reconciled["reason"]) == ("Invalid", "InvalidSpec")
+    assert "spec.router.trustedTenantHeader: 'X-Tenant'" in reconciled["message"]
+    assert "spec.networkPolicy.routerFrom is empty" in reconciled["message"]
+    (event,) = [o for k, o in client.objects.items() if k[0] == "Event"]
+    assert event["message"] == reconciled["message"]
+
+
 async def test_a_foreign_child_is_reported_not_taken(minimal):
     client = Client()
     controller = Controller(client)

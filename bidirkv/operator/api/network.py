@@ -54,5 +54,30 @@ class NetworkPolicySpec(_Model):
     )
     router_from: list[PolicyPeer] = Field(
         default_factory=list,
-        description="Who may reach the router; empty: anyone that can route to it.",
+        description="Who may reach the router; empty: anyone that can route to it. With "
+        "`router.trustedTenantHeader` set it must admit the gateway alone: refused empty or "
+        "with an entry that admits every pod of every namespace.",
     )
+
+
+def _selects_all_cel(selector: str) -> str:
+    return (f"(!has({selector}.matchLabels) || size({selector}.matchLabels) == 0) && "
+            f"(!has({selector}.matchExpressions) || size({selector}.matchExpressions) == 0)")
+
+
+# CEL over a PolicyPeer `p`: it admits every pod of every namespace (`admits_everyone`).
+ADMITS_EVERYONE_CEL = (
+    f"has(p.namespaceSelector) && {_selects_all_cel('p.namespaceSelector')} && "
+    f"(!has(p.podSelector) || ({_selects_all_cel('p.podSelector')}))")
+
+
+def _selects_all(selector: LabelSelector | None) -> bool:
+    return selector is not None and not selector.match_labels and not (
+        selector.match_expressions)
+
+
+def admits_everyone(peer: PolicyPeer) -> bool:
+    """The peer admits every pod of every namespace (`namespaceSelector: {}` with no
+    narrower podSelector): as open as no peer at all."""
+    return _selects_all(peer.namespace_selector) and (
+        peer.pod_selector is None or _selects_all(peer.pod_selector))

@@ -19,8 +19,13 @@ from bidirkv.knobs import LEASE_OUTLIVES_RENEWALS, TTL_SAFETY_MARGIN_SECONDS
 from bidirkv.operator.api.base import _Model
 from bidirkv.operator.api.engine import EngineSpec, ModelSpec, RoleSpec
 from bidirkv.operator.api.monitoring import MonitoringSpec
-from bidirkv.operator.api.network import NetworkPolicySpec, PolicyPeer
-from bidirkv.operator.api.router import RouterSpec
+from bidirkv.operator.api.network import (
+    ADMITS_EVERYONE_CEL,
+    NetworkPolicySpec,
+    PolicyPeer,
+    admits_everyone,
+)
+from bidirkv.operator.api.router import RouterSpec, ServiceType
 from bidirkv.operator.api.status import DisaggregatedInferenceStatus
 from bidirkv.operator.api.transfer import Backend, EfaSpec, KvTransferSpec
 
@@ -73,6 +78,23 @@ CEL_RULES: list[tuple[str, str, str]] = [
         LEASE_OUTLIVES_RENEWALS.message("kvTransfer.ownerLeaseSeconds",
                                         "router.healthCheckIntervalSeconds"),
         ".kvTransfer.ownerLeaseSeconds",
+    ),
+    (
+        # The header is believed from whoever reaches the router: only the gateway may.
+        "!has(self.router.trustedTenantHeader) || (self.networkPolicy.enabled && "
+        "has(self.networkPolicy.routerFrom) && size(self.networkPolicy.routerFrom) > 0 && "
+        f"!self.networkPolicy.routerFrom.exists(p, {ADMITS_EVERYONE_CEL}))",
+        "router.trustedTenantHeader needs networkPolicy.enabled and a networkPolicy.routerFrom "
+        "that admits only the gateway setting the header (not empty, no entry that admits "
+        "every pod of every namespace): any other caller could name any tenant",
+        ".router.trustedTenantHeader",
+    ),
+    (
+        "!has(self.router.trustedTenantHeader) || self.router.serviceType == 'ClusterIP'",
+        "router.serviceType must be ClusterIP when router.trustedTenantHeader is set: a "
+        "LoadBalancer or NodePort Service takes callers from outside the cluster, whom "
+        "networkPolicy.routerFrom cannot name",
+        ".router.serviceType",
     ),
     (
         "!self.efa.enabled || self.kvTransfer.backend == 'LIBFABRIC'",
@@ -163,6 +185,7 @@ def cross_field_errors(spec: DisaggregatedInferenceSpec) -> list[str]:
             f"spec.kvTransfer.ownerLeaseSeconds: {lease} must be at most "
             f"kvTransfer.decoderKvBlocksTtlSeconds ({ttl})"
         )
+    errors += _trusted_header_errors(spec)
     for field in ("metrics_from", "router_from"):
         for i, peer in enumerate(getattr(spec.network_policy, field)):
             if peer.namespace_selector is None and peer.pod_selector is None:
@@ -191,6 +214,36 @@ def cross_field_errors(spec: DisaggregatedInferenceSpec) -> list[str]:
                 f"spec.{role}.resources: efa.hugepages2Mi needs a cpu or memory request "
                 "or limit on the role"
             )
+    return errors
+
+
+def _trusted_header_errors(spec: DisaggregatedInferenceSpec) -> list[str]:
+    """`trustedTenantHeader` names the tenant for whoever sets it: the router must be
+    reachable by the gateway alone (the two trusted-header rules of `CEL_RULES`)."""
+    header = spec.router.trusted_tenant_header
+    if header is None:
+        return []
+    np, errors = spec.network_policy, []
+    open_to = ("spec.networkPolicy.enabled is false" if not np.enabled
+               else "spec.networkPolicy.routerFrom is empty" if not np.router_from
+               else next((f"spec.networkPolicy.routerFrom[{i}] admits every pod of every "
+                          "namespace" for i, p in enumerate(np.router_from)
+                          if admits_everyone(p)), None))
+    if open_to:
+        errors.append(
+            f"spec.router.trustedTenantHeader: {header!r} is believed from whoever reaches "
+            f"the router, and {open_to}: any pod that can reach it could name any tenant, "
+            "share that tenant's cache salt, take its handles and end its conversations. "
+            "Set spec.networkPolicy.routerFrom to the gateway's pods alone (with "
+            "networkPolicy.enabled true), or unset trustedTenantHeader")
+    if spec.router.service_type != ServiceType.ClusterIP:
+        errors.append(
+            f"spec.router.serviceType: {str(spec.router.service_type)!r} must be "
+            f"'ClusterIP' while spec.router.trustedTenantHeader is set ({header!r}): a "
+            "LoadBalancer or NodePort Service takes callers from outside the cluster, whom "
+            "networkPolicy.routerFrom (pods and namespaces) cannot name; where NetworkPolicy "
+            "is not enforced they could name any tenant. Put the gateway in the cluster, "
+            "in front of a ClusterIP router")
     return errors
 
 
