@@ -45,18 +45,23 @@ def handles(url: str, n: int, timeout: float = 30.0) -> float:
     return got
 
 
+def as_router(d_url: str, **fields) -> dict:
+    """Decode's residency answer to a call as the router's owner (which only renews its
+    lease, and reads what a recall from `recall` would)."""
+    raw = json.dumps({"owner": stable_owner(KEY.encode()), "leaseSeconds": 30,
+                      RESIDENCY_VERSION_FIELD: VERSION, **fields}).encode()
+    req = urllib.request.Request(d_url + RESIDENCY_PATH, raw, {
+        "Content-Type": "application/json",
+        RESIDENCY_AUTH_HEADER: sign_residency(KEY.encode(), RESIDENCY_PATH, raw)})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
 def notes_held(d_url: str, n: int, timeout: float = 30.0) -> int:
-    """Decode's count of the router's notes once it reaches `n` (asked as that router,
-    which only renews its lease)."""
+    """Decode's count of the router's notes once it reaches `n`."""
     deadline = time.monotonic() + timeout
     while True:
-        raw = json.dumps({"owner": stable_owner(KEY.encode()), "leaseSeconds": 30,
-                          RESIDENCY_VERSION_FIELD: VERSION}).encode()
-        req = urllib.request.Request(d_url + RESIDENCY_PATH, raw, {
-            "Content-Type": "application/json",
-            RESIDENCY_AUTH_HEADER: sign_residency(KEY.encode(), RESIDENCY_PATH, raw)})
-        with urllib.request.urlopen(req, timeout=30) as r:
-            got = json.loads(r.read()).get("notesHeld", 0)
+        got = as_router(d_url).get("notesHeld", 0)
         if got >= n or time.monotonic() > deadline:
             return got
         time.sleep(0.2)
@@ -87,6 +92,14 @@ def test_a_restarted_router_reuses_what_decode_holds_with_the_reuse_off_output(t
                 msgs.append({"role": "assistant", "content": turn(url, c, msgs)})
             assert handles(url, len(convs)) == len(convs)
             assert notes_held(s.d_url, len(convs)) == len(convs)
+        # A note does not grow with the history: the block ids and the digest record
+        # stay with decode, which gives them back beside each note.
+        page = as_router(s.d_url, recall=0)
+        assert len(page["notes"]) == len(convs)
+        for rid, note in page["notes"].items():
+            assert len(note) <= 1024 and "remote_block_ids" not in note, note
+            bulk = page["recallHandles"][rid]
+            assert bulk["remote_block_ids"][0] and bulk["bidirkv_blocks"]["n"] >= 2
         refs = {}
         for i, (c, msgs) in enumerate(history.items()):
             msgs.append({"role": "user", "content": random_text(40, seed=90 + i)})
