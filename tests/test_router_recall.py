@@ -119,21 +119,55 @@ def note(key: bytes, rid: str, kept_at: float) -> Kept:
 K, L = b"k" * 32, b"l" * 32
 
 
-@pytest.mark.parametrize("recalled, held, put", [
-    ([note(K, "a", 900)], None, ["a"]),
-    ([note(K, "a", 900), note(K, "b", 950)], None, ["b"]),  # the newest of a conversation
-    ([note(K, "b", 950), note(K, "a", 900)], None, ["b"]),
-    ([note(K, "a", 100)], None, []),  # past the store's TTL (300 s at 1000)
-    ([note(K, "a", 900)], entry("a", 900), []),  # the store has it already
-    ([note(K, "a", 900)], entry("z", 950), []),  # the store has a later one
-    ([note(K, "a", 900)], entry("z", 800), ["a"]),  # ... or an earlier one: replaced
-    ([note(K, "a", 900)], entry("z", 800, reserved=True), []),  # a turn is using it
-    ([note(K, "a", 900), note(L, "c", 900)], None, ["a", "c"]),
-    ([note(b"", "a", 900)], None, []),
+@pytest.mark.parametrize("recalled, held, put, released", [
+    ([note(K, "a", 900)], None, ["a"], []),
+    ([note(K, "a", 900), note(K, "b", 950)], None, ["b"], []),  # the newest of a conversation
+    ([note(K, "b", 950), note(K, "a", 900)], None, ["b"], []),
+    ([note(K, "a", 100)], None, [], ["a"]),  # past the store's TTL (300 s at 1000): released
+    ([note(K, "a", 700)], None, [], ["a"]),  # ... to the second
+    ([note(K, "a", 100)], entry("a", 100), [], []),  # ... unless the store holds it
+    ([note(K, "a", 100), note(K, "b", 950)], None, ["b"], ["a"]),
+    ([note(K, "a", 900)], entry("a", 900), [], []),  # the store has it already
+    ([note(K, "a", 900)], entry("z", 950), [], []),  # the store has a later one
+    ([note(K, "a", 900)], entry("z", 800), ["a"], []),  # ... or an earlier one: replaced
+    ([note(K, "a", 900)], entry("z", 800, reserved=True), [], []),  # a turn is using it
+    ([note(K, "a", 900), note(L, "c", 900)], None, ["a", "c"], []),
+    ([note(b"", "a", 900)], None, [], []),
+    # A note's time ahead of this router's clock counts as now: it does not beat a
+    # handle the store kept since, nor live past the TTL from now.
+    ([note(K, "a", 5000)], entry("z", 999), ["a"], []),
+    ([note(K, "a", 5000)], entry("z", 1000), [], []),
 ])
-def test_merge(recalled, held, put):
-    got = merge(recalled, lambda key: held if key == K else None, 1000.0, 300.0)
-    assert [k.request_id for k in got] == put
+def test_merge(recalled, held, put, released):
+    got, expired = merge(recalled, lambda key: held if key == K else None, 1000.0, 300.0)
+    assert [k.request_id for k in got] == put and expired == released
+    assert all(k.kept_at <= 1000.0 for k in got)
+
+
+async def test_a_recalled_handle_lives_what_its_note_has_left_of_the_ttl():
+    """A note kept 470 s before the recall, under a TTL of 480 s, comes back with 10 s to
+    live, not 480: a handle outliving decode's blocks would pin them in the watermark's
+    count. One past the TTL is released on decode, never stored; one from a clock ahead
+    of this one's lives the TTL from now."""
+    from bidirkv.router.pool.recall import Recall
+    from bidirkv.router.store.memory import InProcessStore
+
+    client, d = await client_and_decode()
+    try:
+        store = InProcessStore(480, 100, client.release)
+        recall = Recall(client, store, store.peek, lambda: 480.0, lambda coro: None)
+        now = time.time()
+        notes = {rid: encode(NK, note(k, rid, at), at) for k, rid, at in (
+            (K, "d-470", now - 470), (L, "d-490", now - 490), (b"m" * 32, "d-ahead", now + 900))}
+        assert await recall.restore(d.url, notes) == 2
+        left = store.peek(K).expires_at - time.monotonic()
+        assert 0 < left <= 10.5, f"recalled with {left:.0f} s to live"
+        assert store.peek(L) is None and client.replica(d.url).pending == ["d-490"]
+        ahead = store.peek(b"m" * 32)
+        assert ahead.kept_at <= time.time() and ahead.expires_at - time.monotonic() <= 480
+        assert await store.pinned(d.url) == 2 * KEPT.blocks
+    finally:
+        await d.stop()
 
 
 # -- separate router processes in front of fake engines ---------------------------------------

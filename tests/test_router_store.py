@@ -172,6 +172,13 @@ def later(seconds: float) -> Step:
     return Step(f"{seconds} s later", act)
 
 
+def kept_now(name: str) -> Step:
+    """The handle taken under `name` reads as kept at the store's clock."""
+    async def act(run: Run) -> bool:
+        return run.taken[name].kept_at == run.clock.t
+    return Step(f"{name} kept now", act, True)
+
+
 def evicted(**by_reason: list[Any]) -> Step:
     """The evictions so far: per reason, the request ids in order (a frozenset: any one
     of its members)."""
@@ -249,6 +256,24 @@ CASES = [
         call("sweep", 1), call("count", 0),
         evicted(ttl=["a", "b"]),
     ], ttl=10),
+    # A recalled handle (a note's `kept_at`) lives the TTL from when decode kept it, not
+    # from the put: a restart never lengthens a handle's life past decode's blocks.
+    Case("a handle kept earlier expires the TTL after it was kept", [
+        put("old", ago=90), put("new"),
+        put("gone", ago=100),  # expired already: released, never stored
+        evicted(ttl=["gone"]), call("count", 2), call("pinned", 4, D0),
+        later(10.5),
+        look("old", EXPIRED), look("new", HIT), release("new"),
+        put("older", ago=95), put("newer"),
+        later(5),  # older's TTL ran out behind entries stored before it: swept all the same
+        call("sweep", 1), call("count", 2), look("older", MISS),
+        # A kept_at ahead of the store's clock (another host's) counts as now.
+        put("ahead", ago=-500),
+        look("ahead", HIT), kept_now("ahead"), release("ahead"),
+        later(99), look("ahead", HIT), release("ahead"),  # the whole TTL from the put
+        later(2), call("sweep", 3),
+        evicted(ttl=["gone", "old", "older", "new", "newer", "ahead"]),
+    ], ttl=100),
     Case("a replica's handles drop, but those of the engine that stayed", [
         put("a", engine="e1"), put("b", engine="e2"), put("c", url=D1, engine="e9"),
         call("drop_replica", 1, D0, "engine_changed", keep_engine_id="e2"),
@@ -332,7 +357,7 @@ CASES = [
         put("t-mid", tenant=A, ago=2, gap=60.0),
         put("t-new", tenant=A, ago=0, gap=10.0, tenant_max_pinned=4),
         evicted(watermark=["stale", "late", "new"], tenant_cap=["t-mid"]),
-    ]),
+    ], ttl=1000),
     Case("a tenant over its share of a replica loses its own there", [
         put("elsewhere", url=D1, blocks=3, tenant=A),
         *(put(k, blocks=3, tenant=A, tenant_max_pinned=7) for k in n_keys("a", 4)),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import functools
 import hashlib
 import hmac
@@ -146,13 +147,24 @@ def decode(key: bytes, request_id: str, note: Any, url: str, bulk: Any) -> Kept 
 
 
 def merge(recalled: Iterable[Kept], held: Callable[[bytes], Entry | None], now: float,
-          ttl: float) -> list[Kept]:
-    """What of a recall goes into the store: per conversation the newest note, unless it
-    is past the store's TTL, or the store holds that handle already, one kept later, or
-    one a turn is using now."""
+          ttl: float) -> tuple[list[Kept], list[str]]:
+    """What of a recall goes into the store, and the request ids of notes past the
+    store's TTL (theirs to release on decode: the store would have by now). Into the
+    store: per conversation the newest live note, unless the store holds that handle
+    already, one kept later, or one a turn is using now. A note's time ahead of `now`
+    (its router's clock ahead of this one's) counts as `now`: a handle lives the TTL from
+    when it was kept (`Kept.time_left`), never longer."""
     newest: dict[bytes, Kept] = {}
+    expired: list[str] = []
     for k in recalled:
-        if not k.key or (k.kept_at or 0.0) + ttl <= now:
+        if not k.key:
+            continue
+        if k.kept_at is not None and k.kept_at > now:
+            k = dataclasses.replace(k, kept_at=now)
+        if k.time_left(ttl, now) <= 0:
+            e = held(k.key)
+            if k.request_id and (e is None or e.request_id != k.request_id):
+                expired.append(k.request_id)
             continue
         old = newest.get(k.key)
         if old is None or (k.kept_at or 0.0) > (old.kept_at or 0.0):
@@ -164,4 +176,4 @@ def merge(recalled: Iterable[Kept], held: Callable[[bytes], Entry | None], now: 
                               or e.kept_at >= (k.kept_at or 0.0)):
             continue
         out.append(k)
-    return out
+    return out, expired

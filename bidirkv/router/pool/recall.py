@@ -8,6 +8,11 @@ a rolling update the old router still finishes turns (and keeps their handles) a
 the new one started, and what those left on decode comes back too. A note this router
 left itself comes back as well and changes nothing (`merge`).
 
+A recalled handle lives what its note has left of the TTL, counted from when it was
+kept, not from the recall (`Kept.time_left`): a restart never makes a handle outlive
+decode's blocks, nor count them against the watermark longer. Notes already past it are
+released on decode, as this router's sweep would have released their handles.
+
 Nothing here can make a turn read wrong KV: a recalled handle is verified by prefill
 and decode when it is used, and one decode no longer holds is refused there (a miss).
 """
@@ -132,8 +137,11 @@ class Recall:
             return 0
         recalled = [k for rid, note in notes.items()
                     if (k := decode(key, rid, note, url, handles.get(rid))) is not None]
+        live, expired = merge(recalled, self.peek, time.time(), self.ttl())
+        # Past the TTL: what this router's sweep would have released had it kept them.
+        self.residency.release_ids(url, expired)
         n = 0
-        for kept in merge(recalled, self.peek, time.time(), self.ttl()):
+        for kept in live:
             try:
                 await self.store.put(kept)
             except StoreUnavailable:

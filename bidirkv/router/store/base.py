@@ -65,11 +65,23 @@ class Kept:
     blocks: int = 0
     chars: int = 0
     prompt_key: bytes | None = None
-    kept_at: float | None = None  # None: when stored
+    # None: when stored. Set (a recalled note's own time), the handle expires the TTL
+    # after it, not after the put (`time_left`).
+    kept_at: float | None = None
     gap: float | None = None
     max_pinned: int | None = None
     tenant_max_pinned: int | None = None
     replaces: Entry | None = None
+
+    def time_left(self, ttl: float, now: float) -> float:
+        """How long a put keeps this handle (`now`: Unix seconds): the TTL from when
+        decode kept it. One the router kept just now (no `kept_at`) gets the whole TTL; a
+        recalled one only what its note has left, so a restart never lengthens a handle's
+        life (it would outlive decode's blocks and pin them in the watermark's count); a
+        `kept_at` ahead of `now` counts as `now`. At most 0: expired, not to be stored."""
+        if self.kept_at is None:
+            return ttl
+        return ttl - max(0.0, now - self.kept_at)
 
 
 # eq=False: an entry is one stored handle; the stores tell a replaced one from its
@@ -114,11 +126,12 @@ class Entry:
 
     @classmethod
     def of(cls, kept: Kept, expires_at: float, now: float) -> Entry:
-        """The entry a put stores; `now` (Unix seconds) stands for an unknown `kept_at`."""
+        """The entry a put stores; `now` (Unix seconds) stands for an unknown `kept_at`,
+        and for one after it (another host's clock ahead of this one's)."""
         return cls(kept.key, kept.params, kept.decode_url, kept.engine_id, kept.num_tokens,
                    expires_at, kept.tenant, kept.prefix_len, kept.request_id, kept.blocks,
                    kept.chars, kept.prompt_key,
-                   now if kept.kept_at is None else kept.kept_at, kept.gap)
+                   now if kept.kept_at is None else min(kept.kept_at, now), kept.gap)
 
 
 EvictHook = Callable[[str, list[Entry]], None]

@@ -1,9 +1,10 @@
 """What the in-process store (memory.py) looks its entries up by: `Index`, every entry in
-store order with the tallies and orders its bounds take entries by (pure data
-structures, no I/O)."""
+store order with the tallies and orders its bounds take entries by, and `Expiries`, the
+entries that expire out of store order (pure data structures, no I/O)."""
 
 from __future__ import annotations
 
+import heapq
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
@@ -135,3 +136,29 @@ class Index:
         return max(free, key=lambda e: release_key(now, e.kept_at, rank_gap(e, prior_gap)),
                    default=None)
 
+
+class Expiries:
+    """Entries stored with less than the TTL left (recalled handles), by expiry. Store
+    order is expiry order for every other entry, so the sweep walks it only until the
+    first live one, and would pass these by behind it. Removed ones stay until they
+    expire (lazy deletion): at most one item per such put within one TTL."""
+
+    __slots__ = ("_heap",)
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, Entry]] = []
+
+    def add(self, entry: Entry) -> None:
+        heapq.heappush(self._heap, (entry.expires_at, entry))
+
+    def due(self, now: float, live: Callable[[Entry], bool]) -> list[Entry]:
+        """The `live` ones expired by `now`, but those a turn holds (reserved: its end
+        decides; still here for the next round)."""
+        heap, out, aside = self._heap, [], []
+        while heap and heap[0][0] <= now:
+            item = heapq.heappop(heap)
+            if live(item[1]):
+                (aside if item[1].reserved else out).append(item)
+        for item in aside:
+            heapq.heappush(heap, item)
+        return [e for _, e in out]

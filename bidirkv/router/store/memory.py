@@ -24,7 +24,7 @@ from bidirkv.router.store.base import (
     PrefixKeys,
     rank_gap,
 )
-from bidirkv.router.store.index import Index
+from bidirkv.router.store.index import Expiries, Index
 
 
 class InProcessStore:
@@ -49,6 +49,7 @@ class InProcessStore:
         # Reserved entries an extend's put took out of the indexes (Kept.replaces): no
         # longer counted, but still a turn's to end, and so to hand to `on_evict`.
         self._superseded: set[Entry] = set()
+        self._early = Expiries()  # handles stored with less than the TTL left
 
     def __len__(self) -> int:
         return len(self.ix.entries)
@@ -77,23 +78,27 @@ class InProcessStore:
             self._on_evict(reason, entries)
 
     def _drop(self, reason: str, doomed: list[Entry]) -> int:
-        for entry in doomed:
-            self.ix.remove(entry)
-        self._evicted(reason, doomed)
-        return len(doomed)
+        gone = [e for e in doomed if self.ix.remove(e)]  # each once, if still stored
+        self._evicted(reason, gone)
+        return len(gone)
 
     # -- writes and the bounds ------------------------------------------------------------
     async def put(self, kept: Kept) -> None:
         """An extend's put (`kept.replaces`) takes the old handle out of the counts
         first and spares the new one from its own bounds (see Kept)."""
+        now, wall = self._clock(), self._wall()
+        left = kept.time_left(self.ttl, wall)
+        entry = Entry.of(kept, now + left, wall)
+        if left <= 0:  # a recalled handle already past its TTL: released, never counted
+            return self._evicted("ttl", [entry])
+        if left < self.ttl:  # kept earlier: it expires before handles stored before it
+            self._early.add(entry)
         ix, replaces = self.ix, kept.replaces
         if replaces is not None and ix.remove(replaces):
             self._superseded.add(replaces)
         old = ix.entries.get(kept.key)
         if old is not None:
             self._drop("replaced", [old])
-        now, wall = self._clock(), self._wall()
-        entry = Entry.of(kept, now + self.ttl, wall)
         if kept.gap is not None:
             self.prior_gap = next_gap(self.prior_gap, kept.gap)
         ix.add(entry, rank_gap(entry, self.prior_gap), wall + entry.expires_at - now)
@@ -252,7 +257,8 @@ class InProcessStore:
             and (keep_engine_id is None or e.engine_id != keep_engine_id)])
 
     async def sweep(self) -> int:
-        """Drop expired entries. Insertion order is (nearly) expiry order, so stop early."""
+        """Drop expired entries: in store order, which is (nearly) expiry order, until the
+        first live one; then those stored with less than the TTL left (`Expiries`)."""
         now = self._clock()
         doomed = []
         for entry in self.ix.entries.values():
@@ -260,6 +266,7 @@ class InProcessStore:
                 break
             if not entry.reserved:
                 doomed.append(entry)
+        doomed += self._early.due(now, self.ix.live)  # _drop takes one in both once
         return self._drop("ttl", doomed)
 
     async def pinned(self, decode_url: str) -> int:

@@ -2,7 +2,8 @@
 each, no other client sees a half-done step). Keys, under the store's prefix:
 
     h:<key>              the entry (JSON)
-    order                all keys by store time
+    order                all keys by expiry less the TTL (their store time, but for
+                         a handle kept earlier: recalled)
     rep:<url>            one decode replica's keys in store order
     pin                  hash: blocks pinned per replica
     len:<tenant>         a tenant's completion keys by prompt length

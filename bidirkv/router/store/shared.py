@@ -3,7 +3,7 @@
 Keys, under a prefix (default `bidirkv:`):
     h:<key>          the entry (JSON), with a store-side TTL (the router's TTL + a minute,
                      a safety net: the routers' sweep removes entries at their TTL)
-    order            zset key -> stored-at ms: TTL sweep and the LRU bound
+    order            zset key -> its expiry less the TTL (ms): the TTL sweep, the count
     rep:<decode url> zset key -> store order: one replica's entries, oldest first
     pin              hash decode url -> blocks pinned by stored handles
     len:<tenant>     zset key -> prompt-prefix length (completions identified by prefix)
@@ -245,11 +245,13 @@ class RedisStore:
         tenant's entries, the tenant's blocks on the replica])."""
         now_ms = int(self._clock() * 1000)
         left_ms = max(1, int((entry.expires_at - self._clock()) * 1000))
+        # Its expiry less the TTL: the store time, but for a handle kept earlier (recalled)
+        order_ms = int((entry.expires_at - self.ttl) * 1000)
         keyhex = entry.key.hex()
         gap = rank_gap(entry, self.prior_gap)
         old, *counts = await self.breaker.call(
             "put", self._put, keys=[self._k("h:" + keyhex), self._k("order")],
-            args=[keyhex, _value(entry, now_ms), now_ms, left_ms + SAFETY_TTL_MS, self.prefix,
+            args=[keyhex, _value(entry, now_ms), order_ms, left_ms + SAFETY_TTL_MS, self.prefix,
                   "1" if only_if_absent else "0",
                   repr(overdue_at(entry.kept_at, gap, entry.expires_at)),
                   repr(expected_at(entry.kept_at, gap))])
@@ -257,7 +259,9 @@ class RedisStore:
 
     async def put(self, kept: Kept) -> None:
         now = self._clock()
-        entry = Entry.of(kept, now + self.ttl, now)
+        entry = Entry.of(kept, now + kept.time_left(self.ttl, now), now)
+        if entry.expires_at <= now:  # recalled past its TTL: released, never stored
+            return self._evicted("ttl", [entry])
         if kept.gap is not None:
             self.prior_gap = next_gap(self.prior_gap, kept.gap)
         if kept.replaces is not None:  # counted nowhere (taken at lookup): only marked
@@ -313,12 +317,9 @@ class RedisStore:
 
     # -- bulk ------------------------------------------------------------------------------
     async def _take_members(self, members: list[Any]) -> list[Entry]:
-        out = []
-        for m in members:
-            e = await self._take_key(m.decode() if isinstance(m, bytes) else m)
-            if e is not None:
-                out.append(e)
-        return out
+        taken = [await self._take_key(m.decode() if isinstance(m, bytes) else m)
+                 for m in members]
+        return [e for e in taken if e is not None]
 
     async def _trim_index(self, kind: str, url: str, tenant: str, bound: int,
                           spare: str = "") -> list[Entry]:
