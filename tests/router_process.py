@@ -72,6 +72,20 @@ class RouterProcess:
                 self.proc.kill()
                 self.proc.wait(5)
 
+    async def ended(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
+        """`stop`, with the event loop running while the router stops (engines in this
+        process answer what it sends on its way out); its exit code (None: killed)."""
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+            return None
+        return self.proc.returncode
+
     async def chat(self, messages, conversation_id: str | None = "conv"):
         body = {"model": "fake-model", "messages": messages, "stream": True}
         if conversation_id is not None:

@@ -321,6 +321,38 @@ async def test_a_rollout_brings_back_the_old_routers_last_turns_too(setup):
     assert status == 200 and handles_sent(p)[-1] == rid2
 
 
+async def test_a_router_that_stops_sends_what_it_still_queued_for_decode_first(setup, tmp_path):
+    """SIGTERM right after a turn: the note beside its handle and the release of an ended
+    conversation, still queued (decode refused the calls that carried them, and no
+    health round comes before the stop), reach decode before the router exits, so the
+    router after it recalls that turn."""
+    p, d, router = setup
+    cfg = tmp_path / "router.json"  # the fixture's: health rounds far apart
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()),
+                               "healthCheckIntervalSeconds": 15}))
+    a = await router("a").start()
+    d.behaviour.residency_status = 503
+    status, m1 = await a.chat(U1, conversation_id="kept")
+    assert status == 200 and (await a.chat(U1, conversation_id="ended"))[0] == 200
+    issued = set(d.issued)
+    assert await a.delete("ended") == 204
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while not any(c.get("release") and c.get("keep") for c in d.residency_calls):
+        assert loop.time() < deadline, "the router sent no release beside the note"
+        await asyncio.sleep(0.05)
+    d.behaviour.residency_status = 200
+    assert await a.ended(signal.SIGTERM) == 0
+    assert len(d.notes) == 1 and len(d.released) == 1, "queued for decode, lost at the stop"
+    (kept_rid,) = d.notes
+    assert {kept_rid, *d.released} == issued
+    b = await router("b").start()
+    assert await stored(b, 1)
+    status, _ = await b.chat(U1 + [m1, {"role": "user", "content": "x"}],
+                             conversation_id="kept")
+    assert status == 200 and handles_sent(p) == [kept_rid]
+
+
 # -- the client's note queue (in-process, one fake decode) ------------------------------------
 async def client_and_decode():
     from bidirkv.router.pool.residency import ResidencyClient
@@ -364,6 +396,36 @@ async def test_notes_of_a_call_decode_did_not_take_wait_for_the_next_and_a_refus
             assert "keep" not in d.residency_calls[-1]
     finally:
         await d.stop()
+
+
+async def test_the_flush_at_the_stop_waits_no_longer_than_its_bound():
+    """A decode that takes the call and never answers: the stop's flush gives up at its
+    bound, and the release it was sending is still queued, not lost mid-call."""
+    from bidirkv.router.pool.residency import ResidencyClient
+
+    done = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1 << 16)
+        await done.wait()
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    client = ResidencyClient(30, aiohttp.ClientTimeout(total=30), handle_key=KEY.encode())
+    try:
+        async with aiohttp.ClientSession() as s:
+            client.start(s)
+            client.release_ids(url, ["d-1"])
+            await asyncio.sleep(0.1)  # the sender has the call out
+            started = time.monotonic()
+            await client.close(flush_s=0.3)
+            assert time.monotonic() - started < 10
+        assert client.replica(url).pending == ["d-1"]
+    finally:
+        done.set()
+        server.close()
+        await server.wait_closed()
 
 
 async def test_without_notes_key_no_note_is_made():

@@ -50,6 +50,7 @@ from bidirkv.router.datapath.tracing import Trace, Untraced, replace, traced
 from bidirkv.router.datapath.upkeep import Upkeep
 from bidirkv.router.metrics import Metrics
 from bidirkv.router.pool.backends import DECODE, Backend
+from bidirkv.router.pool.residency import SHUTDOWN_FLUSH_S
 from bidirkv.router.pool.selection import least_outstanding
 
 MODELS = "/v1/models"
@@ -81,9 +82,11 @@ class Router:
         self.ctx.residency.start(session)
 
     async def close(self) -> None:
-        await self.ctx.residency.close()
         self.ctx.cancel_tasks()
         await self.upkeep.stop()
+        # After the loops that queue releases (the store's upkeep), before the session
+        # closes: what the last turns left for decode goes out, within its bound.
+        await self.ctx.residency.close(flush_s=SHUTDOWN_FLUSH_S)
         await self.ctx.store.close()
         await self.clients.close()
         await self.ctx.traces.close()

@@ -16,7 +16,8 @@ Decode keeps a conversation's blocks only for the router that holds the handle t
 Nothing here waits on a request: a failed call costs only reuse (decode's lease and
 pressure reclaim still free the blocks), and its releases go again with the next call. A
 batch decode refuses (400) does not hold the lease back: the renewal goes alone. A replica
-without the route (404: plugin off) is remembered and left alone.
+without the route (404: plugin off) is remembered and left alone. A router that stops
+sends what it still has queued before it exits, within `SHUTDOWN_FLUSH_S` (`close`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ MAX_PENDING = 100_000
 # Notes waiting for a replica that does not answer; past this the oldest go (those
 # conversations are then only lost by a restart, as without notes).
 MAX_PENDING_NOTES = 10_000
+# How long a router that stops may take to send what it still has queued for decode
+# (the last turns' notes and releases), after its turns in flight: part of its stop's
+# deadline (bidirkv/router/server/app.py).
+SHUTDOWN_FLUSH_S = 5.0
 # Reasons the store drops a handle whose blocks decode can no longer hold for us, or
 # already freed: nothing to release.
 NO_RELEASE = frozenset({"engine_changed", "replica_removed", "replica_unhealthy"})
@@ -90,6 +95,7 @@ class ResidencyClient:
         self._on_result = on_result or (lambda url, result, n: None)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None  # the sender's, for the flush
         # Set with the in-process store (context.py): the key notes are signed with, and
         # what a replica's first answer starts (the recall of its notes).
         self.notes_key: bytes | None = None
@@ -153,13 +159,36 @@ class ResidencyClient:
 
     # -- the sender --------------------------------------------------------------------
     def start(self, session: aiohttp.ClientSession) -> None:
+        self._session = session
         self._task = asyncio.create_task(self._flush_loop(session), name="router-residency")
 
-    async def close(self) -> None:
+    async def close(self, flush_s: float = 0.0) -> None:
+        """Stop the sender, then send what is still queued, for up to `flush_s`: a router
+        that stops cleanly leaves its last turns' notes on decode (the router after it
+        recalls them) and frees what it released, instead of dropping both."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if flush_s <= 0 or self._session is None:
+            return
+        self.on_first_answer = None  # a router on its way out recalls nothing
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(flush_s):
+                await self.flush(self._session)
+        left = [(len(r.pending), len(r.keeping)) for r in self.replicas.values()
+                if (r.pending or r.keeping) and r.supported]
+        if left:
+            log.warning("stopping with %d releases and %d notes not sent to decode",
+                        sum(n for n, _ in left), sum(n for _, n in left))
+
+    async def flush(self, session: aiohttp.ClientSession) -> None:
+        """Send every queued release and note now, in as many calls as they take, while
+        each round gets one through (a replica that does not answer is not waited for)."""
+        while todo := [r.url for r in self.replicas.values()
+                       if (r.pending or r.keeping) and r.supported]:
+            if not any(await asyncio.gather(*(self.call(session, url) for url in todo))):
+                return
 
     async def _flush_loop(self, session: aiohttp.ClientSession) -> None:
         while True:
@@ -208,6 +237,9 @@ class ResidencyClient:
             self._on_result(url, "error", len(batch))
             log.debug("residency call failed url=%s: %s", url, type(exc).__name__)
             return False
+        except asyncio.CancelledError:  # the router stops: its flush sends them (close)
+            self._requeue(r, batch, notes)
+            raise
         if status == 400 and (batch or notes):
             # Decode refused this batch: renew the lease alone, so a batch it cannot take
             # never costs every conversation of this router (decode skips ids it cannot

@@ -29,6 +29,11 @@ HANDLE_KEY_ENV = "BIDIRKV_HANDLE_KEY"
 STORE_PASSWORD_ENV = "BIDIRKV_HANDLE_STORE_PASSWORD"
 # Off unless set: lets benchmarks fill the handle store without 100k real requests.
 DEBUG_ENV = "BIDIRKV_ROUTER_DEBUG"
+# A router that stops (SIGTERM) gives its turns in flight this long to end (aiohttp's own
+# wait is 60 s), then sends what they left queued for decode within SHUTDOWN_FLUSH_S
+# (pool/residency.py): 25 s in all, inside the 30 s Kubernetes gives a pod that names no
+# grace period, as the router's does not.
+IN_FLIGHT_S = 20.0
 
 
 def build_app(
@@ -118,7 +123,7 @@ async def start_router(app: web.Application, host: str = "127.0.0.1", port: int 
     # both upstream requests (the engines stop working for nobody).
     idle = app[ROUTER].ctx.cfg.timeouts.idle_connection_seconds
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           keepalive_timeout=idle)
+                           keepalive_timeout=idle, shutdown_timeout=IN_FLIGHT_S)
     url = await _listen(runner, host, port)
     running = RunningRouter(runner, app, url)
     if metrics_port is not None:
