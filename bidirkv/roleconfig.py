@@ -74,6 +74,24 @@ ROLE_ARGS: dict[str, bool] = {
 }
 # CEL's form of ROLE_ARGS on the CRD (an item starting with '-' must match it).
 ROLE_ARG_PATTERN = "^(" + "|".join(ROLE_ARGS) + ")(=|$)"
+# The environment a role may set alone (spec.prefill/decode.extraEnv), by exact name: on
+# which cores or devices a server runs, how much memory its KV cache takes, what it logs;
+# never where its weights come from (HF_ENDPOINT, HF_HOME, HF_HUB_OFFLINE,
+# VLLM_USE_MODELSCOPE), nor kernels or KV layouts (VLLM_ATTENTION_BACKEND). A role that
+# loads other weights under the same name computes other KV for the same tokens, and the
+# other role would read it. An allowlist, as ROLE_ARGS: a name not listed goes in
+# engine.extraEnv (both roles, the fingerprint).
+ROLE_ENV = (
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "VLLM_LOGGING_LEVEL",
+    "VLLM_LOG_STATS_INTERVAL",
+)
+# CEL's form of ROLE_ENV on the CRD (a list literal).
+ROLE_ENV_CEL = "[" + ", ".join(f"'{name}'" for name in ROLE_ENV) + "]"
 # The operator's fingerprint of what both roles share, for the engines' digest seed.
 FINGERPRINT_ENV = "BIDIRKV_KV_FINGERPRINT"
 MANAGED_ENV_PREFIXES = (
@@ -87,10 +105,15 @@ class EnvEntry(Protocol):
     def as_env(self) -> dict[str, Any]: ...
 
 
+class ModelCache(Protocol):
+    def model_dump(self, *, by_alias: bool, mode: str) -> dict[str, Any]: ...
+
+
 class Engine(Protocol):
     image: str
     extra_args: Sequence[str]
     extra_env: Sequence[EnvEntry]
+    model_cache: ModelCache | None
 
 
 class Role(Protocol):
@@ -98,6 +121,7 @@ class Role(Protocol):
     extra_env: Sequence[EnvEntry]
     tensor_parallel_size: int
     enable_prefix_caching: bool
+    model_cache: ModelCache | None
 
 
 class Model(Protocol):
@@ -272,6 +296,12 @@ def extra_args_errors(spec: Spec) -> list[str]:
                     f"operator (names starting with {', '.join(MANAGED_ENV_PREFIXES)} are "
                     "not allowed)"
                 )
+            elif where != "engine" and env.name not in ROLE_ENV:
+                errors.append(
+                    f"spec.{where}.extraEnv[{i}].name: {env.name!r} is not one a role may "
+                    "set alone (it could change the weights, tokens or KV one role computes "
+                    "for the other); set it in spec.engine.extraEnv, for both roles, or use "
+                    f"one of {', '.join(ROLE_ENV)}")
     return errors
 
 
@@ -362,11 +392,22 @@ def build_role_config(spec: Spec, role: str,
     )
 
 
+def model_caches(spec: Spec) -> dict[str, Any] | None:
+    """Each role's model cache (its own, else the engine's), as the CRD writes it; None
+    when neither role has one."""
+    caches = {role: getattr(spec, role).model_cache or spec.engine.model_cache
+              for role in ROLES}
+    if all(c is None for c in caches.values()):
+        return None
+    return {role: c.model_dump(by_alias=True, mode="json") if c is not None else None
+            for role, c in caches.items()}
+
+
 def kv_fingerprint(spec: Spec) -> str:
     """Hash of everything prefill and decode must share for their KV to be interchangeable:
-    all that shapes tokens or KV, since a role may set alone only what ROLE_ARGS lists.
-    The engines seed their block digests with it (FINGERPRINT_ENV), so pods of two
-    versions of it, as in a rollout, never reuse each other's KV."""
+    all that shapes tokens or KV, since a role may set alone only what ROLE_ARGS and
+    ROLE_ENV list. The engines seed their block digests with it (FINGERPRINT_ENV), so pods
+    of two versions of it, as in a rollout, never reuse each other's KV."""
     shared = {
         "model": spec.model.name,
         "dtype": spec.model.dtype,
@@ -377,5 +418,12 @@ def kv_fingerprint(spec: Spec) -> str:
         "extraEnv": [e.as_env() for e in spec.engine.extra_env],
         "kvTransfer": spec.kv_transfer.model_dump(by_alias=True, mode="json"),
     }
+    # Where each role reads its weights from: a cache can hold another snapshot of the
+    # model under the same name (pre-filled, or read offline). Any change of one rolls
+    # both roles, and pods of two caches never reuse each other's KV. Only when set, so
+    # a spec without a cache keeps the fingerprint it had.
+    caches = model_caches(spec)
+    if caches is not None:
+        shared["modelCache"] = caches
     blob = json.dumps(shared, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

@@ -350,15 +350,16 @@ def test_the_router_accepts_the_rendered_config(example):
 
 
 def test_role_env_follows_engine_env_and_buffer_device(minimal):
+    b = "OMP_NUM_THREADS"  # one a role may set alone
     minimal["spec"]["engine"] = {"extraEnv": [{"name": "A", "value": "1"},
-                                              {"name": "B", "value": "x"}]}
-    minimal["spec"]["decode"] = {"extraEnv": [{"name": "B", "value": "decode"}]}
+                                              {"name": b, "value": "x"}]}
+    minimal["spec"]["decode"] = {"extraEnv": [{"name": b, "value": "decode"}]}
     minimal["spec"]["kvTransfer"] = {"kvBufferDevice": "cpu"}
     objs = render_resource(minimal)
-    assert env(container(objs, "tiny-prefill"))["B"] == "x"
+    assert env(container(objs, "tiny-prefill"))[b] == "x"
     dec = container(objs, "tiny-decode")
-    assert env(dec)["B"] == "decode" and env(dec)["A"] == "1"
-    assert [e["name"] for e in dec["env"]].count("B") == 1
+    assert env(dec)[b] == "decode" and env(dec)["A"] == "1"
+    assert [e["name"] for e in dec["env"]].count(b) == 1
     assert kv_config(dec)["kv_buffer_device"] == "cpu"
     assert "kv_buffer_device" not in kv_config(container(render_resource(
         {**minimal, "spec": {"model": {"name": "m"}}}), "tiny-decode"))

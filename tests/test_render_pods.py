@@ -260,6 +260,77 @@ def test_the_crd_says_which_argument_and_what_is_allowed(minimal):
     assert "--max-num-batched-tokens" in str(error)
 
 
+ENV_NOT_ALONE = "is not one a role may set alone"
+
+
+@pytest.mark.parametrize("name", [
+    # Where the weights come from: another hub, another cache, ModelScope, or whatever a
+    # cache holds offline can be other weights under the same model name.
+    "HF_ENDPOINT", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "VLLM_USE_MODELSCOPE",
+    # Kernels and KV layouts.
+    "VLLM_ATTENTION_BACKEND",
+    # Not listed: refused until it is (an allowlist).
+    "SOME_NEW_VLLM_SETTING",
+])
+def test_role_env_that_could_change_weights_tokens_or_kv_is_refused(minimal, name):
+    doc = copy.deepcopy(minimal)
+    doc["spec"]["decode"] = {"extraEnv": [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "1"},
+                                          {"name": name, "value": "x"}]}
+    with pytest.raises(SpecError) as err:
+        render_resource(doc)
+    said = str(err.value)
+    assert f"spec.decode.extraEnv[1].name: {name!r} {ENV_NOT_ALONE}" in said
+    assert "spec.engine.extraEnv" in said and "VLLM_CPU_OMP_THREADS_BIND" in said
+    # The API server refuses the same (CEL on the role's extraEnv), naming it.
+    (error,) = validate_custom_resource_for(doc)[1]
+    assert "spec.decode.extraEnv" in str(error)
+    assert f"{name} is not an environment variable a role may set alone" in str(error)
+    # On both roles it is the engine's: allowed, and in the fingerprint.
+    doc["spec"]["decode"] = {}
+    doc["spec"]["engine"] = {"extraEnv": [{"name": name, "value": "x"}]}
+    assert validate_custom_resource_for(doc)[1] == []
+    env = {e["name"]: e.get("value")
+           for e in pod(render_resource(doc), "prefill")["spec"]["containers"][0]["env"]}
+    assert env[name] == "x"
+
+
+def test_role_env_on_the_allowlist_passes_both_checks_and_keeps_the_fingerprint(minimal):
+    from bidirkv.roleconfig import FINGERPRINT_ENV
+
+    doc = copy.deepcopy(minimal)
+    doc["spec"]["prefill"] = {"extraEnv": [
+        {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "0"},
+        {"name": "OMP_NUM_THREADS", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]}
+    assert validate_custom_resource_for(doc)[1] == []
+    objs, base = render_resource(doc), render_resource(minimal)
+
+    def env(objs, role):
+        return {e["name"]: e.get("value") for e in pod(objs, role)["spec"]["containers"][0]["env"]}
+    assert env(objs, "prefill")["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert env(objs, "decode")[FINGERPRINT_ENV] == env(base, "decode")[FINGERPRINT_ENV]
+
+
+def test_the_fingerprint_covers_where_each_role_reads_its_weights(minimal):
+    """A role's own model cache can hold another snapshot under the same name (pre-filled,
+    or read offline): any cache is in the fingerprint, so a change of one rolls both roles
+    and pods of two caches never reuse each other's KV."""
+    from bidirkv.roleconfig import kv_fingerprint
+
+    def fp(**roles):
+        return kv_fingerprint(parse_spec({**minimal["spec"], **roles}))
+
+    claim = {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+    other = {"persistentVolumeClaim": {"claimName": "other-models", "readOnly": True}}
+    base, shared = fp(), fp(engine={"modelCache": claim})
+    assert shared != base
+    assert fp(engine={"modelCache": claim}, decode={"modelCache": other}) not in (base, shared)
+    assert fp(decode={"modelCache": claim}) not in (base, shared)
+    # The same cache, named per role or once for both, is the same fingerprint.
+    assert fp(prefill={"modelCache": claim}, decode={"modelCache": claim}) == shared
+    assert fp(engine={"modelCache": other}, prefill={"modelCache": claim},
+              decode={"modelCache": claim}) == shared
+
+
 def test_the_fingerprint_covers_what_shapes_tokens_or_kv_and_reaches_the_engines(minimal):
     from bidirkv.operator.api.spec import parse_spec
     from bidirkv.roleconfig import FINGERPRINT_ENV, kv_fingerprint

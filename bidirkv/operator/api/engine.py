@@ -21,7 +21,7 @@ from bidirkv.operator.api.pod import (
     Volume,
     VolumeMount,
 )
-from bidirkv.roleconfig import ROLE_ARG_PATTERN, ROLE_ARGS
+from bidirkv.roleconfig import ROLE_ARG_PATTERN, ROLE_ARGS, ROLE_ENV, ROLE_ENV_CEL
 
 # Volume names and paths the operator itself uses in engine pods.
 RESERVED_VOLUMES = ("shm", "hugepages", "model-cache")
@@ -286,7 +286,20 @@ class RoleSpec(_Model):
         default_factory=list,
         max_length=64,
         description="Extra environment of this role only, after `engine.extraEnv` (e.g. a "
-        "CPU core binding per role on a local machine). Managed names are refused.",
+        "CPU core binding per role on a local machine). Only names that leave its weights, "
+        f"tokens and KV as the other role's: {', '.join(f'`{n}`' for n in ROLE_ENV)}; "
+        "anything else (`HF_ENDPOINT`, `HF_HOME`, `VLLM_USE_MODELSCOPE`, an attention "
+        "backend) goes in `engine.extraEnv`.",
+        json_schema_extra={"x-kubernetes-validations": [
+            {"rule": f"self.all(e, e.name in {ROLE_ENV_CEL})",
+             "message": "a role may set alone only environment that leaves its weights, "
+             "tokens and KV as the other role's (the rest goes in engine.extraEnv): "
+             f"{', '.join(ROLE_ENV)}",
+             "messageExpression": f"self.filter(e, !(e.name in {ROLE_ENV_CEL}))[0].name + "
+             "' is not an environment variable a role may set alone (it could change the "
+             "weights, tokens or KV one role computes for the other): set it in "
+             f"engine.extraEnv, or use one of {', '.join(ROLE_ENV)}'"},
+        ]},
     )
     topology_spread_constraints: list[TopologySpreadConstraint] = Field(
         default_factory=list, max_length=16,
