@@ -157,9 +157,9 @@ async def test_a_recalled_handle_lives_what_its_note_has_left_of_the_ttl():
         store = InProcessStore(480, 100, client.release)
         recall = Recall(client, store, store.peek, lambda: 480.0, lambda coro: None)
         now = time.time()
-        notes = {rid: encode(NK, note(k, rid, at), at) for k, rid, at in (
+        notes = {rid: note_of(note(k, rid, at), at) for k, rid, at in (
             (K, "d-470", now - 470), (L, "d-490", now - 490), (b"m" * 32, "d-ahead", now + 900))}
-        assert await recall.restore(d.url, notes) == 2
+        assert await recall.restore(d.url, notes, {rid: BULK for rid in notes}) == 2
         left = store.peek(K).expires_at - time.monotonic()
         assert 0 < left <= 10.5, f"recalled with {left:.0f} s to live"
         assert store.peek(L) is None and client.replica(d.url).pending == ["d-490"]
