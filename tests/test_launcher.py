@@ -132,17 +132,17 @@ class Launched:
     """`supervise` in a process of its own (signal handlers live in a main thread) over
     tests/drain_child.py."""
 
-    def __init__(self, tmp_path, report, drain_s, child_exit=0):
+    def __init__(self, tmp_path, report, drain_s, child_exit=0, call_port=None):
         self.report = tmp_path / "report.json"
         self.log = tmp_path / "child.log"
         self.set_report(report)
         port = _free_port()
-        self.url = f"http://127.0.0.1:{port}"
+        # `call_port`: where the launcher calls its server instead (nothing there).
+        self.url = f"http://127.0.0.1:{call_port or port}"
         child = [sys.executable, str(CHILD), str(self.report), str(self.log), str(port),
                  str(child_exit)]
         code = ("import sys; from bidirkv.connector.supervise import supervise; "
-                f"sys.exit(supervise({child!r}, 'http://127.0.0.1:{port}', {drain_s}, "
-                "poll_s=0.05))")
+                f"sys.exit(supervise({child!r}, {self.url!r}, {drain_s}, poll_s=0.05))")
         # The launcher's own lines, as a server's log holds them (bidirkv/local/drain.py
         # follows them there).
         self.launcher_log = tmp_path / "launcher.log"
@@ -203,6 +203,16 @@ def test_the_deadline_ends_a_drain_that_still_holds(tmp_path):
     code, err = run.finish()
     assert code == 0 and run.signals() == ["SIGTERM"]
     assert "drain ended (deadline)" in err
+
+
+def test_a_drain_that_reaches_no_engine_says_why(tmp_path):
+    """The log said only "unreachable": now it names the error of the last call."""
+    run = Launched(tmp_path, HOLDING, drain_s=600, call_port=_free_port())
+    run.proc.send_signal(signal.SIGTERM)
+    code, err = run.finish()
+    assert code == 0 and run.signals() == ["SIGTERM"] and run.calls() == []
+    assert "the engine does not answer (no_answer: ConnectionRefusedError: " in err
+    assert "drain ended (unreachable: ConnectionRefusedError: " in err
 
 
 @pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])

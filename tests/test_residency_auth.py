@@ -4,6 +4,9 @@ releases. The engine side is bidirkv/connector/endpoint.py's `answer`, served by
 in place of vLLM's FastAPI app (tests/test_connector_endpoint.py covers that mounting)."""
 
 import pathlib
+import socket
+import threading
+import urllib.request
 
 import aiohttp
 import pytest
@@ -82,7 +85,6 @@ def checking_server():
     """A stand-in engine route that checks the signature as decode does (sync callers)."""
     import http.server
     import json
-    import threading
 
     from bidirkv.proof import residency_auth_problem
 
@@ -115,14 +117,70 @@ def checking_server():
 
 def test_the_launchers_drain_call_is_signed_with_the_engines_key(monkeypatch, checking_server):
     """`bidir-kv serve` marks its engine draining on the same route: with the key of
-    the engine's environment, or the drain would never see the engine's report."""
+    the engine's environment, or the drain would never see the engine's report; a
+    refusal is said with its reason."""
     from bidirkv.connector.supervise import ask_drain
 
     url, problems = checking_server
     monkeypatch.setenv("BIDIRKV_HANDLE_KEY", KEY.decode())
-    assert ask_drain(url)["draining"] is True and problems == [None]
+    report, error = ask_drain(url)
+    assert report["draining"] is True and error == "" and problems == [None]
     monkeypatch.setenv("BIDIRKV_HANDLE_KEY", "another key")
-    assert ask_drain(url) is None and "does not match" in problems[-1]
+    report, error = ask_drain(url)
+    assert report is None and "does not match" in problems[-1]
+    assert error.startswith("HTTP 401: ")
+
+
+@pytest.fixture
+def recording_proxy():
+    """A listening socket where the environment's proxy would be: it records each
+    connection made to it and answers none."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    server.settimeout(0.05)
+    seen: list = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, addr = server.accept()
+            except TimeoutError:
+                continue
+            seen.append(addr)
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}", seen
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        server.close()
+
+
+def test_the_drain_call_goes_to_the_engine_never_to_a_proxy(monkeypatch, checking_server,
+                                                             recording_proxy):
+    """A pod with HTTP_PROXY and no NO_PROXY for loopback sent its drain to the proxy: the
+    drain was skipped, and the signed call shown to whoever runs the proxy."""
+    from bidirkv.connector.supervise import ask_drain
+
+    url, problems = checking_server
+    proxy, seen = recording_proxy
+    for name in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY",
+                 "all_proxy"):
+        monkeypatch.setenv(name, proxy)
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    # As in a launcher, whose environment names the proxy from the start: urllib reads
+    # it when it builds its shared opener, which an earlier test may have built already.
+    monkeypatch.setattr(urllib.request, "_opener", None)
+    monkeypatch.setenv("BIDIRKV_HANDLE_KEY", KEY.decode())
+    answered = ask_drain(url)
+    assert seen == [], "the drain call went to the proxy"
+    assert problems == [None] and answered[0]["draining"] is True
 
 
 def test_the_benchmarks_residency_report_is_signed_when_it_has_the_key(monkeypatch,

@@ -9,6 +9,7 @@ when a signal ended it, as a shell reports it).
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -30,6 +31,11 @@ CALL_TIMEOUT_S = 2.0
 DEFAULT_PORT = 8000  # vLLM's
 # Bind addresses the launcher cannot call; it calls the server on loopback instead.
 ANY_ADDRESS = {"", "0.0.0.0", "::", "[::]"}
+# The launcher calls its own server, never through a proxy the environment names
+# (HTTP_PROXY without a NO_PROXY for loopback would send the drain to the proxy).
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# (the engine's report or None, why there is none): what one drain call got.
+Answer = tuple[dict[str, Any] | None, str]
 
 
 def _arg(args: Sequence[str], name: str) -> str | None:
@@ -52,9 +58,16 @@ def engine_url(vllm_args: Sequence[str]) -> str:
     return f"http://{host}:{port}"
 
 
-def ask_drain(url: str, timeout: float = CALL_TIMEOUT_S) -> dict[str, Any] | None:
-    """Tell the engine it is draining; its residency report, or None when it did not
-    answer with one."""
+def _refusal(exc: urllib.error.HTTPError) -> str:
+    try:
+        message = json.loads(exc.read())["error"]["message"]
+    except (OSError, ValueError, KeyError, TypeError):
+        message = exc.reason
+    return f"HTTP {exc.code}: {str(message)[:300]}"
+
+
+def ask_drain(url: str, timeout: float = CALL_TIMEOUT_S) -> Answer:
+    """Tell the engine it is draining: (its residency report, "") or (None, why not)."""
     body = json.dumps({"drain": True, RESIDENCY_VERSION_FIELD: VERSION}).encode()
     headers = {"Content-Type": "application/json"}
     # The route answers only holders of the handle key (connector/endpoint.py), which
@@ -64,20 +77,29 @@ def ask_drain(url: str, timeout: float = CALL_TIMEOUT_S) -> dict[str, Any] | Non
     req = urllib.request.Request(url + RESIDENCY_PATH, data=body, method="POST",
                                  headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with _OPENER.open(req, timeout=timeout) as resp:
             report = json.loads(resp.read())
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
-    return report if isinstance(report, dict) else None
+    except urllib.error.HTTPError as exc:
+        return None, _refusal(exc)
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+        reason = getattr(exc, "reason", None) or exc
+        return None, f"{type(reason).__name__}: {reason}"
+    except ValueError as exc:
+        return None, f"the answer is not JSON ({exc})"
+    if not isinstance(report, dict):
+        return None, "the answer is not a JSON object"
+    return report, ""
 
 
 def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def progress(report: Mapping[str, Any] | None, reason: str, left_s: float) -> str:
+def progress(report: Mapping[str, Any] | None, reason: str, left_s: float,
+             error: str = "") -> str:
     if report is None:
-        return f"draining: the engine does not answer ({reason}), {left_s:.0f} s left"
+        return (f"draining: the engine does not answer ({reason}: {error or 'no report'}), "
+                f"{left_s:.0f} s left")
     return (f"draining: {report.get('retainedRequests', 0)} conversations held "
             f"({readable_blocks(report)} blocks readable), "
             f"{report.get('activeRequests', 0)} requests in flight, {left_s:.0f} s left")
@@ -98,7 +120,7 @@ class Supervisor:
 
 
 def supervise(cmd: Sequence[str], url: str, drain_s: float, poll_s: float = POLL_S,
-              ask: Callable[[str], dict[str, Any] | None] = ask_drain,
+              ask: Callable[[str], Answer] = ask_drain,
               clock: Callable[[], float] = time.monotonic,
               out: TextIO | None = None) -> int:
     """Run `cmd` as a child until it exits; drain it on the first SIGTERM."""
@@ -130,16 +152,17 @@ def supervise(cmd: Sequence[str], url: str, drain_s: float, poll_s: float = POLL
             if deadline is None:
                 deadline = clock() + drain_s
                 say(f"SIGTERM: draining for at most {drain_s:.0f} s before vLLM stops")
-            report = ask(url)
+            report, error = ask(url)
             failures = 0 if report is not None else failures + 1
             now = clock()
             step = decide(report, failures, now, deadline)
             if step.action == FORWARD:
-                say(f"drain ended ({step.reason}); passing SIGTERM on to vLLM")
+                why = f"{step.reason}: {error}" if report is None and error else step.reason
+                say(f"drain ended ({why}); passing SIGTERM on to vLLM")
                 child.send_signal(signal.SIGTERM)
                 forwarded = True
                 continue
-            line = progress(report, step.reason, deadline - now)
+            line = progress(report, step.reason, deadline - now, error)
             # One line per change, not per poll: the counts are the news.
             key = line.rsplit(",", 1)[0]
             if key != last_line:
