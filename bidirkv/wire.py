@@ -9,6 +9,8 @@ Each side refuses what the other sent under another version, instead of guessing
   without reuse) and hands out no handle on such a leg;
 - the router stores no handle of another version (it would not be admitted);
 - the residency endpoint answers 409 to a call of another version.
+Version 2: a residency call names the engine it is for and signs the body's length and
+digest in its header (bidirkv/proof.py), so version 1 calls are refused (401).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
 
 from bidirkv.connector.core import lease  # noqa: E402
 from bidirkv.local.model import build_model, random_text  # noqa: E402
-from bidirkv.proof import RESIDENCY_AUTH_HEADER, sign_residency  # noqa: E402
+from bidirkv.proof import residency_headers, residency_target  # noqa: E402
 from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION, VERSION_KEY
 
 from .vllm_stack import (  # noqa: E402
@@ -61,11 +61,12 @@ def stack(tmp_path_factory):
 
 
 def signed_post(url: str, body: dict, key: str = KEY) -> tuple[int, dict]:
-    """POST to the residency route as the router does: signed with the handle key."""
+    """POST to the residency route as the router does: signed with the handle key, for
+    the engine at `url`."""
     raw = json.dumps(body).encode()
     req = urllib.request.Request(url, raw, {
         "Content-Type": "application/json",
-        RESIDENCY_AUTH_HEADER: sign_residency(key.encode(), RESIDENCY_PATH, raw)})
+        **residency_headers(key.encode(), residency_target(url), RESIDENCY_PATH, raw)})
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, json.loads(r.read())

@@ -20,7 +20,7 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
                 allow_module_level=True)
 
 from bidirkv.local.model import random_text  # noqa: E402
-from bidirkv.proof import RESIDENCY_AUTH_HEADER, sign_residency  # noqa: E402
+from bidirkv.proof import residency_headers, residency_target  # noqa: E402
 from bidirkv.router.pool.notes import stable_owner  # noqa: E402
 from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION  # noqa: E402
 
@@ -52,7 +52,7 @@ def as_router(d_url: str, **fields) -> dict:
                       RESIDENCY_VERSION_FIELD: VERSION, **fields}).encode()
     req = urllib.request.Request(d_url + RESIDENCY_PATH, raw, {
         "Content-Type": "application/json",
-        RESIDENCY_AUTH_HEADER: sign_residency(KEY.encode(), RESIDENCY_PATH, raw)})
+        **residency_headers(KEY.encode(), residency_target(d_url), RESIDENCY_PATH, raw)})
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())
 

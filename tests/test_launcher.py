@@ -12,6 +12,7 @@ from bidirkv.connector.launcher import main, preflight_errors
 from bidirkv.connector.supervise import engine_url, exit_code
 from bidirkv.operator.api.spec import parse_spec
 from bidirkv.roleconfig import build_role_config
+from bidirkv.wire import VERSION
 
 
 def rendered(spec_dict, role):
@@ -178,7 +179,7 @@ def test_sigterm_drains_until_nothing_is_held_then_forwards(tmp_path):
     _wait_for(lambda: len(run.calls()) >= 3, "the drain to poll")
     # Still held: the server has not been told to stop.
     assert run.signals() == [] and run.proc.poll() is None
-    assert all(c == {"drain": True, "wire": 2} for c in run.calls())
+    assert all(c == {"drain": True, "wire": VERSION} for c in run.calls())
     polls_before = len(run.calls())
     run.set_report(EMPTY)  # the last conversation came back and was read
     code, err = run.finish()

@@ -12,8 +12,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from bidirkv.connector.endpoint import answer
-from bidirkv.proof import RESIDENCY_AUTH_HEADER
+from bidirkv.connector.endpoint import Credentials, answer
+from bidirkv.connector.identity import Here
+from bidirkv.proof import RESIDENCY_AUTH_HEADER, RESIDENCY_TARGET_HEADER
 from bidirkv.router.pool.residency import ResidencyClient
 from bidirkv.wire import RESIDENCY_PATH
 
@@ -33,8 +34,11 @@ class Decode:
         return {"enabled": True, "numBlocks": 64, "releasedBlocks": len(body["release"])}
 
     async def route(self, request: web.Request) -> web.Response:
-        status, out = await answer(request.headers.get(RESIDENCY_AUTH_HEADER),
-                                   await request.read(), (KEY,), self.utility)
+        creds = Credentials(request.headers.get(RESIDENCY_AUTH_HEADER),
+                            request.headers.get(RESIDENCY_TARGET_HEADER),
+                            Here.of(request.transport.get_extra_info("sockname"),
+                                    socket.gethostname()))
+        status, out = await answer(creds, await request.read(), (KEY,), self.utility)
         self.statuses.append(status)
         return web.json_response(out, status=status)
 
@@ -82,7 +86,8 @@ async def test_a_router_without_the_key_is_refused_and_keeps_its_releases(decode
 
 @pytest.fixture
 def checking_server():
-    """A stand-in engine route that checks the signature as decode does (sync callers)."""
+    """A stand-in engine route that checks the signature as decode does (sync callers):
+    for this engine, as the connection reaches it."""
     import http.server
     import json
 
@@ -93,8 +98,10 @@ def checking_server():
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 - http.server's name
             raw = self.rfile.read(int(self.headers["Content-Length"]))
+            target = self.headers.get(RESIDENCY_TARGET_HEADER)
             problem = residency_auth_problem(self.headers.get(RESIDENCY_AUTH_HEADER),
-                                             (KEY,), self.path, raw)
+                                             target, (KEY,), self.path, raw) or Here.of(
+                self.connection.getsockname(), socket.gethostname()).target_problem(target)
             problems.append(problem)
             out = json.dumps({"draining": True, "refusals": {}} if problem is None
                              else {}).encode()
@@ -129,6 +136,16 @@ def test_the_launchers_drain_call_is_signed_with_the_engines_key(monkeypatch, ch
     report, error = ask_drain(url)
     assert report is None and "does not match" in problems[-1]
     assert error.startswith("HTTP 401: ")
+
+
+def test_the_drain_names_its_own_engine(monkeypatch):
+    """Its host name (the pod's) and the server's port: a drain seen on the way fits no
+    other engine of the resource, whichever address it is sent to."""
+    from bidirkv.connector.supervise import drain_target
+
+    assert drain_target("http://127.0.0.1:8000", "decode-0") == "decode-0:8000"
+    assert drain_target("http://[fd00::7]:8100", "Decode-1") == "decode-1:8100"
+    assert drain_target("http://127.0.0.1:8000") == f"{socket.gethostname().lower()}:8000"
 
 
 @pytest.fixture

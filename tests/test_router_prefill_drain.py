@@ -12,7 +12,12 @@ import pytest
 from aiohttp import web
 from fake_engine import Cluster, FakeEngine
 
-from bidirkv.proof import RESIDENCY_AUTH_HEADER, residency_auth_problem
+from bidirkv.proof import (
+    RESIDENCY_AUTH_HEADER,
+    RESIDENCY_TARGET_HEADER,
+    residency_auth_problem,
+    residency_target,
+)
 from bidirkv.router.pool.drain import PrefillReports, report_only
 from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION
 
@@ -85,7 +90,7 @@ class Prefill(FakeEngine):
 
     def __init__(self) -> None:
         super().__init__("prefill", nixl_host="10.0.1.1")
-        self.auth: list[tuple[str | None, bytes]] = []
+        self.auth: list[tuple[str | None, str | None, bytes]] = []
 
     def app(self) -> web.Application:
         app = super().app()
@@ -94,7 +99,8 @@ class Prefill(FakeEngine):
 
     async def _report(self, request: web.Request) -> web.Response:
         raw = await request.read()
-        self.auth.append((request.headers.get(RESIDENCY_AUTH_HEADER), raw))
+        self.auth.append((request.headers.get(RESIDENCY_AUTH_HEADER),
+                          request.headers.get(RESIDENCY_TARGET_HEADER), raw))
         self.residency_calls.append(json.loads(raw))
         return web.json_response({"enabled": False, "numBlocks": 100, "freeBlocks": 100,
                                   "draining": self.behaviour.draining, "activeRequests": 0})
@@ -130,8 +136,10 @@ async def test_a_draining_prefill_gets_no_new_legs_while_another_is_healthy():
         # else, and the call renews, releases and keeps nothing.
         assert leaving.residency_calls and all(
             body == report_only() for body in leaving.residency_calls)
-        header, raw = leaving.auth[-1]
-        assert residency_auth_problem(header, [KEY], RESIDENCY_PATH, raw) is None
+        header, target, raw = leaving.auth[-1]
+        # For this replica only.
+        assert target == residency_target(leaving.url)
+        assert residency_auth_problem(header, target, [KEY], RESIDENCY_PATH, raw) is None
         # The drain called off: it takes legs again.
         leaving.behaviour.draining = False
         await until_draining(c, leaving, draining=False)

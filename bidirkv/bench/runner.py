@@ -35,7 +35,7 @@ from bidirkv.bench.conversation import (
 )
 from bidirkv.bench.turns import Think, refusals_delta
 from bidirkv.bench.turns import reason as turn_reason
-from bidirkv.proof import RESIDENCY_AUTH_HEADER, sign_residency
+from bidirkv.proof import residency_headers, residency_target
 from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION
 
 # The router's reuse outcomes (bidirkv/router/metrics.py; a client of any router, so not
@@ -157,7 +157,9 @@ class Runner:
         # holders of the handle key; without it the report, and the refusals by reason,
         # are left out.
         key = self.cfg.handle_key or os.environ.get("BIDIRKV_HANDLE_KEY", "").strip().encode()
-        sign = (lambda raw: {RESIDENCY_AUTH_HEADER: sign_residency(key, RESIDENCY_PATH, raw)}
+        url = self.cfg.decode_residency
+        sign = (lambda raw: residency_headers(key, residency_target(url or ""), RESIDENCY_PATH,
+                                               raw)
                 ) if key else None
         return post_json(self.cfg.decode_residency, {RESIDENCY_VERSION_FIELD: VERSION},
                          sign=sign)

@@ -15,14 +15,18 @@ with the in-process store survives its restart). `"drain": true` (sent by the
 launcher on SIGTERM, bidirkv/connector/supervise.py) marks the engine draining: the report
 then says `"draining": true`, and the router places nothing new there.
 
-Only holders of the resource's handle key may call it: each call is signed
-(`X-Bidirkv-Auth`, bidirkv/proof.py: an HMAC over the method, the path, a time and the
-body's digest), so the key never travels and a captured signature fits one body for a
-minute. vLLM's API key guards only its own routes, and the engine port is open to
-whoever the NetworkPolicy lets scrape metrics. What a caller can make decode keep is
-bounded: owners (core/residency.py MAX_OWNERS), a lease's length (this decode's
-`decoder_kv_blocks_ttl`, as the CRD holds the router to), a body's size and its releases;
-the report is running totals, never a walk of what is retained.
+Only holders of the resource's handle key may call it, and a call is good at the one
+engine it names: each call is signed (`X-Bidirkv-Auth` and `X-Bidirkv-Target`,
+bidirkv/proof.py: an HMAC over the method, the path, the target engine, a time, and the
+body's length and digest), so the key never travels and a captured signature fits one
+body at one engine for a minute (connector/identity.py says which targets name this
+engine). The headers are checked before the body is read: a caller without the key costs
+no body read. vLLM's API key guards only its own routes, and the engine port is open to
+whoever the NetworkPolicy lets scrape metrics.
+What a caller can make decode keep is bounded: owners (core/residency.py MAX_OWNERS), a
+lease's length (this decode's `decoder_kv_blocks_ttl`, as the CRD holds the router to), a
+body's size and its releases; the report is running totals, never a walk of what is
+retained.
 
 Loaded through vLLM's `vllm.endpoint_plugins` entry point, which vLLM loads only when
 `VLLM_PLUGINS` names it (the operator sets `VLLM_PLUGINS=bidirkv` on engine pods). The
@@ -33,17 +37,22 @@ patches/residency.py), between steps, where the scheduler owns the blocks.
 import json
 import math
 import os
+import socket
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from bidirkv.connector.core.notes import MAX_KEEP, MAX_NOTE
+from bidirkv.connector.identity import Here
 from bidirkv.connector.settings import Settings
 from bidirkv.knobs import OwnerLeaseSeconds
 from bidirkv.proof import (
     RESIDENCY_AUTH_HEADER,
     RESIDENCY_AUTH_SCHEME,
-    residency_auth_problem,
-    residency_stamp_problem,
+    RESIDENCY_TARGET_HEADER,
+    ResidencyAuth,
+    residency_body_problem,
+    residency_header_problem,
 )
 from bidirkv.wire import (
     RECALL_FIELD,
@@ -153,21 +162,59 @@ def _error(status: int, kind: str, message: str, **extra: Any) -> tuple[int, dic
     return status, {"error": {"message": message, "type": kind, **extra}}
 
 
-def unauthorized(auth: Any, keys: Sequence[bytes], raw: bytes | None) -> str | None:
-    """Why the call is refused with 401 (None: a holder of the key made it). `raw`
-    None: the body is not read yet, only the header's form and time are checked."""
+@dataclass(frozen=True)
+class Credentials:
+    """What a call says about who made it, and for which engine; `here`: the engine as the
+    call's connection reaches it."""
+
+    auth: Any  # X-Bidirkv-Auth
+    target: Any  # X-Bidirkv-Target
+    here: Here
+
+
+def unauthorized(creds: Credentials, keys: Sequence[bytes], raw: bytes | None) -> str | None:
+    """Why the call is refused with 401 (None: a holder of the key made it for this
+    engine). `raw` None: the body is not read yet, only the headers are checked."""
     if not keys:
         return "this engine has no handle key (BIDIRKV_HANDLE_KEY): no caller can be trusted"
-    if raw is None:
-        return residency_stamp_problem(auth)
-    return residency_auth_problem(auth, keys, RESIDENCY_PATH, raw)
+    # The MAC first: only a holder of the key learns what this engine answers to.
+    if problem := residency_header_problem(creds.auth, creds.target, keys, RESIDENCY_PATH):
+        return problem
+    if problem := creds.here.target_problem(creds.target):
+        return problem
+    return None if raw is None else residency_body_problem(creds.auth, raw)
 
 
-async def answer(auth: Any, raw: bytes, keys: Sequence[bytes],
+def length_problem(declared: str | None, signed: int) -> tuple[int, str] | None:
+    """(status, why) when the body cannot be read as the signature has it: its length
+    (`signed`) is past MAX_BODY, or is not the request's Content-Length."""
+    if signed > MAX_BODY:
+        return 413, f"the body is longer than {MAX_BODY} bytes"
+    if declared is None:
+        return 411, (f"Content-Length is required: {RESIDENCY_AUTH_HEADER} names the body's "
+                     "length")
+    if declared.strip() != str(signed):
+        return 400, (f"Content-Length {declared[:20]!r} is not the body's length "
+                     f"{RESIDENCY_AUTH_HEADER} signed, {signed}")
+    return None
+
+
+async def read_bounded(request: Any, length: int) -> bytes | None:
+    """The request's body of `length` bytes, or None when more arrives (not read further)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > length:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def answer(creds: Credentials, raw: bytes, keys: Sequence[bytes],
                  call: Callable[[dict], Awaitable[Any]] | None,
                  max_lease: tuple[int, str] = lease_bound(None)) -> tuple[int, dict]:
     """(status, JSON) of one call; `call` runs the engine's utility (None: no engine)."""
-    if problem := unauthorized(auth, keys, raw):
+    if problem := unauthorized(creds, keys, raw):
         return _error(401, "unauthorized", problem)
     try:
         body = json.loads(raw)
@@ -197,53 +244,54 @@ async def answer(auth: Any, raw: bytes, keys: Sequence[bytes],
     return 200, out
 
 
-async def read_bounded(request: Any, limit: int = MAX_BODY) -> bytes | None:
-    """The request's body, or None when it is longer than `limit` (not read further)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        return None
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 class ResidencyEndpoint:
     """vLLM EndpointPlugin (vllm/plugins/endpoint_plugins/interface.py)."""
 
     name = "bidirkv"
     required_tasks = ("generate",)
 
+    def __init__(self, hostname: str | None = None) -> None:
+        self.hostname = hostname or socket.gethostname()
+
+    async def body(self, request: Any, creds: Credentials) -> bytes | tuple[int, dict]:
+        """The call's body, once its headers checked; (status, JSON) of a refusal."""
+        signed = ResidencyAuth.parse(creds.auth)
+        length = signed.length if isinstance(signed, ResidencyAuth) else 0
+        if problem := length_problem(request.headers.get("content-length"), length):
+            return _error(problem[0], "invalid_request", problem[1])
+        raw = await read_bounded(request, length)
+        if raw is None:
+            return _error(413, "invalid_request",
+                          f"the body is longer than its signed {length} bytes")
+        return raw
+
     def attach_router(self, app: Any) -> None:
         from fastapi import Request
         from fastapi.responses import JSONResponse
 
         keys = Settings.from_env(os.environ).handle_keys
-        challenge = {"WWW-Authenticate":
-                     f'{RESIDENCY_AUTH_SCHEME} header="{RESIDENCY_AUTH_HEADER}"'}
+        refusal_headers = {
+            401: {"WWW-Authenticate": f'{RESIDENCY_AUTH_SCHEME} header="{RESIDENCY_AUTH_HEADER}"'}}
 
         def reply(status: int, out: Any) -> JSONResponse:
-            return JSONResponse(out, status_code=status,
-                                headers=challenge if status == 401 else None)
+            return JSONResponse(out, status_code=status, headers=refusal_headers.get(status))
 
         # No postponed annotations in this module: FastAPI reads `Request` at runtime.
         async def residency(request: Request) -> JSONResponse:
-            auth = request.headers.get(RESIDENCY_AUTH_HEADER)
-            # A caller without a fresh signature costs no body read.
-            if problem := unauthorized(auth, keys, None):
+            creds = Credentials(request.headers.get(RESIDENCY_AUTH_HEADER),
+                                request.headers.get(RESIDENCY_TARGET_HEADER),
+                                Here.of(request.scope.get("server"), self.hostname))
+            # A caller without the key, or calling another engine, costs no body read.
+            if problem := unauthorized(creds, keys, None):
                 return reply(*_error(401, "unauthorized", problem))
-            raw = await read_bounded(request)
-            if raw is None:
-                return reply(*_error(413, "invalid_request",
-                                     f"the body is longer than {MAX_BODY} bytes"))
+            raw = await self.body(request, creds)
+            if isinstance(raw, tuple):
+                return reply(*raw)
             engine = getattr(request.app.state, "bidirkv_engine", None)
             call = None if engine is None else (
                 lambda body: engine.engine_core.call_utility_async("bidirkv_residency", body))
             max_lease = getattr(request.app.state, "bidirkv_max_lease", lease_bound(None))
-            return reply(*await answer(auth, raw, keys, call, max_lease))
+            return reply(*await answer(creds, raw, keys, call, max_lease))
 
         app.add_api_route(RESIDENCY_PATH, residency, methods=["POST"], include_in_schema=False)
 

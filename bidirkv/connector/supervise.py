@@ -13,6 +13,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,7 +24,7 @@ from typing import Any, TextIO
 
 from bidirkv.connector.drain import FORWARD, decide, readable_blocks
 from bidirkv.connector.settings import Settings
-from bidirkv.proof import RESIDENCY_AUTH_HEADER, sign_residency
+from bidirkv.proof import residency_headers, residency_target
 from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION
 
 POLL_S = 0.5
@@ -58,6 +59,15 @@ def engine_url(vllm_args: Sequence[str]) -> str:
     return f"http://{host}:{port}"
 
 
+def drain_target(url: str, hostname: str | None = None) -> str:
+    """The engine the drain call names in its signature: this host's name (a pod's name
+    in Kubernetes) and the server's port, so the call is good at this engine only
+    (bidirkv/connector/identity.py), whichever address it goes to."""
+    host = (hostname or socket.gethostname()).lower()
+    port = residency_target(url).rpartition(":")[2]
+    return f"{host}:{port}" if host and ":" not in host else residency_target(url)
+
+
 def _refusal(exc: urllib.error.HTTPError) -> str:
     try:
         message = json.loads(exc.read())["error"]["message"]
@@ -73,7 +83,7 @@ def ask_drain(url: str, timeout: float = CALL_TIMEOUT_S) -> Answer:
     # The route answers only holders of the handle key (connector/endpoint.py), which
     # the launcher has: it is the engine's own environment.
     if key := Settings.from_env(os.environ).handle_key:
-        headers[RESIDENCY_AUTH_HEADER] = sign_residency(key, RESIDENCY_PATH, body)
+        headers.update(residency_headers(key, drain_target(url), RESIDENCY_PATH, body))
     req = urllib.request.Request(url + RESIDENCY_PATH, data=body, method="POST",
                                  headers=headers)
     try:

@@ -34,7 +34,7 @@ from typing import Any
 
 import aiohttp
 
-from bidirkv.proof import RESIDENCY_AUTH_HEADER, sign_residency
+from bidirkv.proof import residency_headers, residency_target
 from bidirkv.router.codec import dumps, loads
 from bidirkv.router.pool.notes import encode, stable_owner
 from bidirkv.router.store.base import Kept
@@ -209,8 +209,9 @@ class ResidencyClient:
         data = dumps(body)
         headers = {"Content-Type": "application/json"}
         if self.handle_key:
-            headers[RESIDENCY_AUTH_HEADER] = sign_residency(self.handle_key, RESIDENCY_PATH,
-                                                            data)
+            # Signed for this replica only: a call seen on the way fits no other engine.
+            headers.update(residency_headers(self.handle_key, residency_target(url),
+                                             RESIDENCY_PATH, data))
         async with session.post(url + RESIDENCY_PATH, data=data, timeout=self.timeout,
                                 headers=headers) as resp:
             return resp.status, await resp.read()
