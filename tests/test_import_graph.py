@@ -23,7 +23,7 @@ LAYERS = {
     "bidirkv.router": ["codec", "config", "metrics", "request", "store", "pool", "datapath",
                        "server"],
     "bidirkv.connector": ["core", "settings", "targets", "hooks", "nixl", "patches", "plugin",
-                          "identity", "endpoint", "drain", "supervise", "launcher"],
+                          "identity", "bodyread", "endpoint", "drain", "supervise", "launcher"],
 }
 # The shared modules (bidirkv/*.py) that both sides of the wire use; they import no
 # component.

@@ -1,5 +1,6 @@
 """What a residency call costs the engine before it is known to come from a holder of the
-handle key: no body read at all (bidirkv/connector/endpoint.py). The route runs in
+handle key: no body read at all, and bodies read a few at a time within a deadline
+(bidirkv/connector/endpoint.py, bidirkv/connector/bodyread.py). The route runs in
 uvicorn, as vLLM serves it, and the callers are raw sockets that send a request's head
 and as much of its body as the test says."""
 
@@ -10,6 +11,7 @@ import time
 
 import pytest
 
+from bidirkv.connector.bodyread import ReadSlots
 from bidirkv.connector.endpoint import ResidencyEndpoint
 from bidirkv.proof import residency_headers
 from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION
@@ -17,6 +19,8 @@ from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION
 pytestmark = pytest.mark.timeout(60)
 
 KEY = b"k" * 32
+SLOTS = 3
+READ_S = 1.0
 # A reply that comes at once comes well within this; one that waits for a body never does.
 PROMPT_S = 5.0
 BODY = json.dumps({"owner": "router-a", "leaseSeconds": 30, "release": ["r1"],
@@ -40,6 +44,9 @@ class Served:
         s.sendall(f"POST {RESIDENCY_PATH} HTTP/1.1\r\n{head}\r\n".encode() + body)
         return s
 
+    def reading(self) -> int:
+        return self.plugin.slots.busy
+
 
 def status(s: socket.socket, within_s: float = PROMPT_S) -> int | None:
     """The reply's status, or None when none came within `within_s`."""
@@ -58,7 +65,7 @@ def served(monkeypatch):
     monkeypatch.setenv("BIDIRKV_HANDLE_KEY", KEY.decode())
     monkeypatch.delenv("BIDIRKV_HANDLE_KEY_PREVIOUS", raising=False)
     app = fastapi.FastAPI()
-    plugin = ResidencyEndpoint()
+    plugin = ResidencyEndpoint(slots=ReadSlots(SLOTS), read_s=READ_S)
     plugin.attach_router(app)
     calls: list[dict] = []
 
@@ -112,3 +119,37 @@ def test_the_body_must_be_the_length_signed(served):
     assert served.calls == []
     assert status(served.send(headers, len(BODY), BODY)) == 200
     assert len(served.calls) == 1
+
+
+def test_slow_bodies_are_read_a_few_at_once_and_within_a_deadline(served):
+    """A replayed header (good for 60 s) sent many times, each body trickling in: once,
+    every one of them was read at once, as long as they took. Now SLOTS are read at once,
+    the next caller is answered 503 without waiting, and a body that has not arrived
+    within the deadline is answered 408."""
+    headers = residency_headers(KEY, served.target, RESIDENCY_PATH, BODY)
+    slow = [served.send(headers, len(BODY), BODY[:10]) for _ in range(SLOTS)]
+    deadline = time.monotonic() + 10
+    while served.reading() < SLOTS and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert served.reading() == SLOTS
+    one_more = served.send(headers, len(BODY), BODY[:10])
+    assert status(one_more) == 503
+    # The slow ones run out of time; their slots are free again.
+    assert [status(s, READ_S + 10) for s in slow] == [408] * SLOTS
+    assert served.reading() == 0 and served.calls == []
+    assert status(served.send(headers, len(BODY), BODY)) == 200
+    assert len(served.calls) == 1
+
+
+def test_a_caller_that_leaves_mid_body_frees_its_slot_quietly(served, caplog):
+    headers = residency_headers(KEY, served.target, RESIDENCY_PATH, BODY)
+    leaving = served.send(headers, len(BODY), BODY[:10])
+    deadline = time.monotonic() + 10
+    while served.reading() < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert served.reading() == 1
+    leaving.close()
+    while served.reading() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert served.reading() == 0
+    assert "Exception in ASGI application" not in caplog.text

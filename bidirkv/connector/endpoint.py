@@ -20,9 +20,9 @@ engine it names: each call is signed (`X-Bidirkv-Auth` and `X-Bidirkv-Target`,
 bidirkv/proof.py: an HMAC over the method, the path, the target engine, a time, and the
 body's length and digest), so the key never travels and a captured signature fits one
 body at one engine for a minute (connector/identity.py says which targets name this
-engine). The headers are checked before the body is read: a caller without the key costs
-no body read. vLLM's API key guards only its own routes, and the engine port is open to
-whoever the NetworkPolicy lets scrape metrics.
+engine). The headers are checked before the body is read, and bodies are read a few at a
+time within a deadline (connector/bodyread.py). vLLM's API key guards only its own
+routes, and the engine port is open to whoever the NetworkPolicy lets scrape metrics.
 What a caller can make decode keep is bounded: owners (core/residency.py MAX_OWNERS), a
 lease's length (this decode's `decoder_kv_blocks_ttl`, as the CRD holds the router to), a
 body's size and its releases; the report is running totals, never a walk of what is
@@ -42,6 +42,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bidirkv.connector.bodyread import READ_S, ReadSlots, read_body
 from bidirkv.connector.core.notes import MAX_KEEP, MAX_NOTE
 from bidirkv.connector.identity import Here
 from bidirkv.connector.settings import Settings
@@ -199,17 +200,6 @@ def length_problem(declared: str | None, signed: int) -> tuple[int, str] | None:
     return None
 
 
-async def read_bounded(request: Any, length: int) -> bytes | None:
-    """The request's body of `length` bytes, or None when more arrives (not read further)."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > length:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 async def answer(creds: Credentials, raw: bytes, keys: Sequence[bytes],
                  call: Callable[[dict], Awaitable[Any]] | None,
                  max_lease: tuple[int, str] = lease_bound(None)) -> tuple[int, dict]:
@@ -250,7 +240,10 @@ class ResidencyEndpoint:
     name = "bidirkv"
     required_tasks = ("generate",)
 
-    def __init__(self, hostname: str | None = None) -> None:
+    def __init__(self, slots: ReadSlots | None = None, read_s: float = READ_S,
+                 hostname: str | None = None) -> None:
+        self.slots = slots or ReadSlots()
+        self.read_s = read_s
         self.hostname = hostname or socket.gethostname()
 
     async def body(self, request: Any, creds: Credentials) -> bytes | tuple[int, dict]:
@@ -259,7 +252,15 @@ class ResidencyEndpoint:
         length = signed.length if isinstance(signed, ResidencyAuth) else 0
         if problem := length_problem(request.headers.get("content-length"), length):
             return _error(problem[0], "invalid_request", problem[1])
-        raw = await read_bounded(request, length)
+        with self.slots.take() as took:
+            if not took:
+                return _error(503, "busy", f"{self.slots.limit} residency calls are being "
+                              "read already; try again")
+            try:
+                raw = await read_body(request, length, self.read_s)
+            except TimeoutError:
+                return _error(408, "invalid_request",
+                              f"the body did not arrive within {self.read_s:g} s")
         if raw is None:
             return _error(413, "invalid_request",
                           f"the body is longer than its signed {length} bytes")
@@ -268,10 +269,12 @@ class ResidencyEndpoint:
     def attach_router(self, app: Any) -> None:
         from fastapi import Request
         from fastapi.responses import JSONResponse
+        from starlette.requests import ClientDisconnect
 
         keys = Settings.from_env(os.environ).handle_keys
         refusal_headers = {
-            401: {"WWW-Authenticate": f'{RESIDENCY_AUTH_SCHEME} header="{RESIDENCY_AUTH_HEADER}"'}}
+            401: {"WWW-Authenticate": f'{RESIDENCY_AUTH_SCHEME} header="{RESIDENCY_AUTH_HEADER}"'},
+            503: {"Retry-After": "1"}}
 
         def reply(status: int, out: Any) -> JSONResponse:
             return JSONResponse(out, status_code=status, headers=refusal_headers.get(status))
@@ -284,7 +287,10 @@ class ResidencyEndpoint:
             # A caller without the key, or calling another engine, costs no body read.
             if problem := unauthorized(creds, keys, None):
                 return reply(*_error(401, "unauthorized", problem))
-            raw = await self.body(request, creds)
+            try:
+                raw = await self.body(request, creds)
+            except ClientDisconnect:  # gone before its body came: nobody to answer
+                return reply(*_error(400, "invalid_request", "the caller left"))
             if isinstance(raw, tuple):
                 return reply(*raw)
             engine = getattr(request.app.state, "bidirkv_engine", None)
