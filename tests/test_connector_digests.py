@@ -11,7 +11,7 @@ from bidirkv.connector.core.digests import (
     DIGEST_BYTES,
     SPAN,
     HeldBlocks,
-    block_chain,
+    chain_at,
     checkpoints,
     engine_shaping,
     fingerprint,
@@ -27,7 +27,7 @@ REQ = request_seed(SEED, None, None)
 
 
 def held_for(tokens, seed=SEED, req=REQ, bs=BS):
-    return HeldBlocks.of(bs, fingerprint(seed), block_chain(req, tokens, bs))
+    return HeldBlocks.of(bs, fingerprint(seed), req, tokens)
 
 
 HELD_TOKENS = list(range(100, 118))  # 18 tokens: 4 full blocks + 2
@@ -38,10 +38,21 @@ def check(prompt, held=None, seed=SEED, req=REQ, bs=BS):
 
 
 def test_only_full_blocks_are_digested():
-    assert len(block_chain(REQ, HELD_TOKENS, BS)) == 4
-    assert block_chain(REQ, HELD_TOKENS, BS, max_blocks=2) == block_chain(
-        REQ, HELD_TOKENS, BS)[:2]
-    assert block_chain(REQ, [1, 2, 3], BS) == []
+    assert held_for(HELD_TOKENS).blocks == 4 and len(held_for(HELD_TOKENS).digests) == 4
+    assert chain_at(REQ, HELD_TOKENS, BS, [1, 2]) == chain_at(REQ, HELD_TOKENS, BS,
+                                                               [1, 2, 3, 4])[:2]
+    assert held_for([1, 2, 3]).blocks == 0 and chain_at(REQ, [1, 2, 3], BS, []) == []
+
+
+def test_a_checkpoint_covers_every_token_before_it():
+    # Linking checkpoints, not blocks: the digest at block 4 is one hash over blocks 3-4
+    # on top of the one at block 2, and changes with any token before it.
+    two, four = chain_at(REQ, HELD_TOKENS, BS, [2, 4])
+    assert chain_at(REQ, HELD_TOKENS, BS, [2]) == [two]
+    for i in range(16):
+        edited = list(HELD_TOKENS)
+        edited[i] += 1
+        assert chain_at(REQ, edited, BS, [2, 4])[1] != four, i
 
 
 def test_exact_extension_reuses_every_held_block():
@@ -84,8 +95,8 @@ def test_different_model_or_dtype_never_matches():
                                                                                  None)))
     assert (v.blocks, v.reason) == (0, "model_mismatch")
     # Even with a forged fingerprint, the chain itself differs from block 0 on.
-    forged = HeldBlocks.of(BS, fingerprint(SEED),
-                           block_chain(request_seed(other, None, None), HELD_TOKENS, BS))
+    forged = HeldBlocks.of(BS, fingerprint(SEED), request_seed(other, None, None),
+                           HELD_TOKENS)
     assert check(HELD_TOKENS + [1], held=forged).blocks == 0
     assert model_seed("tiny-b", None, "torch.float32", "auto", BS) != SEED
 
@@ -167,8 +178,8 @@ LONG = [(i * 7919) % 50_000 for i in range(8192 * GPU_BS + 5)]  # 8,192 full blo
 
 
 @pytest.fixture(scope="module")
-def long_chain():
-    return block_chain(REQ, LONG, GPU_BS)
+def long_held():
+    return HeldBlocks.of(GPU_BS, fingerprint(SEED), REQ, LONG)
 
 
 def test_every_block_is_a_checkpoint_up_to_a_span():
@@ -180,16 +191,16 @@ def test_every_block_is_a_checkpoint_up_to_a_span():
     assert max(b - a for a, b in pairwise([0, *points])) <= -(-8192 // SPAN)
 
 
-def test_the_record_of_8192_blocks_stays_within_its_bound(long_chain):
-    wire = json.dumps(HeldBlocks.of(GPU_BS, fingerprint(SEED), long_chain).to_wire())
+def test_the_record_of_8192_blocks_stays_within_its_bound(long_held):
+    wire = json.dumps(long_held.to_wire())
     assert len(wire) <= 4096
     # One digest a block (the record before) was ~70 times that.
     assert len(wire) * 50 < 8192 * 2 * DIGEST_BYTES
 
 
 @pytest.mark.parametrize("edit_block", [5000, 1, 8191])
-def test_an_edit_reuses_its_unedited_prefix_within_one_span(long_chain, edit_block):
-    held = HeldBlocks.of(GPU_BS, fingerprint(SEED), long_chain)
+def test_an_edit_reuses_its_unedited_prefix_within_one_span(long_held, edit_block):
+    held = long_held
     prompt = list(LONG) + [1, 2, 3]
     prompt[(edit_block - 1) * GPU_BS + 3] = 999_999  # a token of block `edit_block`
     v = verify_prefix(held, prompt, SEED, REQ, GPU_BS)
@@ -202,14 +213,14 @@ def test_an_edit_reuses_its_unedited_prefix_within_one_span(long_chain, edit_blo
         assert v.blocks >= edit_block - 1 - 2 * (8192 - edit_block + 1)
 
 
-def test_a_whole_long_history_is_reused(long_chain):
-    held = HeldBlocks.of(GPU_BS, fingerprint(SEED), long_chain)
+def test_a_whole_long_history_is_reused(long_held):
+    held = long_held
     v = verify_prefix(held, list(LONG) + [1], SEED, REQ, GPU_BS)
     assert (v.blocks, v.reason) == (8192, "match")
 
 
-def test_a_tampered_checkpoint_is_a_miss_from_there_never_a_wrong_read(long_chain):
-    held = HeldBlocks.of(GPU_BS, fingerprint(SEED), long_chain)
+def test_a_tampered_checkpoint_is_a_miss_from_there_never_a_wrong_read(long_held):
+    held = long_held
     points = checkpoints(8192)
     bad = list(held.digests)
     i = points.index(next(p for p in points if p >= 4000))
@@ -221,7 +232,7 @@ def test_a_tampered_checkpoint_is_a_miss_from_there_never_a_wrong_read(long_chai
     assert (v.blocks, v.reason) == (points[i - 1], "mismatch")
 
 
-def test_a_record_claiming_more_blocks_than_its_handle_lists_is_refused(long_chain):
-    wire = HeldBlocks.of(GPU_BS, fingerprint(SEED), long_chain).to_wire()
+def test_a_record_claiming_more_blocks_than_its_handle_lists_is_refused(long_held):
+    wire = long_held.to_wire()
     assert parse_held(wire, max_blocks=8191) is None
     assert parse_held(wire, max_blocks=8192) is not None

@@ -1,12 +1,13 @@
-"""Per-block digests of the tokens a KV cache holds, and the verified reusable prefix.
+"""Chained digests of the tokens a KV cache holds, and the verified reusable prefix.
 
-D publishes, with the handle of a finished request, one chained digest per full block
-of the tokens its KV was computed for. P digests its own prompt the same way and reuses
-only the leading blocks whose digests agree: block i's digest covers every token up to
-the end of block i, so one differing token anywhere before it breaks the chain from
-there on, like vLLM's own prefix-cache block hashes (which cannot be used here: their
-seed is random per process unless PYTHONHASHSEED is pinned, and P may run with prefix
-caching off).
+D publishes, with the handle of a finished request, a chain of digests over the full
+blocks of the tokens its KV was computed for, taken at a few block counts
+(`checkpoints`). P digests its own prompt the same way and reuses only up to the last
+checkpoint whose digest agrees: the digest at block p covers every token up to the end
+of block p, so one differing token anywhere before it breaks the chain from there on,
+like vLLM's own prefix-cache block hashes (which cannot be used here: their seed is
+random per process unless PYTHONHASHSEED is pinned, and P may run with prefix caching
+off).
 
 The chain starts from a seed of what else decides the KV of a token sequence: model,
 revision, dtype, KV cache dtype, block size, what else of the engine's configuration
@@ -91,20 +92,22 @@ def _token_bytes(tokens: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
-def block_chain(seed: bytes, tokens: Sequence[int], block_size: int,
-                max_blocks: int | None = None) -> list[bytes]:
-    """The chained digest of each full block of `tokens` (a partial last block gets none):
-    block i's covers every token up to the end of block i."""
-    n = len(tokens) // block_size
-    if max_blocks is not None:
-        n = min(n, max_blocks)
-    data = _token_bytes(tokens[: n * block_size])
+def chain_at(seed: bytes, tokens: Sequence[int], block_size: int,
+             points: Sequence[int]) -> list[bytes]:
+    """The chain's digest at each of `points` (block counts, ascending): the digest at
+    point p covers the one at the point before and the tokens of the blocks between, so it
+    covers every token up to the end of block p. One hash a point, not a block: a history
+    of 8,192 blocks costs ~140 hash calls over its bytes, not 8,192."""
+    if not points:
+        return []
     width = 8 * block_size
+    data = memoryview(_token_bytes(tokens[: points[-1] * block_size]))
     out: list[bytes] = []
-    prev = seed
-    for i in range(n):
-        prev = _h(prev, data[i * width:(i + 1) * width])
+    prev, start = seed, 0
+    for p in points:
+        prev = _h(prev, data[start * width:p * width])
         out.append(prev)
+        start = p
     return out
 
 
@@ -115,7 +118,10 @@ def block_chain(seed: bytes, tokens: Sequence[int], block_size: int,
 # spaced (an edit anywhere costs at most one span of recompute, 1/SPAN of the history),
 # and the counts 1, 2, 4, 8, ... blocks back from the end (an edit near the end, the
 # common case, costs at most about its distance from the end). A chained digest that
-# matches at block p proves every block up to p, so reuse stays exact.
+# matches at block p proves every block up to p, so reuse stays exact. The chain links
+# checkpoints, not blocks (`chain_at`): D and P hash each token once and call the hash
+# ~140 times at any length, instead of once a block (20 ms at 8,192 blocks, on the
+# scheduler's thread, every turn).
 SPAN = 128
 
 
@@ -149,10 +155,12 @@ class HeldBlocks:
     digests: tuple[bytes, ...]
 
     @classmethod
-    def of(cls, block_size: int, fingerprint: str, chain: Sequence[bytes]) -> HeldBlocks:
-        """From the digest of every block (`block_chain`)."""
-        return cls(block_size, fingerprint, len(chain),
-                   tuple(chain[p - 1] for p in checkpoints(len(chain))))
+    def of(cls, block_size: int, fingerprint: str, seed: bytes,
+           tokens: Sequence[int]) -> HeldBlocks:
+        """The record of the full blocks of `tokens` (a partial last block has none)."""
+        n = len(tokens) // block_size
+        return cls(block_size, fingerprint, n,
+                   tuple(chain_at(seed, tokens, block_size, checkpoints(n))))
 
     def to_wire(self) -> dict:
         return {"v": VERSION, "bs": self.block_size, "fp": self.fingerprint,
@@ -207,13 +215,12 @@ def verify_prefix(held: HeldBlocks, prompt: Sequence[int], seed: bytes, req_seed
         return Verification(0, 0, comparable, "block_size_mismatch")
     if held.fingerprint != fingerprint(seed):
         return Verification(0, 0, comparable, "model_mismatch")
-    mine = block_chain(req_seed, prompt, block_size, comparable)
-    n, reason = 0, "match"
-    for point, digest in zip(checkpoints(held.blocks), held.digests, strict=True):
-        if point > comparable:
-            reason = "prompt_shorter"
-            break
-        if not hmac.compare_digest(mine[point - 1], digest):
+    points = checkpoints(held.blocks)
+    reachable = [p for p in points if p <= comparable]
+    mine = chain_at(req_seed, prompt, block_size, reachable)
+    n, reason = 0, "match" if len(reachable) == len(points) else "prompt_shorter"
+    for point, theirs, ours in zip(reachable, held.digests, mine, strict=False):
+        if not hmac.compare_digest(ours, theirs):
             reason = "mismatch"
             break
         n = point

@@ -216,8 +216,7 @@ class Reuse:
             # token, whose KV was never computed).
             held = request.all_token_ids[: out.get("remote_num_tokens") or 0]
             out[BLOCKS_KEY] = digests.HeldBlocks.of(
-                sched.block_size, st.fingerprint,
-                digests.block_chain(_request_seed(st, request), held, sched.block_size),
+                sched.block_size, st.fingerprint, _request_seed(st, request), held,
             ).to_wire()
         if out.get("remote_block_ids"):
             # How long the issuer keeps the blocks: D its TTL, P its lease (which D's
