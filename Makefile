@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 DEV_STAMP := $(VENV)/.bidirkv-dev
 ENGINE_STAMP := $(VENV)/.bidirkv-engine
 
-.PHONY: install engine test demo demo-all crds monitoring lint bench-operator clean
+.PHONY: install engine test demo demo-all bench-long crds monitoring lint bench-operator clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -72,6 +72,12 @@ demo: $(ENGINE_STAMP)
 # Every phase: the placement run, vllm bench serve, decode KV pressure, one turn's spans.
 demo-all: $(ENGINE_STAMP)
 	$(PY) -m bidirkv.demo --all
+
+# Long contexts (examples/local-long.yaml): one conversation grown to 64k tokens, ON, OFF
+# and the bound, and a router restart at that length. About half an hour on 2 cores; not
+# part of `make demo` or `make test` (docs/local-stack.md).
+bench-long: $(ENGINE_STAMP)
+	$(PY) -m bidirkv.demolong
 
 # The CRD and its reference (docs/crd-reference.md) are both generated from
 # bidirkv/operator/api/spec.py (tools/crdref.py is a development tool, not in the package).

@@ -11,6 +11,7 @@ from aiohttp import web
 from fake_engine import Cluster
 
 from bidirkv.bench.client import RequestFailed, chat, first_model, sse_events
+from bidirkv.bench.conversation import Conversation
 from bidirkv.bench.runner import BenchConfig, Runner
 from bidirkv.cli import main as cli_main
 
@@ -148,3 +149,22 @@ async def test_think_time_orders_turns_by_when_each_conversation_is_due():
     assert [r.reason for r in records if r.turn == 1] == ["first turn"] * 2
     assert all(r.reason == "hit" for r in records if r.turn > 1)
     assert all(r.refusals == {} for r in records)
+
+
+async def test_a_turn_and_the_warm_up_take_their_own_word_counts():
+    async with Cluster() as c:
+        cfg = BenchConfig(url=c.url, label="t", **{**SMALL, "warmup_turns": 2})
+        runner = Runner(cfg, progress=False)
+        conv = Conversation(0, "c0")
+
+        def go() -> None:
+            runner.warm_up("w", words=7)
+            runner.turn(conv, 1, measure=False, words=300)
+            runner.turn(conv, 2, measure=False)  # the config's new_tokens
+            with pytest.raises(ValueError, match="words 0: a turn adds at least 1 word"):
+                runner.turn(conv, 3, measure=False, words=0)
+
+        await asyncio.to_thread(go)
+        users = [[len(m["content"].split()) for m in g.body["messages"] if m["role"] == "user"]
+                 for g in c.p[0].generations()]
+        assert users == [[7], [7, 7], [300], [300, 20]]

@@ -229,7 +229,8 @@ def test_no_python_file_outside_the_package_shadows_a_module_it_names():
 # The demo, the benchmarks and the local stack: in the package, their third-party imports
 # in the `tools` extra. The product runs without them, so none of its modules imports them;
 # the command line reaches them only inside the commands that run them.
-TOOLS = ("bidirkv.local", "bidirkv.bench", "bidirkv.demo", "bidirkv.democoncurrency")
+TOOLS = ("bidirkv.local", "bidirkv.bench", "bidirkv.demo", "bidirkv.democoncurrency",
+         "bidirkv.demolong")
 
 
 def is_tool(module: str) -> bool:

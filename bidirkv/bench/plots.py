@@ -91,3 +91,30 @@ def prefill_plot(rows: Sequence[Mapping[str, Any]], path: pathlib.Path, title: s
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     return save(plt, fig, path)
+
+
+def long_plot(rows: Sequence[Mapping[str, Any]], restart: Mapping[str, Any] | None,
+              path: pathlib.Path, title: str) -> pathlib.Path:
+    """TTFT (s) vs context of the long-context phase: ON, OFF and the bound over the
+    growing turns, and the short turns before and after the router restart as points."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for key, label, style in (("ttft_off_s", "bidirectional OFF (recompute)", "o-"),
+                              ("ttft_on_s", "bidirectional ON (read from D)", "s-"),
+                              ("lower_bound_s", "lower bound (warm local cache)", "^--")):
+        pts = [(r["context_tokens"] / 1000, r[key]) for r in rows
+               if r.get(key) is not None and r.get("context_tokens")]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
+    if restart is not None and restart.get("context_tokens"):
+        before = (restart.get("context_before_tokens") or restart["context_tokens"]) / 1000
+        ax.plot([before], [restart["ttft_before_s"]], "D", color="#55a868",
+                label="ON, short append, before a router restart")
+        ax.plot([restart["context_tokens"] / 1000], [restart["ttft_after_s"]], "*",
+                color="#c44e52", markersize=12, label="ON, the same append after the restart")
+    ax.set_xlabel("context length (thousand prompt tokens)")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save(plt, fig, path)

@@ -191,11 +191,16 @@ class Runner:
         assert self.cfg.lower_bound_url is not None
         return self._send(conv, self.cfg.lower_bound_url, body, {}).ttft_s
 
-    def turn(self, conv: Conversation, turn: int, measure: bool, think_s: float = 0.0
-             ) -> TurnRecord:
+    def turn(self, conv: Conversation, turn: int, measure: bool, think_s: float = 0.0,
+             words: int | None = None) -> TurnRecord:
+        """One turn of `conv`; `words`: this turn's user words instead of the config's (a
+        caller that schedules its own turns, such as the long-context phase)."""
         c = self.cfg
-        words = (c.appends.words(c.seed, conv.index, turn) if c.appends is not None
-                 else c.new_tokens)
+        if words is None:
+            words = (c.appends.words(c.seed, conv.index, turn) if c.appends is not None
+                     else c.new_tokens)
+        elif words < 1:
+            raise ValueError(f"words {words}: a turn adds at least 1 word")
         conv.ask(user_text(c.seed, conv.index, turn, words))
         lb = self._lower_bound(conv) if (measure and c.lower_bound_url) else None
         body, headers = with_conversation_id(
@@ -229,6 +234,25 @@ class Runner:
             reason=turn_reason(turn, outcome, reused, refused), refusals=refused,
         )
 
+    def warm_up(self, run_id: str, words: int | None = None) -> None:
+        """The config's warm-up turns, in a conversation of their own: first-request costs
+        and the NIXL handshakes in both directions (P->D on turn 1, D->P on turn 2) happen
+        here, not in turn 1. `words`: each warm-up turn's user words (default: as a turn's)."""
+        from tqdm import tqdm
+
+        c = self.cfg
+        if not c.warmup_turns:
+            return
+        if self.model is None:
+            self.model = first_model(c.url)
+        warm = Conversation(-1, f"{run_id}-warmup")
+        bar = tqdm(range(1, c.warmup_turns + 1), desc=f"bench {c.label}: warm-up",
+                   unit="turn", disable=not self.progress, leave=False)
+        for t in bar:
+            self.turn(warm, t, measure=False, words=words)
+        if c.lower_bound_url:
+            self._lower_bound(warm)
+
     def run(self) -> list[TurnRecord]:
         from tqdm import tqdm
 
@@ -237,16 +261,7 @@ class Runner:
         if self.model is None:
             self.model = first_model(c.url)
         run_id = f"{c.label}-{c.seed}-{int(time.time())}"
-        if c.warmup_turns:
-            # Its own conversation: first-request costs and the NIXL handshakes in both
-            # directions (P->D on turn 1, D->P on turn 2) happen here, not in turn 1.
-            warm = Conversation(-1, f"{run_id}-warmup")
-            bar = tqdm(range(1, c.warmup_turns + 1), desc=f"bench {c.label}: warm-up",
-                       unit="turn", disable=not self.progress, leave=False)
-            for t in bar:
-                self.turn(warm, t, measure=False)
-            if c.lower_bound_url:
-                self._lower_bound(warm)
+        self.warm_up(run_id)
         convs = [Conversation(i, f"{run_id}-c{i}") for i in range(c.conversations)]
         records: list[TurnRecord] = []
         bar = tqdm(total=c.turns * c.conversations, desc=f"bench {c.label}", unit="turn",

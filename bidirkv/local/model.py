@@ -30,7 +30,9 @@ class TinyModelConfig:
     num_key_value_heads: int = 4
     intermediate_size: int = 1024
     vocab_size: int = 4096
-    max_position_embeddings: int = 16384
+    # Agents' histories run to 64k-200k tokens: examples/local-long.yaml serves 131072
+    # (its maxModelLen may not exceed this). The rotary table it sizes is 32 MiB in float32.
+    max_position_embeddings: int = 131072
     init_std: float = 0.05  # wide enough that greedy output does not collapse to one token
     seed: int = 1234
 
