@@ -74,8 +74,9 @@ demo-all: $(ENGINE_STAMP)
 	$(PY) -m bidirkv.demo --all
 
 # Long contexts (examples/local-long.yaml): one conversation grown to 64k tokens, ON, OFF
-# and the bound, and a router restart at that length. About half an hour on 2 cores; not
-# part of `make demo` or `make test` (docs/local-stack.md).
+# and the bound, and a router restart at that length. 20 minutes on a shared 2-core Zen 4,
+# about an hour (estimated) on an AVX2-only one; not part of `make demo` or `make test`
+# (docs/local-stack.md).
 bench-long: $(ENGINE_STAMP)
 	$(PY) -m bidirkv.demolong
 

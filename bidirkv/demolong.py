@@ -16,8 +16,8 @@ the processes `bidir-kv local up` starts, and one conversation grows in large ap
    out/long/long.json and out/long/ttft_long.png.
 
 A progress line per turn. Every process started is stopped at the end, on failure, on
-Ctrl-C and on SIGTERM. Not part of `make demo` or `make test`: it takes about half an
-hour on 2 cores (docs/local-stack.md).
+Ctrl-C and on SIGTERM. Not part of `make demo` or `make test`: 20 minutes on a shared
+2-core Zen 4 in bf16, about an hour (estimated) on an AVX2-only CPU (docs/local-stack.md).
 """
 
 from __future__ import annotations
