@@ -37,10 +37,10 @@ from bidirkv.wire import RESIDENCY_PATH
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SPEC = ROOT / "examples" / "local-long.yaml"
 OUT = ROOT / "out" / "long"
-# 16k -> 32k -> 48k -> 64k: OFF recomputes the whole history each turn (~4 min at 64k
-# on one Zen 4 core in bf16, quadratic in the context), so more or larger steps soon
-# take the phase past half an hour.
-STEPS = (16384, 16384, 16384, 16384)
+# 16k, 32k, 64k, each followed by an agent's turn (+1024): OFF recomputes the whole
+# history each turn (~4 min at 64k on one Zen 4 core in bf16, quadratic in the
+# context), so more or larger steps soon take the phase past half an hour.
+STEPS = (16384, 1024, 15360, 1024, 32768, 1024)
 RESTART_WORDS = 1024
 WARMUP_WORDS = 512
 ALWAYS_DISAGGREGATE = {"router": {"placement": {"policy": "alwaysDisaggregate"}}}
@@ -194,7 +194,7 @@ def report(on: dict[str, Any], off: dict[str, Any], restart: dict[str, Any],
     steps = {x.turn for x in args.plan if x.kind == STEP}
     rows = [r for r in stats.compare(on["per_turn"], off["per_turn"]) if r["turn"] in steps]
     row = longrun.restart_row(on["records"], args.plan, restart)
-    ratios = longrun.report_ratios(rows)
+    ratios = longrun.report_ratios(rows, longrun.agent_turns(args.plan))
     print(f"\n==> long contexts: OFF/ON and the bound ({meta['cpu']['model']}, "
           f"{meta['dtype']['dtype']})")
     print(longrun.long_table(rows))
@@ -226,7 +226,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--spec", type=pathlib.Path, default=SPEC)
     p.add_argument("--out", type=pathlib.Path, default=OUT)
     p.add_argument("--steps", type=int, nargs="+", default=list(STEPS), metavar="WORDS",
-                   help="user words each growing turn adds (default: 4 x 16384)")
+                   help="user words each turn adds (default: 16384, 1024, 15360, 1024, "
+                   "32768, 1024: to 64k tokens, an agent's turn after each step)")
     p.add_argument("--restart-words", type=int, default=RESTART_WORDS, metavar="WORDS",
                    help="user words of the turns before and after the router restart")
     p.add_argument("--warmup-words", type=int, default=WARMUP_WORDS, metavar="WORDS")

@@ -15,6 +15,7 @@ from bidirkv.bench.longrun import (
     BEFORE,
     STEP,
     LongTurn,
+    agent_turns,
     plan_turns,
     report_ratios,
     restart_row,
@@ -116,7 +117,11 @@ def test_the_default_phase_reaches_64k_tokens_and_restarts_past_56k():
     args = parse_args([])
     steps = [t.words for t in args.plan if t.kind == STEP]
     assert sum(steps) >= 65536
-    assert sum(steps) - steps[-1] < 65536 <= sum(steps)
+    # An agent's turn past 32k and past 64k tokens, measured ON, OFF and the bound.
+    agents = agent_turns(args.plan)
+    reached = {t.turn: sum(steps[:t.turn]) for t in args.plan if t.kind == STEP}
+    assert any(reached[t] >= 32768 for t in agents)
+    assert any(reached[t] >= 65536 for t in agents)
     with pytest.raises(SystemExit):
         parse_args(["--steps", "-5"])
 
@@ -147,9 +152,11 @@ def test_report_ratios_take_the_lowest_off_over_on_past_32k_and_64k():
             {"turn": 2, "context_tokens": 32800, "speedup": 2.0, "on_over_lower_bound": 1.1},
             {"turn": 3, "context_tokens": 49200, "speedup": 2.5, "on_over_lower_bound": 1.0},
             {"turn": 4, "context_tokens": 65600, "speedup": 2.4, "on_over_lower_bound": None}]
-    got = report_ratios(rows)
+    got = report_ratios(rows, agents={3})
     assert got["off_over_on_at_32768"]["ratio"] == 2.0
     assert got["off_over_on_at_65536"] == {"ratio": 2.4, "turn": 4, "context_tokens": 65600}
+    assert got["agent_off_over_on_at_32768"]["ratio"] == 2.5  # the agent's turns alone
+    assert got["agent_off_over_on_at_65536"] is None
     assert got["on_over_bound_max"]["ratio"] == 1.1  # turn 1 has nothing to read back
     assert report_ratios(rows[:1])["off_over_on_at_32768"] is None
 

@@ -1,7 +1,10 @@
 """The long-context phase's schedule, its router-restart row and its tables (pure).
 
 One conversation grows in a few large appends (a word is a token with the tiny model) to
-64k tokens and more: ON, OFF and the lower bound each turn. The ON stack then runs two
+64k tokens and more, and after each an agent's turn (a short append, what a tool result
+or a user's reply adds): ON, OFF and the lower bound each turn. The large appends get
+there in a few turns; the agent's turns are what a long conversation costs turn after
+turn, and where reading the history back pays (OFF recomputes all of it either way). The ON stack then runs two
 short turns with the same append, one before a router restart and one after it, so the
 turn after the restart is measured against the same turn without one: a router that
 forgot the conversation would recompute the whole history (OFF's cost), one that recalled
@@ -19,6 +22,8 @@ from bidirkv.bench import stats
 STEP, BEFORE, AFTER = "step", "before restart", "after restart"
 # "At >= 32k / >= 64k tokens": the contexts the phase reports OFF/ON at.
 REPORT_CONTEXTS = (32768, 65536)
+# A turn that adds at most this many words is an agent's turn (a tool result, a reply).
+AGENT_WORDS = 4096
 # The restart is meant at a context whose note passed decode's former 64 KiB cap (~1,500
 # blocks of 32 tokens): the figure says whether the run got there.
 RESTART_MIN_CONTEXT = 56000
@@ -78,17 +83,30 @@ def restart_row(records: Sequence[Mapping[str, Any]], plan: Sequence[LongTurn],
     }
 
 
-def report_ratios(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The lowest OFF/ON at each of REPORT_CONTEXTS and above, and the highest ON/bound
-    over the turns that came back (a first turn has nothing to read back)."""
+def agent_turns(plan: Sequence[LongTurn]) -> set[int]:
+    """The turns of `plan` that add at most AGENT_WORDS (an agent's turn)."""
+    return {t.turn for t in plan if t.kind == STEP and t.words <= AGENT_WORDS}
+
+
+def _lowest(rows: Sequence[Mapping[str, Any]], floor: int) -> dict[str, Any] | None:
+    big = [r for r in rows if (r.get("context_tokens") or 0) >= floor
+           and r.get("speedup") is not None]
+    worst = min(big, key=lambda r: r["speedup"]) if big else None
+    return None if worst is None else {
+        "ratio": worst["speedup"], "turn": worst["turn"],
+        "context_tokens": worst["context_tokens"]}
+
+
+def report_ratios(rows: Sequence[Mapping[str, Any]],
+                  agents: set[int] | None = None) -> dict[str, Any]:
+    """The lowest OFF/ON at each of REPORT_CONTEXTS and above, over every turn and over
+    the agent's turns (`agents`), and the highest ON/bound over the turns that came back
+    (a first turn has nothing to read back)."""
     out: dict[str, Any] = {}
+    mine = [r for r in rows if r["turn"] in (agents or set())]
     for floor in REPORT_CONTEXTS:
-        big = [r for r in rows if (r.get("context_tokens") or 0) >= floor
-               and r.get("speedup") is not None]
-        worst = min(big, key=lambda r: r["speedup"]) if big else None
-        out[f"off_over_on_at_{floor}"] = None if worst is None else {
-            "ratio": worst["speedup"], "turn": worst["turn"],
-            "context_tokens": worst["context_tokens"]}
+        out[f"off_over_on_at_{floor}"] = _lowest(rows, floor)
+        out[f"agent_off_over_on_at_{floor}"] = _lowest(mine, floor)
     bounded = [r for r in rows if r["turn"] > 1 and r.get("on_over_lower_bound") is not None]
     worst = max(bounded, key=lambda r: r["on_over_lower_bound"]) if bounded else None
     out["on_over_bound_max"] = None if worst is None else {
@@ -156,10 +174,13 @@ def restart_table(row: Mapping[str, Any]) -> str:
 def ratios_text(ratios: Mapping[str, Any]) -> str:
     lines = []
     for floor in REPORT_CONTEXTS:
-        r = ratios.get(f"off_over_on_at_{floor}")
-        lines.append(f"- OFF/ON at >= {floor} tokens: " + (
-            "no turn got there" if r is None else
-            f"{r['ratio']:.2f}x (lowest; turn {r['turn']}, {r['context_tokens']:.0f} tokens)"))
+        for key, what in (("agent_off_over_on_at_", "an agent's turn"),
+                          ("off_over_on_at_", "any turn, growth steps included")):
+            r = ratios.get(f"{key}{floor}")
+            lines.append(f"- OFF/ON at >= {floor} tokens, {what}: " + (
+                "no turn got there" if r is None else
+                f"{r['ratio']:.2f}x (lowest; turn {r['turn']}, "
+                f"{r['context_tokens']:.0f} tokens)"))
     r = ratios.get("on_over_bound_max")
     lines.append("- ON/lower bound: " + ("not measured" if r is None else
                  f"at most {r['ratio']:.2f}x (turn {r['turn']}, "
