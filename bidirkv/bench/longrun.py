@@ -4,11 +4,11 @@ One conversation grows in a few large appends (a word is a token with the tiny m
 64k tokens and more, and after each an agent's turn (a short append, what a tool result
 or a user's reply adds): ON, OFF and the lower bound each turn. The large appends get
 there in a few turns; the agent's turns are what a long conversation costs turn after
-turn, and where reading the history back pays (OFF recomputes all of it either way). The ON stack then runs two
-short turns with the same append, one before a router restart and one after it, so the
-turn after the restart is measured against the same turn without one: a router that
-forgot the conversation would recompute the whole history (OFF's cost), one that recalled
-it reads the history back from decode.
+turn, and where reading the history back pays (OFF recomputes all of it either way).
+The ON stack then runs two short turns with the same append, one before a router restart
+and one after it, so the turn after the restart is measured against the same turn
+without one: a router that forgot the conversation would recompute the whole history
+(OFF's cost), one that recalled it reads the history back from decode.
 """
 
 from __future__ import annotations
