@@ -20,6 +20,13 @@ out a handle for and still holds, or the count a test sets.
 Every request is recorded; behaviour can be changed at run time (fail, hang, stall or
 break mid-stream, return 5xx), and a request the client abandons is counted.
 
+Handles are small by default (a few block ids, no digests). With `block_size` set
+(`--block-size 16`) they are what a real engine hands out at that length: one block id a
+`block_size` tokens of the prompt, from a real engine's range (up to ~1M), D's digest
+record built by the plugin's own code (`HeldBlocks.of` over `block_chain` of stand-in
+token ids), the expiry and the MAC, so their bytes are exact. A body may name its own
+token count (`fake_prompt_tokens`: a small body that stands for a long history).
+
 Run standalone (benchmarks): python tests/fake_engine.py --role decode --port 8200
 """
 
@@ -29,6 +36,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import random
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +44,17 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
-from bidirkv.wire import NOTE_LEAVES_OUT, VERSION, VERSION_KEY
+from bidirkv.connector.core import digests
+from bidirkv.connector.core.handles import sign, stamp_expiry
+from bidirkv.wire import BLOCKS_KEY, MAC_KEY, NOTE_LEAVES_OUT, VERSION, VERSION_KEY
+
+# Realistic handles (Behaviour.block_size): block ids below this (a large KV pool), the
+# key they are signed with and the digest seed (any: only their bytes are measured).
+MAX_BLOCK_ID = 1_000_000
+HANDLE_KEY = b"fake-engine-handle-key"
+SEED = digests.model_seed("fake-model", None, "bfloat16", "auto", 16)
+# A body field naming the prompt's token count (a small body standing for a long one).
+PROMPT_TOKENS_FIELD = "fake_prompt_tokens"
 
 
 @dataclass
@@ -88,6 +106,8 @@ class Behaviour:
     # requests it handed out a handle for and still holds); prefill reports 0
     retained_requests: int | None = None
     metrics_status: int = 200  # /metrics answers with this status
+    # Realistic handles at this block size (None: a few ids, no digests, no MAC)
+    block_size: int | None = None
 
 
 class FakeEngine:
@@ -158,27 +178,34 @@ class FakeEngine:
         self.cancelled_event.set()
 
     def _params(self, request_id: str, num_tokens: int) -> dict[str, Any]:
-        blocks = [next(self._blocks) for _ in range(max(1, num_tokens // 16 + 1))]
-        if self.role == "prefill":
-            return {
-                "do_remote_prefill": True, "do_remote_decode": False,
-                "remote_block_ids": [blocks], "remote_engine_id": self.engine_id,
-                "remote_request_id": request_id, "remote_host": self.nixl_host,
-                "remote_port": self.nixl_port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
-                "remote_num_tokens": num_tokens, "remote_blocks_expiry_time": None,
-                "transfer_mode": "pull", VERSION_KEY: self.behaviour.wire_version,
-            }
-        return {
-            "do_remote_prefill": False, "do_remote_decode": True,
+        bs = self.behaviour.block_size
+        if bs is None:
+            blocks = [next(self._blocks) for _ in range(max(1, num_tokens // 16 + 1))]
+        else:  # one id a block, the last one partial, scattered as a busy pool's are
+            blocks = [random.randrange(MAX_BLOCK_ID) for _ in range(-(-num_tokens // bs))]
+        decode = self.role == "decode"
+        out = {
+            "do_remote_prefill": not decode, "do_remote_decode": decode,
             "remote_block_ids": [blocks], "remote_engine_id": self.engine_id,
             "remote_request_id": request_id, "remote_host": self.nixl_host,
             "remote_port": self.nixl_port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
-            "remote_num_tokens": num_tokens, "remote_blocks_expiry_time": 123456.789,
+            "remote_num_tokens": num_tokens,
+            "remote_blocks_expiry_time": 123456.789 if decode else None,
             "transfer_mode": "pull", VERSION_KEY: self.behaviour.wire_version,
         }
+        if bs is not None:  # as the plugin signs a handle (connector/hooks/reuse.py)
+            if decode:
+                out[BLOCKS_KEY] = digests.HeldBlocks.of(
+                    bs, digests.fingerprint(SEED),
+                    digests.block_chain(SEED, range(num_tokens), bs)).to_wire()
+            stamp_expiry(out, 480.0)
+            out[MAC_KEY] = sign(out, HANDLE_KEY)
+        return out
 
     @staticmethod
     def _prompt_tokens(body: dict[str, Any]) -> int:
+        if isinstance(body.get(PROMPT_TOKENS_FIELD), int):
+            return body[PROMPT_TOKENS_FIELD]
         if "messages" in body:
             return sum(len(json.dumps(m)) // 4 + 1 for m in body["messages"])
         return len(str(body.get("prompt", ""))) // 4 + 1
@@ -412,10 +439,12 @@ class FakeEngine:
         return resp
 
 
-async def _serve(role: str, host: str, port: int, reply_tokens: int) -> None:
+async def _serve(role: str, host: str, port: int, reply_tokens: int,
+                 block_size: int | None = None) -> None:
     engine = FakeEngine(role)
     engine.record = False  # a benchmark would otherwise grow memory forever
     engine.behaviour.reply = [f" t{i}" for i in range(reply_tokens)]
+    engine.behaviour.block_size = block_size
     await engine.start(host, port)
     print(f"fake {role} engine on {engine.url}", flush=True)
     await asyncio.Event().wait()
@@ -427,8 +456,9 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--reply-tokens", type=int, default=8)
+    ap.add_argument("--block-size", type=int, help="realistic handles at this block size")
     args = ap.parse_args()
-    asyncio.run(_serve(args.role, args.host, args.port, args.reply_tokens))
+    asyncio.run(_serve(args.role, args.host, args.port, args.reply_tokens, args.block_size))
 
 
 if __name__ == "__main__":
