@@ -4,6 +4,9 @@ import json
 
 import pytest
 
+from bidirkv.router.codec import HAVE_ORJSON
+from bidirkv.router.request import validation
+from bidirkv.router.request.bodycheck import surrogate_problem
 from bidirkv.router.request.validation import CHAT, COMPLETIONS, ClientError, parse_request
 
 MSGS = [{"role": "user", "content": "hi"}]
@@ -115,3 +118,27 @@ def test_token_counts_against_the_models_context(extra, needle):
     with pytest.raises(ClientError) as e:
         parse_request(raw, CHAT, None, 4096)
     assert needle in e.value.message
+
+
+@pytest.mark.skipif(not HAVE_ORJSON, reason="without orjson every body is scanned first")
+def test_a_body_the_parser_takes_is_not_scanned_again_for_lone_surrogates(monkeypatch):
+    """orjson refuses every lone surrogate, so only a body it refused is scanned for the
+    message that says where: a long history is not passed over once more on every turn."""
+    scanned = []
+
+    def spy(raw):
+        scanned.append(len(raw))
+        return surrogate_problem(raw)
+
+    monkeypatch.setattr(validation, "surrogate_problem", spy)
+    text = "caf\u00e9 \U0001f600 " * 1000  # escaped as \u00e9 and a surrogate pair
+    raw = json.dumps({"messages": [{"role": "user", "content": text}]}).encode()
+    assert b"\\ud83d\\ude00" in raw
+    assert parse_request(raw, CHAT, None).body["messages"][0]["content"] == text
+    assert scanned == []
+    lone = b'{"messages":[{"role":"user","content":"a\\ud800b"}]}'
+    with pytest.raises(ClientError, match=r"messages\[0\].content: contains a lone UTF-16"):
+        parse_request(lone, CHAT, None)
+    with pytest.raises(ClientError, match="not valid JSON"):
+        parse_request(b'{"messages":[}', CHAT, None)
+    assert scanned == [len(lone), len(b'{"messages":[}')]

@@ -14,7 +14,9 @@
   parsing: counting brackets is one pass in C, and only a body with more brackets than
   that is scanned for the ones outside strings (`container_problem`).
 - Lone surrogates: `"\\ud800"` is valid JSON but no UTF-8; the router re-encodes the
-  body for both legs and would fail there. Only bodies with such an escape are walked.
+  body for both legs and would fail there. orjson refuses them, so with it only a body
+  it refused is scanned (for the message that says where); without it, every body is,
+  before parsing. Only bodies with such an escape are walked.
 """
 
 from __future__ import annotations
