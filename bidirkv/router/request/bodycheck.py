@@ -75,16 +75,20 @@ def container_problem(raw: bytes, max_containers: int) -> str | None:
 def depth_problem(body: Any, max_depth: int = MAX_DEPTH) -> str | None:
     """Why a parsed body is nested too deeply (None: it is not); no recursion. One level
     at a time: the depth is the level's, not carried with each value (a 200-message body
-    walks in about half the time)."""
+    walks in about half the time). The body is a parser's: its objects and arrays are
+    dicts and lists exactly, so each value's type is compared, not isinstance'd, in one
+    plain loop (no comprehension per object: half the time again on a long history)."""
     level = [body] if isinstance(body, dict | list) else []
     depth = 1
     while level:
         if depth > max_depth:
             return deep_message(max_depth)
         below: list[Any] = []
+        add = below.append
         for value in level:
-            below += [c for c in (value.values() if type(value) is dict else value)
-                      if isinstance(c, (dict, list))]
+            for c in value.values() if type(value) is dict else value:
+                if type(c) is dict or type(c) is list:
+                    add(c)
         level = below
         depth += 1
     return None
