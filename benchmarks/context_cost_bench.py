@@ -4,22 +4,23 @@ its store and the engines' plugin, at 1k to 200k tokens of history (not a test).
 Fake prefill and decode engines (tests/fake_engine.py, processes of their own) hand out
 handles as real ones do at 16-token blocks (`--block-size 16`: one block id a block, a v2
 digest record built by the plugin's code, expiry and MAC), so every byte counted is
-exact. A real `bidir-kv router` process (pinned to a CPU of its own where there are two)
-serves the turns; its config is the default but for the engines' URLs, the placement
-header (which says where each turn ran) and the placement policy: `alwaysDisaggregate`
-unless --placement names another, so every length takes the same path, the one that
-costs the router most (both legs, the body encoded for each, decode's handle sent to
-prefill and prefill's to decode; `cost` extends a short history on decode, one leg, and
-reads a long one back). Per length, with a chat history of that many
-tokens (bidirkv/bench/histories.py; `--tool-every K`: an agent's, a tool call every K
-messages):
-- the router's CPU a turn: its process CPU time (/proc, every thread) across --turns returning turns
-  of 4 conversations, each turn its history plus a short exchange, divided by the turns;
-  beside it the same with a tiny body that names the same token count, so the engines
-  hand out handles of the same size (`fake_prompt_tokens`): the difference is what the
-  client's long body costs; and, timed in this process on the same body, the router's
-  own steps on it: parse and check (parse_request), count and hash (prompt_chars, the
-  messages' prompt key), the legs' bodies encoded (prefill_payload, decode_payload);
+exact. A real `bidir-kv router` process serves the turns; its config is the default but
+for the engines' URLs, the placement header (which says where each turn ran) and the
+placement policy: `alwaysDisaggregate` unless --placement names another, so every length
+takes the same path, the one that costs the router most (both legs, the body encoded for
+each, decode's handle sent to prefill and prefill's to decode; `cost` extends a short
+history on decode, one leg, and reads a long one back). The turns start once the
+router's recall has stopped following decode's notes (FOLLOW_S after it starts). Per
+length, with a chat history of that many tokens (bidirkv/bench/histories.py;
+`--tool-every K`: an agent's, a tool call every K messages):
+- the router's CPU a turn: its process CPU time (/proc, every thread) across --turns
+  returning turns of 4 conversations, each turn its history plus a short exchange,
+  divided by the turns; beside it the same with a tiny body that names the same token
+  count, so the engines hand out handles of the same size (`fake_prompt_tokens`): the
+  difference is what the client's long body costs; and, timed in this process on the
+  same body, the router's own steps on it: parse and check (parse_request), count and
+  hash (prompt_chars, and the messages' prompt key under `cost`), the legs' bodies
+  encoded (prefill_payload, decode_payload);
 - handle bytes: decode's kv_transfer_params as the router receives it (compact JSON, as
   vLLM writes it; read from the fake decode engine's stream), the part beyond vLLM's
   block-id list, and the router's note (bidirkv.router.pool.notes.encode);
@@ -63,11 +64,10 @@ import rows  # noqa: E402
 from fake_engine import HANDLE_KEY, PROMPT_TOKENS_FIELD, SEED, FakeEngine  # noqa: E402
 from lifecycle_bench import commit  # noqa: E402
 from redis_server import RedisServer, binary  # noqa: E402
-from router_bench import FAKE, free_port, pct, pin, rss_mb, wait_ready  # noqa: E402
-from router_hardening_bench import split_cpus  # noqa: E402
+from router_bench import FAKE, free_port, pct, rss_mb, wait_ready  # noqa: E402
 from router_process import KEY, RouterProcess  # noqa: E402
 
-from bidirkv.bench import plots  # noqa: E402
+from bidirkv.bench import plots, promtext  # noqa: E402
 from bidirkv.bench.histories import containers, history  # noqa: E402
 from bidirkv.connector.core import digests  # noqa: E402
 from bidirkv.connector.core.handles import sign, signature_ok  # noqa: E402
@@ -75,6 +75,7 @@ from bidirkv.router.codec import dumps, dumps_kept, loads  # noqa: E402
 from bidirkv.router.datapath.bodies import decode_payload, prefill_payload  # noqa: E402
 from bidirkv.router.pool import notes  # noqa: E402
 from bidirkv.router.pool.placement import prompt_chars  # noqa: E402
+from bidirkv.router.pool.recall import FOLLOW_S  # noqa: E402
 from bidirkv.router.request.identity import LookupKeys  # noqa: E402
 from bidirkv.router.request.validation import CHAT, parse_request  # noqa: E402
 from bidirkv.router.store.base import Kept  # noqa: E402
@@ -92,26 +93,26 @@ TENANT = b"\x01" * 16
 # -- the stand -----------------------------------------------------------------------------
 @contextlib.asynccontextmanager
 async def stand(placement: str, tmp: Path) -> AsyncIterator[tuple[RouterProcess, str]]:
-    """Fake engines with realistic handles (pinned away from the router's CPU) and a
-    router process in front of them: the router and decode's URL."""
-    router_cpus, other_cpus = split_cpus()
+    """Fake engines with realistic handles and a router process in front of them: the
+    router and decode's URL. Nothing is pinned: what is measured is CPU time, not
+    throughput, and engines held to one core of a shared machine starved (5 s without
+    answering the router's health check)."""
     procs = []
     try:
         urls = []
         for role in ("prefill", "decode"):
             port = free_port()
-            procs.append(subprocess.Popen(
-                [sys.executable, str(FAKE), "--role", role, "--port", str(port),
-                 "--block-size", str(BLOCK)], preexec_fn=pin(other_cpus),
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            with (tmp / f"{role}.log").open("wb") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(FAKE), "--role", role, "--port", str(port),
+                     "--block-size", str(BLOCK)], stdout=log, stderr=subprocess.STDOUT))
             urls.append(f"http://127.0.0.1:{port}")
             await wait_ready(urls[-1] + "/health")
-        cfg = {"prefill": [urls[0]], "decode": [urls[1]], "placementHeader": True}
-        cfg["placement"] = {"policy": placement}
+        cfg = {"prefill": [urls[0]], "decode": [urls[1]], "placementHeader": True,
+               "placement": {"policy": placement}}
         (tmp / "router.json").write_text(json.dumps(cfg))
         router = await RouterProcess(tmp / "router.json", None, tmp / "router.log",
-                                     env={"BIDIRKV_LOG_LEVEL": "WARNING"},
-                                     preexec=pin(router_cpus)).start()
+                                     env={"BIDIRKV_LOG_LEVEL": "WARNING"}).start()
         try:
             yield router, urls[1]
         finally:
@@ -157,7 +158,9 @@ async def turns(s: aiohttp.ClientSession, router: RouterProcess, base: dict[str,
                           headers={"Content-Type": "application/json"}) as r:
             await r.read()
             if r.status != 200:
-                raise RuntimeError(f"turn {k} of {tag}: HTTP {r.status}")
+                raise RuntimeError(f"turn {k} of {tag}: HTTP {r.status} "
+                                   f"{(await r.read())[:500]!r}; the router's log ends:\n"
+                                   + router.log.read_text()[-3000:])
             where = r.headers.get("X-Bidirkv-Placement", "-").split(";")[0]
         latency.append((time.perf_counter() - t) * 1000)
         placements[where] = placements.get(where, 0) + 1
@@ -168,10 +171,17 @@ async def turns(s: aiohttp.ClientSession, router: RouterProcess, base: dict[str,
     placements.clear()
     latency.clear()
     pid = router.proc.pid
+    before = promtext.scrape(router.url + "/metrics")  # outside the CPU measured
     cpu0 = cpu_ns(pid)
     for j in range(n):
         await one(j, 2 + j // CONVERSATIONS)
-    return {"cpu_ms": (cpu_ns(pid) - cpu0) / 1e6 / n, "p50_ms": pct(latency, 0.5),
+    cpu = cpu_ns(pid) - cpu0
+    after = promtext.scrape(router.url + "/metrics")
+    # P read decode's blocks: all the handle offered, or all its prompt had (the handle
+    # holds the last answer's tokens too): both took the handle.
+    hits = sum(promtext.delta(before, after, "bidirkv_router_reuse_total", outcome=o) or 0
+               for o in ("hit", "verified-partial"))
+    return {"cpu_ms": cpu / 1e6 / n, "p50_ms": pct(latency, 0.5), "hits": int(hits or 0),
             "placements": placements, "rss_mb": rss_mb(pid)}
 
 
@@ -314,32 +324,38 @@ def plugin_steps(tokens: int, params: dict[str, Any]) -> dict[str, float]:
 
 
 # -- one length, the run --------------------------------------------------------------------
-async def length(s: aiohttp.ClientSession, router: RouterProcess, d_url: str,
-                 server: RedisServer | None, tokens: int, args: Any) -> dict[str, Any]:
+async def sizes(s: aiohttp.ClientSession, d_url: str, server: RedisServer | None,
+                tokens: int, args: Any) -> dict[str, Any]:
+    """What does not need the router process: the body, the handles' bytes, the store's
+    memory, the router's and the plugin's steps timed in this process."""
     base = history(tokens, args.tool_every)
     raw = body(base, tokens, "steps", 1)
-    out: dict[str, Any] = {"tokens": tokens, "body_bytes": len(raw),
-                           "messages": len(base["messages"]),
-                           "containers": containers(loads(raw))}
-    full = await turns(s, router, base, tokens, args.turns, f"full-{tokens}")
-    tiny = await turns(s, router, None, tokens, args.turns, f"tiny-{tokens}")
-    out["router"] = {"cpu_ms": full["cpu_ms"], "tiny_body_cpu_ms": tiny["cpu_ms"],
-                     "body_share_ms": full["cpu_ms"] - tiny["cpu_ms"],
-                     "p50_ms": full["p50_ms"], "tiny_body_p50_ms": tiny["p50_ms"],
-                     "placements": full["placements"], "rss_mb": full["rss_mb"]}
     params = await decode_handle(s, d_url, tokens)
     prefill = FakeEngine("prefill")
     prefill.behaviour.block_size = BLOCK
     p_params = prefill._params("p-rid", tokens)  # what P hands out for the decode leg
-    out["router"]["steps"] = router_steps(raw, params, p_params,
-                                          keyed=args.placement != "alwaysDisaggregate")
-    out["handle"] = handle_bytes(params)
-    out["handle"]["prefill_wire"] = len(dumps(p_params))
-    out["handle"]["redis_memory_usage"] = (await redis_usage(server, params)
-                                           if server is not None else None)
-    out["store_rss"] = store_rss(params, args.kept)
-    out["plugin"] = plugin_steps(tokens, params)
-    return out
+    handle = handle_bytes(params)
+    handle["prefill_wire"] = len(dumps(p_params))
+    handle["redis_memory_usage"] = (await redis_usage(server, params)
+                                    if server is not None else None)
+    return {"tokens": tokens, "body_bytes": len(raw), "messages": len(base["messages"]),
+            "containers": containers(loads(raw)), "handle": handle,
+            "steps": router_steps(raw, params, p_params,
+                                  keyed=args.placement != "alwaysDisaggregate"),
+            "store_rss": store_rss(params, args.kept), "plugin": plugin_steps(tokens, params)}
+
+
+async def router_cpu(s: aiohttp.ClientSession, router: RouterProcess, tokens: int,
+                     args: Any) -> dict[str, Any]:
+    """The router process's CPU a turn with the history's body and with a tiny one."""
+    full = await turns(s, router, history(tokens, args.tool_every), tokens, args.turns,
+                       f"full-{tokens}")
+    tiny = await turns(s, router, None, tokens, args.turns, f"tiny-{tokens}")
+    return {"cpu_ms": full["cpu_ms"], "tiny_body_cpu_ms": tiny["cpu_ms"],
+            "body_share_ms": full["cpu_ms"] - tiny["cpu_ms"],
+            "hits": full["hits"], "tiny_body_hits": tiny["hits"],
+            "p50_ms": full["p50_ms"], "tiny_body_p50_ms": tiny["p50_ms"],
+            "placements": full["placements"], "rss_mb": full["rss_mb"]}
 
 
 async def run(args: Any) -> dict[str, Any]:
@@ -348,19 +364,30 @@ async def run(args: Any) -> dict[str, Any]:
                               "tool_every": args.tool_every, "kept": args.kept,
                               "placement": args.placement,
                               "lengths": {}}
+    by_length = result["lengths"]
     server = RedisServer(binary()).start() if binary() else None
     try:
         with tempfile.TemporaryDirectory(prefix="bidirkv-context-") as tmp:
             async with stand(args.placement, Path(tmp)) as (router, d_url), \
                     aiohttp.ClientSession() as s:
+                started = time.monotonic()
                 for tokens in args.lengths:
-                    print(f"{tokens} tokens ...", flush=True)
-                    result["lengths"][str(tokens)] = await length(
-                        s, router, d_url, server, tokens, args)
+                    print(f"{tokens} tokens: sizes, steps ...", flush=True)
+                    by_length[str(tokens)] = await sizes(s, d_url, server, tokens, args)
+                # For FOLLOW_S after it starts, the router recalls the notes it left on
+                # decode every few seconds, each with its handle's block ids: not a
+                # turn's cost, so the turns wait it out.
+                await asyncio.sleep(max(0.0, started + FOLLOW_S + 5 - time.monotonic()))
+                for tokens in args.lengths:
+                    print(f"{tokens} tokens: turns ...", flush=True)
+                    by_length[str(tokens)]["router"] = await router_cpu(s, router, tokens,
+                                                                        args)
+                    by_length[str(tokens)]["router"]["steps"] = by_length[str(tokens)].pop(
+                        "steps")
     finally:
         if server is not None:
             server.stop()
-    result["aims"] = aims(result["lengths"])
+    result["aims"] = aims(by_length)
     return result
 
 
@@ -415,7 +442,8 @@ def report(r: dict[str, Any]) -> str:
         t = f["router"]
         ran = ", ".join(f"{n} {'two legs' if k == '-' else k}" for k, n in t["placements"].items())
         lines.append(f"{f['tokens'] // 1000}k: {f['messages']} messages, {f['containers']} "
-                     f"JSON containers; turns: {ran}; p50 {t['p50_ms']:.1f} ms "
+                     f"JSON containers; turns: {ran}, {t['hits']} and {t['tiny_body_hits']} "
+                     f"(tiny body) took a handle; p50 {t['p50_ms']:.1f} ms "
                      f"(tiny body {t['tiny_body_p50_ms']:.1f}); router RSS {t['rss_mb']:.0f} "
                      f"MB; kept: {f['store_rss']['per_conversation_kb']:.1f} KiB each")
     lines += ["", "Aims:"] + [f"  {'met' if ok else 'NOT met'}: {name}"

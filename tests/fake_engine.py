@@ -445,6 +445,8 @@ async def _serve(role: str, host: str, port: int, reply_tokens: int,
     engine.record = False  # a benchmark would otherwise grow memory forever
     engine.behaviour.reply = [f" t{i}" for i in range(reply_tokens)]
     engine.behaviour.block_size = block_size
+    if block_size is not None:  # a pool its block ids fit in: the router keeps its handles
+        engine.behaviour.num_blocks = MAX_BLOCK_ID
     await engine.start(host, port)
     print(f"fake {role} engine on {engine.url}", flush=True)
     await asyncio.Event().wait()
