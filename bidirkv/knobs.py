@@ -359,9 +359,11 @@ class RouterKnobs(Section):
     health_check_interval_seconds: Seconds = _positive(
         3600, "How often the router probes every engine and renews its residency lease on "
         "decode.", 5.0)
-    # A 100k-token agent history is ~0.4 MB of JSON in English (~4 bytes a token) and up to
-    # ~0.9 MB as JSON-escaped CJK (1.5 characters a token, 6 bytes each as \uXXXX): 4 MiB
-    # leaves room for 4x that.
+    # A 200k-token agent history is ~0.85 MB of JSON in English (~4.2 bytes a token), ~0.95
+    # MB with a tool call every few messages (code's quotes and line breaks escaped), and up
+    # to ~1.8 MB as JSON-escaped CJK (1.5 characters a token, 6 bytes each as \uXXXX): 4 MiB
+    # leaves room for 2x the largest. A 1M-token model needs 16 MiB (docs/router.md, Long
+    # contexts).
     max_body_bytes: Annotated[int, Strict()] = Field(
         default=4 * MIB, ge=1024, le=1024 * MIB,
         description="Largest request body the router accepts (413 above).")
@@ -397,8 +399,9 @@ class RouterKnobs(Section):
         "arrive every client has the proxy's address: raise it there, or let the proxy "
         "bound its clients. `maxReadingRequests` bounds all addresses together.")
     # Their count, not the bytes, is what a body costs on the event loop (~12 us each):
-    # 8192 is ~2700 messages with content parts, past any 100k-token history, and at most
-    # ~0.1 s of work.
+    # a 200k-token agent history (a tool call every 3 messages, ~150 tokens a message) has
+    # ~3,600, so 8192 holds it with 2x to spare (messages averaging over ~67 tokens), and at
+    # most ~0.1 s of work. A 1M-token model's agent histories need 32768 (~18,600).
     max_json_containers: Annotated[int, Strict()] = Field(
         default=8192, ge=64, le=10_000_000,
         description="Most JSON objects and arrays in one request body: their count, not its "
