@@ -473,7 +473,7 @@ def plot(r: dict[str, Any], path: Path) -> bool:
     b.plot(xs, [f["handle"]["beyond_ids"] / KIB for f in fs], "s-",
            label="beyond vLLM's block ids")
     b.plot(xs, [f["handle"]["note"] / KIB for f in fs], "^-", label="router's note")
-    b.axhline(4, color="grey", lw=0.8, ls="--")
+    b.axhline(4, color="grey", lw=0.8, ls="--", label="4 KiB (the aims)")
     b.set_xlabel("context (k tokens)")
     b.set_ylabel("KiB")
     b.legend(fontsize=8)
