@@ -30,8 +30,8 @@ length, with a chat history of that many tokens (bidirkv/bench/histories.py;
 - the router's memory with 10,000 conversations kept at that length: a child process
   that imports the router and puts 10,000 such Kept records into its InProcessStore
   directly (through HTTP it would take an hour at 200k);
-- the plugin's own CPU a turn, in this process: D's digest record (block_chain,
-  HeldBlocks.of, to_wire) and MAC (sign); P's check of the record (parse_held,
+- the plugin's own CPU a turn, in this process: D's digest record (chain_at
+  through HeldBlocks.of, to_wire) and MAC (sign); P's check of the record (parse_held,
   verify_prefix over its own prompt) and of the MAC (signature_ok).
 Aims: the router's CPU a turn at 128k at most 1.5x its CPU at 1k; D's handle at 128k at
 most 4 KiB beyond vLLM's block-id list; a note at most 4 KiB at every length.
@@ -308,14 +308,14 @@ def plugin_steps(tokens: int, params: dict[str, Any]) -> dict[str, float]:
     held = list(range(tokens))  # vLLM's all_token_ids is a list of ints
     req = digests.request_seed(SEED, None, "salt")
     fp = digests.fingerprint(SEED)
-    record = digests.HeldBlocks.of(BLOCK, fp, digests.block_chain(req, held, BLOCK)).to_wire()
+    record = digests.HeldBlocks.of(BLOCK, fp, req, held).to_wire()
     prompt = held + list(range(64))  # the next turn's prompt extends it
     blocks = sum(len(g) for g in params["remote_block_ids"])
     check = digests.verify_prefix(digests.parse_held(record, blocks), prompt, SEED, req, BLOCK)
     assert check.reason in ("match", "prompt_shorter"), check
     return {
-        "d_record_ms": best_ms(lambda: digests.HeldBlocks.of(
-            BLOCK, fp, digests.block_chain(req, held, BLOCK)).to_wire(), 3),
+        "d_record_ms": best_ms(lambda: digests.HeldBlocks.of(BLOCK, fp, req, held).to_wire(),
+                               3),
         "d_sign_ms": best_ms(lambda: sign(params, HANDLE_KEY), 3),
         "p_verify_ms": best_ms(lambda: digests.verify_prefix(
             digests.parse_held(record, blocks), prompt, SEED, req, BLOCK), 3),

@@ -23,7 +23,7 @@ break mid-stream, return 5xx), and a request the client abandons is counted.
 Handles are small by default (a few block ids, no digests). With `block_size` set
 (`--block-size 16`) they are what a real engine hands out at that length: one block id a
 `block_size` tokens of the prompt, from a real engine's range (up to ~1M), D's digest
-record built by the plugin's own code (`HeldBlocks.of` over `block_chain` of stand-in
+record built by the plugin's own code (`HeldBlocks.of` over stand-in
 token ids), the expiry and the MAC, so their bytes are exact. A body may name its own
 token count (`fake_prompt_tokens`: a small body that stands for a long history).
 
@@ -196,8 +196,7 @@ class FakeEngine:
         if bs is not None:  # as the plugin signs a handle (connector/hooks/reuse.py)
             if decode:
                 out[BLOCKS_KEY] = digests.HeldBlocks.of(
-                    bs, digests.fingerprint(SEED),
-                    digests.block_chain(SEED, range(num_tokens), bs)).to_wire()
+                    bs, digests.fingerprint(SEED), SEED, range(num_tokens)).to_wire()
             stamp_expiry(out, 480.0)
             out[MAC_KEY] = sign(out, HANDLE_KEY)
         return out
