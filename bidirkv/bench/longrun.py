@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bidirkv.bench import stats
+from bidirkv.bench.stats import _int, _ms, _x
 
 STEP, BEFORE, AFTER = "step", "before restart", "after restart"
 # "At >= 32k / >= 64k tokens": the contexts the phase reports OFF/ON at.
@@ -117,18 +118,6 @@ def report_ratios(rows: Sequence[Mapping[str, Any]],
 
 def _s(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f}"
-
-
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v * 1000:.0f}"
-
-
-def _x(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}x"
-
-
-def _int(v: float | None) -> str:
-    return "-" if v is None else f"{v:.0f}"
 
 
 def _mb(v: float | None) -> str:
