@@ -72,7 +72,11 @@ from bidirkv.bench.histories import containers, history  # noqa: E402
 from bidirkv.connector.core import digests  # noqa: E402
 from bidirkv.connector.core.handles import sign, signature_ok  # noqa: E402
 from bidirkv.router.codec import dumps, dumps_kept, loads  # noqa: E402
-from bidirkv.router.datapath.bodies import decode_payload, prefill_payload  # noqa: E402
+from bidirkv.router.datapath.bodies import (  # noqa: E402
+    decode_payload,
+    handle_blocks,
+    prefill_payload,
+)
 from bidirkv.router.pool import notes  # noqa: E402
 from bidirkv.router.pool.placement import prompt_chars  # noqa: E402
 from bidirkv.router.pool.recall import FOLLOW_S  # noqa: E402
@@ -204,14 +208,14 @@ def kept_of(params: dict[str, Any], prompt_key: bytes | None = None) -> Kept:
     return Kept(os.urandom(16), dumps_kept(params), "http://decode-0.decode:8000",
                 params["remote_engine_id"], params["remote_num_tokens"], tenant=TENANT,
                 request_id=params["remote_request_id"],
-                blocks=sum(len(g) for g in params["remote_block_ids"]),
+                blocks=handle_blocks(params),
                 chars=params["remote_num_tokens"] * 4, prompt_key=prompt_key,
                 kept_at=time.time(), gap=42.5)
 
 
 def handle_bytes(params: dict[str, Any]) -> dict[str, int]:
     wire = len(dumps(params))
-    ids = len(dumps(params["remote_block_ids"]))
+    ids = len(dumps(params["remote_block_ids"])) if "remote_block_ids" in params else 0
     kept = kept_of(params, os.urandom(20))
     note = notes.encode(notes.note_key(KEY.encode()), kept, time.time(), params)
     return {"wire": wire, "block_ids": ids, "beyond_ids": wire - ids,
@@ -230,7 +234,7 @@ async def redis_usage(server: RedisServer, params: dict[str, Any]) -> int:
 
 
 CHILD = r"""
-import asyncio, gc, json, os, random, sys, time
+import asyncio, gc, json, os, sys, time
 import bidirkv.router.server.app  # noqa: F401 - the router's modules, as in its pod
 from bidirkv.router.codec import dumps_kept
 from bidirkv.router.store.base import Kept
@@ -242,16 +246,14 @@ def rss():
             return int(line.split()[1]) / 1024
 
 params, count = json.loads(sys.stdin.read()), int(sys.argv[1])
-n = len(params["remote_block_ids"][0])
-pools = [[random.randrange(1_000_000) for _ in range(n)] for _ in range(8)]
+n = sum(params["bidirkv_block_counts"])
 store = InProcessStore(86400, 10 * count)
 gc.collect()
 before = rss()
 
 async def fill():
     for i in range(count):
-        p = dict(params, remote_request_id=f"chatcmpl-{i:032x}-{i:08x}",
-                 remote_block_ids=[pools[i % 8]])
+        p = dict(params, remote_request_id=f"chatcmpl-{i:032x}-{i:08x}")
         await store.put(Kept(os.urandom(16), dumps_kept(p), "http://decode-0.decode:8000",
                              p["remote_engine_id"], p["remote_num_tokens"],
                              tenant=bytes([i % 50]) * 16, request_id=p["remote_request_id"],
@@ -310,7 +312,7 @@ def plugin_steps(tokens: int, params: dict[str, Any]) -> dict[str, float]:
     fp = digests.fingerprint(SEED)
     record = digests.HeldBlocks.of(BLOCK, fp, req, held).to_wire()
     prompt = held + list(range(64))  # the next turn's prompt extends it
-    blocks = sum(len(g) for g in params["remote_block_ids"])
+    blocks = handle_blocks(params)
     check = digests.verify_prefix(digests.parse_held(record, blocks), prompt, SEED, req, BLOCK)
     assert check.reason in ("match", "prompt_shorter"), check
     return {

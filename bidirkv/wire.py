@@ -11,13 +11,17 @@ Each side refuses what the other sent under another version, instead of guessing
 - the residency endpoint answers 409 to a call of another version.
 Version 2: a residency call names the engine it is for and signs the body's length and
 digest in its header (bidirkv/proof.py), so version 1 calls are refused (401).
+Version 3: decode's handle carries its block count per KV group (`COUNTS_KEY`) instead of
+vLLM's block-id list; prefill takes the ids from decode in the read grant
+(connector/core/lease.py), so what the router carries and stores does not grow with the
+history.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-VERSION = 2
+VERSION = 3
 # kv_transfer_params, router -> engines (both legs)
 VERSION_KEY = "bidirkv_wire"  # the sender's VERSION (also in D's handle, engine -> router)
 PROOF_KEY = "bidirkv_proof"  # the router's single-use proof (bidirkv/proof.py)
@@ -32,6 +36,9 @@ RETURN_KEY = "bidirkv_return_s"
 MAC_KEY = "bidirkv_mac"  # the handle's signature (connector/core/handles.py)
 BLOCKS_KEY = "bidirkv_blocks"  # digests of what the issuer's blocks hold
 EXPIRES_KEY = "bidirkv_expires"  # the issuer's wall-clock deadline for them
+# Decode's handle: blocks per KV group, in place of vLLM's `remote_block_ids`, which
+# prefill receives from decode with the read grant.
+COUNTS_KEY = "bidirkv_block_counts"
 # kv_transfer_params, P -> router (prefill leg reply): the reuse report
 REPORT_KEY = "bidirkv"
 # HTTP, router -> each decode engine: leases and releases of retained KV
@@ -47,9 +54,9 @@ RECALL_MORE_FIELD = "recallMore"
 # Beside a recalled page: what each note leaves out of its handle (NOTE_LEAVES_OUT), from
 # the handle decode issued for that request (request id -> those fields).
 RECALL_HANDLES_FIELD = "recallHandles"
-# The parts of a handle that grow with the history: a note carries neither (it stays a
-# few hundred bytes at any length), decode, which issued them, gives them back.
-NOTE_LEAVES_OUT = ("remote_block_ids", BLOCKS_KEY)
+# The part of a handle a note leaves out, ~3 KB at any length (the digest record): a
+# note stays a few hundred bytes; decode, which issued it, gives it back.
+NOTE_LEAVES_OUT = (BLOCKS_KEY,)
 
 # Decode keeps at most this much of a tenant label: a direct caller cannot grow its
 # memory with it; the router sends TENANT_LABEL_LEN.

@@ -22,7 +22,7 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
 
 from bidirkv.connector.core.handles import sign
 from bidirkv.local.model import random_text  # noqa: E402
-from bidirkv.wire import EXPIRES_KEY, MAC_KEY
+from bidirkv.wire import COUNTS_KEY, EXPIRES_KEY, MAC_KEY
 
 from .vllm_stack import (  # noqa: E402
     BLOCK,
@@ -83,9 +83,9 @@ def test_streamed_chat_turns_reuse_verified_decode_kv(stack):
     assert handle1 is not None and handle1["do_remote_decode"] is True
     prompt1 = p1["usage"]["prompt_tokens"]
     assert handle1["remote_num_tokens"] == prompt1 + GEN["max_tokens"] - 1
-    groups = handle1["remote_block_ids"]
-    assert isinstance(groups, list) and len(groups[0]) == -(-handle1["remote_num_tokens"]
-                                                           // BLOCK)
+    # D names its blocks by count; P gets their ids from D with the read grant.
+    assert "remote_block_ids" not in handle1
+    assert handle1[COUNTS_KEY] == [-(-handle1["remote_num_tokens"] // BLOCK)]
     held = handle1["bidirkv_blocks"]
     assert held["bs"] == BLOCK and held["n"] == handle1["remote_num_tokens"] // BLOCK
     assert handle1[MAC_KEY] == sign(handle1, KEY.encode())
@@ -160,7 +160,7 @@ def _bad_cases(s: Stack, fresh_handle: dict, p_handle: dict) -> list[tuple[str, 
     unknown = {"remote_engine_id": "no-such-engine", "remote_request_id": "r",
                "remote_host": "10.255.255.1", "remote_port": 5600,
                "remote_block_ids": [[0, 1, 2]], "remote_num_tokens": 384, "tp_size": 1}
-    forged = dict(fresh_handle, remote_block_ids=[[0, 1, 2, 3]])
+    forged = dict(fresh_handle, **{COUNTS_KEY: [4]})
     return [
         ("missing keys", "p", {"do_remote_decode": True, "remote_block_ids": [[1, 2]]}),
         ("wrong types", "p", {**MISS, "remote_block_ids": "0,1", "remote_engine_id": 5,
@@ -238,7 +238,7 @@ def test_only_handles_sealed_with_the_resources_key_are_read(stack):
         "another key, new request id": resigned(dict(handle, remote_request_id="x-1")),
         "tampered host": dict(handle, remote_host="127.0.0.2"),
         "tampered port": dict(handle, remote_port=handle["remote_port"] + 1),
-        "tampered blocks": dict(handle, remote_block_ids=[[0, 1, 2]]),
+        "tampered blocks": dict(handle, **{COUNTS_KEY: [2]}),
     }
     dropped = metric(stack.p_url, "vllm:bidirkv_handles_dropped_total")
     for name, forged in cases.items():

@@ -46,7 +46,7 @@ from multidict import CIMultiDict
 
 from bidirkv.connector.core import digests
 from bidirkv.connector.core.handles import sign, stamp_expiry
-from bidirkv.wire import BLOCKS_KEY, MAC_KEY, NOTE_LEAVES_OUT, VERSION, VERSION_KEY
+from bidirkv.wire import BLOCKS_KEY, COUNTS_KEY, MAC_KEY, NOTE_LEAVES_OUT, VERSION, VERSION_KEY
 
 # Realistic handles (Behaviour.block_size): block ids below this (a large KV pool), the
 # key they are signed with and the digest seed (any: only their bytes are measured).
@@ -71,7 +71,8 @@ class Received:
     def has_handle(self) -> bool:
         """True when a prefill request carries a decode handle (reuse turn)."""
         kv = self.kv or {}
-        return bool(kv.get("remote_block_ids")) and kv.get("do_remote_decode") is True
+        return (bool(kv.get("remote_block_ids") or kv.get(COUNTS_KEY))
+                and kv.get("do_remote_decode") is True)
 
 
 @dataclass
@@ -197,6 +198,9 @@ class FakeEngine:
             if decode:
                 out[BLOCKS_KEY] = digests.HeldBlocks.of(
                     bs, digests.fingerprint(SEED), SEED, range(num_tokens)).to_wire()
+                # D names its blocks by count; P gets the ids with the grant.
+                out[COUNTS_KEY] = [len(blocks)]
+                del out["remote_block_ids"]
             stamp_expiry(out, 480.0)
             out[MAC_KEY] = sign(out, HANDLE_KEY)
         return out

@@ -10,7 +10,7 @@ from bidirkv.bench.histories import CHARS_PER_TOKEN, containers, history
 from bidirkv.connector.core import digests
 from bidirkv.connector.core.handles import signature_ok
 from bidirkv.router.request.bodycheck import container_problem
-from bidirkv.wire import BLOCKS_KEY
+from bidirkv.wire import BLOCKS_KEY, COUNTS_KEY
 
 
 def _text_chars(doc):
@@ -42,13 +42,15 @@ def test_realistic_handles_are_what_the_plugin_hands_out_at_that_length(role):
     engine = FakeEngine(role)
     engine.behaviour.block_size = 16
     params = engine._params("chatcmpl-1", 1000)
-    ids = params["remote_block_ids"][0]
-    assert len(ids) == 63 and all(0 <= i < MAX_BLOCK_ID for i in ids)  # 1000 / 16, rounded up
     assert signature_ok(params, HANDLE_KEY)
     if role == "decode":
-        held = digests.parse_held(params[BLOCKS_KEY], len(ids))
+        # D names its blocks by count (1000 / 16, rounded up); P gets the ids with the grant.
+        assert params[COUNTS_KEY] == [63] and "remote_block_ids" not in params
+        held = digests.parse_held(params[BLOCKS_KEY], 63)
         assert held is not None and held.blocks == 62  # full blocks only
         points = digests.checkpoints(62)
         assert held.digests == tuple(digests.chain_at(SEED, range(1000), 16, points))
     else:
-        assert BLOCKS_KEY not in params
+        ids = params["remote_block_ids"][0]
+        assert len(ids) == 63 and all(0 <= i < MAX_BLOCK_ID for i in ids)
+        assert BLOCKS_KEY not in params and COUNTS_KEY not in params

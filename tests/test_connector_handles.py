@@ -1,18 +1,22 @@
 """Admission of kv_transfer_params (bidirkv/connector/core/handles.py)."""
 
+import json
 import time
 
 import pytest
 
+from bidirkv.connector.core import digests
 from bidirkv.connector.core.handles import (
     CLOCK_SKEW_S,
     ReplayGuard,
     admit,
     normalized,
+    placeholder_ids,
     sign,
     signature_ok,
 )
-from bidirkv.wire import EXPIRES_KEY, MAC_KEY, VERSION, VERSION_KEY
+from bidirkv.connector.core.lease import has_placeholder, ids_to_read
+from bidirkv.wire import BLOCKS_KEY, COUNTS_KEY, EXPIRES_KEY, MAC_KEY, VERSION, VERSION_KEY
 
 KEY = b"secret"
 MAX = 4096
@@ -163,3 +167,58 @@ def test_a_handle_on_a_leg_of_another_wire_version_is_dropped(version):
     a = admit(d_handle(**{VERSION_KEY: version}), KEY, MAX, ReplayGuard(ttl=60), now=0)
     assert not a.handle and a.reason == "wire_version"
     assert "wire version" in a.problem and "remote_block_ids" not in a.params
+
+
+# -- decode's compact handle: counts on the wire, ids with the grant --------------------------
+def compact_handle(counts, **over):
+    h = d_handle(**over)
+    del h["remote_block_ids"], h[MAC_KEY]
+    h[COUNTS_KEY] = counts
+    h[MAC_KEY] = sign(h, KEY)
+    return h
+
+
+def test_a_compact_handle_is_admitted_and_its_counts_are_signed():
+    h = compact_handle([3])
+    assert admit(h, KEY, MAX).handle
+    forged = dict(h, **{COUNTS_KEY: [2]})
+    assert admit(forged, KEY, MAX).reason == "unauthenticated"
+    # Ids beside the counts, or neither: not a handle this release issues.
+    for bad in (dict(h, remote_block_ids=[[1, 2, 3]]),
+                {k: v for k, v in h.items() if k != COUNTS_KEY}):
+        assert admit(bad, KEY, MAX).reason == "malformed"
+    for counts in ([], [-1], [MAX + 2], ["3"], [True], [1] * 17, 3):
+        assert admit(compact_handle(counts), KEY, MAX).reason == "malformed", counts
+
+
+def test_a_compact_handle_is_read_by_prefill_only():
+    """vLLM's decode side would take the request with no blocks to read (its scheduler
+    needs the ids before a grant could bring them): such a leg is served without reuse."""
+    h = compact_handle([3], do_remote_decode=False, do_remote_prefill=True)
+    a = admit(h, KEY, MAX)
+    assert not a.handle and "prefill only" in a.problem
+    assert a.params["do_remote_prefill"] is False
+
+
+def test_decodes_handle_at_8192_blocks_of_16_stays_within_4_kib():
+    """128k tokens in blocks of 16: the counts and the digest record, not 8,192 ids."""
+    tokens = 8192 * 16
+    h = compact_handle([8192], remote_num_tokens=tokens)
+    h[BLOCKS_KEY] = digests.HeldBlocks.of(16, digests.fingerprint(b"s"), b"s",
+                                          range(tokens)).to_wire()
+    h[MAC_KEY] = sign(h, KEY)
+    assert admit(h, KEY, tokens).handle
+    assert len(json.dumps(h, separators=(",", ":"))) <= 4096
+
+
+def test_the_ids_read_are_the_grants_cut_to_the_verified_prefix():
+    want = placeholder_ids([2, 2])  # narrowed to 2 blocks, two KV groups
+    assert ids_to_read(want, [[7, 8, 9], [4, 5, 6]]) == [[7, 8], [4, 5]]
+    # A grant that does not cover the read, or another layout: nothing is read.
+    assert ids_to_read(want, [[7], [4, 5, 6]]) is None
+    assert ids_to_read(want, [[7, 8, 9]]) is None
+    assert ids_to_read(want, []) is None
+    # A P-issued list (real ids) is read as it is; a placeholder is never left in.
+    assert ids_to_read([[1, 2]], [[9, 9]]) == [[1, 2]]
+    assert has_placeholder(want) and not has_placeholder([[1, 2], []])
+    assert not has_placeholder(ids_to_read(want, [[7, 8], [4, 5]]))

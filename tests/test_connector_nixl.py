@@ -82,7 +82,9 @@ def test_retention_follows_vllms_bookkeeping():
     assert (held.blocks, held.owner, held.tenant, held.deadline) == (3, "router-a", "t1", 99.0)
     assert held.ids == (1, 2, 3)  # what an extend's blocks are told apart by
     # What a router's note leaves out of the handle, for its recall after a restart.
-    assert held.bulk == {"remote_block_ids": [[1, 2, 3]]}
+    assert held.bulk == {}
+    # Per group, as vLLM lists them: what the grant hands the reader.
+    assert held.id_lists() == [[1, 2, 3]]
     assert held.gap is None  # the conversation's first turn: no estimate
     for sent, kept in ((12.5, 12.5), (-1, None), ("5", None), (float("nan"), None),
                        (True, None), (1e9, 86_400.0)):

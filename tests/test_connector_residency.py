@@ -31,21 +31,33 @@ def test_release_then_grant_is_refused_and_grant_then_release_is_a_no_op():
     res.retain("a", 3, "r1", clock.t + 100)
     res.retain("b", 2, "r1", clock.t + 100)
     assert res.release(["a"]) == 3
-    assert res.grant("a") == (False, "released:router")
-    assert res.grant("b") == (True, "granted")
+    assert res.grant("a")[:2] == (False, "released:router")
+    assert res.grant("b")[:2] == (True, "granted")
     assert res.release(["b"]) == 0  # a read may be in flight: only its notification frees
-    assert res.grant("b") == (False, "already_granted")  # single use
+    # Every worker of the reader (one per TP rank) asks for the same read: granted
+    # again, with the same ids, until the read's notification frees the blocks.
+    assert res.grant("b")[:2] == (True, "granted") and res.grants == 1
     assert res.take_pending() == ["a"]
     assert res.take_pending() == []
     # Refusals name what released the blocks.
-    assert res.stats()["refusals"] == {"released_router": 1, "already_granted": 1}
+    assert res.stats()["refusals"] == {"released_router": 1}
+    res.on_freed(["b"])
+    assert res.grant("b")[:2] == (False, "unknown")
+
+
+def test_a_grant_hands_out_the_retained_blocks_ids_per_group():
+    res, clock = make()
+    res.retain("a", 5, "r1", clock.t + 100, block_ids=[7, 3, 9, 4, 4],
+               groups=(3, 2))
+    assert res.grant("a") == (True, "granted", [[7, 3, 9], [4, 4]])
+    assert res.grant("nope") == (False, "unknown", [])
 
 
 def test_grant_refused_near_vllms_deadline_and_for_unknown_ids():
     res, clock = make()
     res.retain("a", 1, None, clock.t + GRANT_MARGIN_S - 1)
-    assert res.grant("a") == (False, "near_expiry")
-    assert res.grant("nope") == (False, "unknown")
+    assert res.grant("a")[:2] == (False, "near_expiry")
+    assert res.grant("nope")[:2] == (False, "unknown")
     assert res.stats()["refusals"] == {"near_expiry": 1, "unknown": 1}
 
 
@@ -189,10 +201,16 @@ def test_side_channel_answers_grants_handshakes_and_garbage():
 
     def grant(rid):
         calls.append(rid)
-        return True, "granted"
+        return True, "granted", [[5, 6]]
 
     frames = lease.answer(lease.lease_request("req-1"), meta, grant)
-    assert calls == ["req-1"] and lease.parse_reply(list(frames)) == (True, "granted")
+    assert calls == ["req-1"]
+    assert lease.parse_reply(list(frames)) == (True, "granted", [[5, 6]])
+    # A grant without usable ids is no grant: the reader would have nothing to read.
+    for ids in (None, [[-1]], [["5"]], [5]):
+        frames = lease.answer(lease.lease_request("req-2"), meta,
+                              lambda rid, ids=ids: (True, "granted", ids))
+        assert lease.parse_reply(list(frames))[0] is False
     frames = lease.answer(msgspec.msgpack.encode([b"get_meta_msg", 0, 0]), meta, grant)
     assert frames[0] == b"agent-metadata" and len(frames) == 2
     for junk in (b"\xff\x00", msgspec.msgpack.encode([b"get_meta_msg", 9, 9]),
@@ -215,7 +233,7 @@ def test_parked_counts_retained_entries_nothing_acts_on():
     for rid in ("a", "b", "c", "d"):
         res.retain(rid, 2, None, deadline=1e12)
     assert res.parked() == 4
-    assert res.grant("a") == (True, "granted")
+    assert res.grant("a")[:2] == (True, "granted")
     res.release(["b"])
     assert res.parked() == 2
     res.on_freed(["a", "b", "c"])  # read, released, expired
@@ -227,7 +245,8 @@ def test_a_peer_that_gave_no_answer_is_not_asked_again_for_a_while():
     """Prefill's grant asks run in its worker, one read after another: a hung decode must
     cost one timeout per quiet window, not one per read."""
     asked: list[tuple[str, int]] = []
-    answers = {("d0", 1): (False, "no answer in 1000 ms"), ("d1", 1): (True, "granted")}
+    answers = {("d0", 1): (False, "no answer in 1000 ms", []),
+               ("d1", 1): (True, "granted", [[1]])}
     now = [0.0]
 
     def ask(host, port, req_id):
@@ -235,16 +254,16 @@ def test_a_peer_that_gave_no_answer_is_not_asked_again_for_a_while():
         return answers[(host, port)]
 
     gate = lease.PeerGate(quiet_s=10, ask=ask, clock=lambda: now[0])
-    assert gate.confirm("d0", 1, "r1") == (False, "no answer in 1000 ms")
+    assert gate.confirm("d0", 1, "r1") == (False, "no answer in 1000 ms", [])
     for i in range(5):  # refused at once: recomputed, nothing waits
-        ok, why = gate.confirm("d0", 1, f"r{i + 2}")
+        ok, why, _ = gate.confirm("d0", 1, f"r{i + 2}")
         assert not ok and "not asked" in why
-    assert gate.confirm("d1", 1, "r9") == (True, "granted")  # other peers unaffected
+    assert gate.confirm("d1", 1, "r9")[:2] == (True, "granted")  # other peers unaffected
     assert asked == [("d0", 1), ("d1", 1)]
     now[0] = 10.5
-    answers[("d0", 1)] = (True, "granted")
-    assert gate.confirm("d0", 1, "r10") == (True, "granted")  # asked again, answered
-    assert gate.confirm("d0", 1, "r11") == (True, "granted") and len(asked) == 4
+    answers[("d0", 1)] = (True, "granted", [[2]])
+    assert gate.confirm("d0", 1, "r10")[:2] == (True, "granted")  # asked again, answered
+    assert gate.confirm("d0", 1, "r11")[:2] == (True, "granted") and len(asked) == 4
 
 
 def test_confirm_gives_up_on_a_side_channel_that_never_answers():
@@ -254,7 +273,7 @@ def test_confirm_gives_up_on_a_side_channel_that_never_answers():
     silent = ctx.socket(zmq.ROUTER)  # accepts the request, never replies
     try:
         port = silent.bind_to_random_port("tcp://127.0.0.1")
-        ok, why = lease.confirm("127.0.0.1", port, "r1", timeout_ms=200)
+        ok, why, _ = lease.confirm("127.0.0.1", port, "r1", timeout_ms=200)
         assert not ok and why.startswith(lease.NO_ANSWER)
     finally:
         silent.close(0)

@@ -11,12 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from bidirkv.connector.core.handles import admit, sign
+from bidirkv.connector.core.handles import admit, compact, sign
+from bidirkv.connector.core.lease import ids_to_read
 from bidirkv.connector.core.reuse import Report, plan
 from bidirkv.connector.hooks import tally
 from bidirkv.connector.hooks.reuse import Reuse
 from bidirkv.proof import make_proof
-from bidirkv.wire import MAC_KEY, VERSION, VERSION_KEY
+from bidirkv.wire import COUNTS_KEY, MAC_KEY, VERSION, VERSION_KEY
 
 BS = 16
 KEY = b"k"
@@ -92,7 +93,10 @@ def matched(sched, req, num_computed):
 
 
 def finished(sched, req, block_ids):
-    return reuse_of(sched).finished(req, *upstream_finished(sched, req, block_ids))
+    """As the connector hands a finished request's params out (decode's retention, which
+    takes the ids, is tests/test_connector_residency.py's)."""
+    delay, out = reuse_of(sched).finished(req, *upstream_finished(sched, req, block_ids))
+    return delay, compact(out)
 
 
 def conn_out(sched, out):
@@ -146,6 +150,11 @@ def test_decode_hands_out_no_handle_on_a_leg_of_another_wire_version():
         assert finished(d, req, ([1],)) == (False, None)
 
 
+def read_ids(params, granted=(list(range(50, 57)),)):
+    """The ids P's worker reads once D's grant gave it D's ids (decode_turn's blocks)."""
+    return ids_to_read(params["remote_block_ids"], list(granted))
+
+
 def prefill_turn(p, handle, prompt, local_cached=0, fail=False, proof=True):
     params = dict(handle, do_remote_decode=True, do_remote_prefill=False)
     if proof:
@@ -178,7 +187,8 @@ def test_decode_publishes_signed_digests_of_what_it_holds():
     assert h["remote_num_tokens"] == 99
     assert h["bidirkv_blocks"]["n"] == 99 // BS and h["bidirkv_blocks"]["v"] == 2
     assert h[MAC_KEY] == sign(h, KEY)
-    assert h["remote_block_ids"] == [list(range(50, 57))]
+    # D's ids stay with D (its retention), which hands them over with the grant.
+    assert h[COUNTS_KEY] == [7] and "remote_block_ids" not in h
 
 
 def test_exact_extension_pulls_every_full_block():
@@ -187,7 +197,7 @@ def test_exact_extension_pulls_every_full_block():
     prompt = PROMPT1 + OUTPUT1[:-1] + [OUTPUT1[-1]] + list(range(3000, 3040))
     params, count, out = prefill_turn(p, h, prompt)
     assert count == 96 and params["remote_num_tokens"] == 96
-    assert params["remote_block_ids"] == [list(range(50, 56))]
+    assert read_ids(params) == [list(range(50, 56))]
     rep = out["bidirkv"]
     assert rep["reused_tokens"] == rep["offered_tokens"] == 96 and rep["verified"]
     assert rep["reason"] == "match" and rep["held_tokens"] == 99
@@ -204,7 +214,7 @@ def test_edited_history_pulls_only_the_blocks_before_the_edit():
     prompt = PROMPT1 + OUTPUT1 + list(range(3000, 3040))
     prompt[75] = 7  # in block 4 (tokens 64-79)
     params, count, out = prefill_turn(p, h, prompt)
-    assert count == 64 and params["remote_block_ids"] == [list(range(50, 54))]
+    assert count == 64 and read_ids(params) == [list(range(50, 54))]
     rep = out["bidirkv"]
     assert (rep["reused_tokens"], rep["offered_tokens"], rep["reason"]) == (64, 96, "mismatch")
 
@@ -215,8 +225,8 @@ def test_edit_in_block_zero_pulls_nothing_but_still_lets_d_free():
     prompt = [1] + PROMPT1[1:] + OUTPUT1 + [5]
     params, count, out = prefill_turn(p, h, prompt)
     assert count == 0 and params["remote_num_tokens"] == 0
-    # The (authentic) block list stays, so vLLM notifies D, which frees the blocks.
-    assert params["remote_block_ids"] == [list(range(50, 57))]
+    # The block list stays, so vLLM notifies D, which frees the blocks.
+    assert read_ids(params) == [list(range(50, 57))]
     assert out["bidirkv"]["reused_tokens"] == 0 and out["bidirkv"]["verified"]
 
 
@@ -225,7 +235,7 @@ def test_shorter_prompt_reads_the_leading_blocks_not_the_last_ones():
     h = decode_turn(d)
     prompt = PROMPT1[:40]  # 2 full blocks + 8
     params, count, out = prefill_turn(p, h, prompt)
-    assert count == 32 and params["remote_block_ids"] == [[50, 51]]
+    assert count == 32 and read_ids(params) == [[50, 51]]
     assert out["bidirkv"]["reason"] == "prompt_shorter"
 
 
@@ -262,7 +272,8 @@ def test_a_request_back_from_a_failed_read_recomputes_instead_of_waiting_again()
 
 
 @pytest.mark.parametrize("mutate, reason", [
-    (lambda h: h.update(remote_block_ids=[[1, 2, 3, 4, 5, 6, 7]]), "unauthenticated"),
+    (lambda h: h.update({COUNTS_KEY: [6]}), "unauthenticated"),
+    (lambda h: h.update(remote_block_ids=[[1, 2, 3, 4, 5, 6, 7]]), "malformed"),
     (lambda h: h.pop(MAC_KEY), "malformed"),
     (lambda h: h.update(remote_port="x"), "malformed"),
 ])

@@ -20,10 +20,10 @@ from router_process import KEY, RouterProcess
 
 from bidirkv.router.pool.notes import decode, encode, merge, note_key, stable_owner
 from bidirkv.router.store.base import Entry, Kept
-from bidirkv.wire import BLOCKS_KEY, MAX_NOTE_LEN, NOTE_LEAVES_OUT, VERSION, VERSION_KEY
+from bidirkv.wire import BLOCKS_KEY, COUNTS_KEY, MAX_NOTE_LEN, NOTE_LEAVES_OUT, VERSION, VERSION_KEY
 
 NK = note_key(KEY.encode())
-HANDLE = {"remote_request_id": "d-1", VERSION_KEY: VERSION, "remote_block_ids": [[1, 2, 3]],
+HANDLE = {"remote_request_id": "d-1", VERSION_KEY: VERSION, COUNTS_KEY: [3],
           BLOCKS_KEY: {"v": 2, "n": 3}}
 BULK = {k: HANDLE[k] for k in NOTE_LEAVES_OUT}
 PARAMS = json.dumps(HANDLE).encode()
@@ -55,26 +55,29 @@ def test_a_note_gives_back_the_kept_record_on_the_replica_it_is_recalled_from():
 
 
 def test_a_note_leaves_out_what_grows_with_the_history_and_decode_gives_it_back():
-    # 200k tokens in blocks of 16: 12,500 block ids and the digest record.
-    ids = [[100_000 + i for i in range(12_500)]]
-    long = {**HANDLE, "remote_block_ids": ids, BLOCKS_KEY: {"v": 2, "cp": "A" * 3000}}
+    # 200k tokens in blocks of 16: 12,500 blocks (decode keeps their ids) and the
+    # digest record.
+    long = {**HANDLE, COUNTS_KEY: [12_500], BLOCKS_KEY: {"v": 2, "cp": "Q" * 3000}}
     kept = dataclasses.replace(KEPT, params=json.dumps(long).encode(), blocks=12_500)
     note = note_of(kept, 5.0)
-    assert note is not None and len(note) <= 1024 and "100000" not in note
+    assert note is not None and len(note) <= 1024 and "QQQQ" not in note
     back = decode(NK, "d-1", note, "u", {k: long[k] for k in NOTE_LEAVES_OUT})
     assert json.loads(back.params) == long
     # Nothing given back (a decode of an older release, or a request it no longer
     # holds): nothing to put back, the conversation's next turn recomputes.
-    for bulk in (None, {}, {"remote_block_ids": "x"}, [1]):
+    for bulk in (None, [1], "x"):
         assert decode(NK, "d-1", note, "u", bulk) is None
+    # Given back without its digest record: prefill refuses such a handle (no_digest).
+    assert BLOCKS_KEY not in json.loads(decode(NK, "d-1", note, "u", {}).params)
 
 
 def test_a_note_is_the_same_bytes_older_routers_made():
     # Notes outlive the process that signed them (a rollout recalls an older release's):
     # the form and the MAC are pinned, whatever the encoder keeps cached.
     assert note_of(KEPT, 0.0) == (
-        '2.jnrMelWZVmxBa1h5RpVO2Q.["a2tra2tra2tra2tra2tra2tra2tra2tra2tra2tra2s=",'
-        '"{\\"remote_request_id\\":\\"d-1\\",\\"bidirkv_wire\\":2}","eng-1",40,'
+        '2.GupW1Njw53vIWlLPLtcvUA.["a2tra2tra2tra2tra2tra2tra2tra2tra2tra2tra2s=",'
+        '"{\\"remote_request_id\\":\\"d-1\\",\\"bidirkv_wire\\":3,'
+        '\\"bidirkv_block_counts\\":[3]}","eng-1",40,'
         '"dHR0dHR0dHR0dHR0dHR0dA==",0,3,120,"AAAAAnBwcHBwcHBwcHBwcHBwcHA=",1000.0,12.5]')
 
 

@@ -42,7 +42,6 @@ _REFUSAL_REASON = {
     "released_router": "released by the router",
     "released_owner_gone": "released by the router",
     "unknown": "none held",
-    "already_granted": "none held",
 }
 
 

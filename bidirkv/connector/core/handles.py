@@ -40,6 +40,7 @@ from typing import Any
 
 from bidirkv.wire import (
     BLOCKS_KEY,
+    COUNTS_KEY,
     EXPIRES_KEY,
     MAC_KEY,
     PROOF_KEY,
@@ -55,7 +56,7 @@ GENERATION = "remote_registration_generation"
 HANDLE_KEYS = (
     "remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host",
     "remote_port", "remote_num_tokens", "remote_blocks_expiry_time", "tp_size", "dcp_size",
-    "pp_size", GENERATION, BLOCKS_KEY, EXPIRES_KEY, MAC_KEY,
+    "pp_size", GENERATION, BLOCKS_KEY, COUNTS_KEY, EXPIRES_KEY, MAC_KEY,
 )
 # Nodes keep time with NTP (milliseconds apart); a few seconds of slack never lets a
 # handle outlive its blocks, which the issuer keeps well past a router's TTL for them.
@@ -65,6 +66,10 @@ MAX_GROUPS = 16
 MAX_ID_LEN = 512
 MAX_PARALLEL = 4096
 MAC_HEX = 32
+# What a compact handle's block ids are on the reader until the issuer's grant gives the
+# real ones (nixl/worker.py): an id no block pool has, so a read of it fails instead of
+# reading another block.
+PLACEHOLDER_ID = (1 << 31) - 1
 
 
 def _is_int(v: Any, lo: int, hi: int) -> bool:
@@ -75,17 +80,59 @@ def _is_str(v: Any, hi: int = MAX_ID_LEN) -> bool:
     return isinstance(v, str) and 0 < len(v) <= hi
 
 
-def handle_problem(params: dict[str, Any], max_tokens: int) -> str | None:
-    """Why the handle in `params` is not well formed (None: it is)."""
-    ids = params.get("remote_block_ids")
+def _blocks_problem(params: dict[str, Any], max_tokens: int) -> str | None:
+    """A handle names its blocks by vLLM's id lists (P's) or by counts (D's), not both."""
+    ids, counts = params.get("remote_block_ids"), params.get(COUNTS_KEY)
+    if (ids is None) == (counts is None):
+        return f"a handle carries exactly one of remote_block_ids and {COUNTS_KEY}"
+    if counts is not None:
+        # A group never has more blocks than the model has positions (block size >= 1).
+        if not (isinstance(counts, list) and 0 < len(counts) <= MAX_GROUPS
+                and all(_is_int(n, 0, max_tokens + 1) for n in counts)):
+            return (f"{COUNTS_KEY} must be a list of 1-{MAX_GROUPS} block counts of "
+                    f"0-{max_tokens + 1}")
+        return None
     if not isinstance(ids, list) or not 0 < len(ids) <= MAX_GROUPS:
         return "remote_block_ids must be a non-empty list of block-id lists"
-    # A group never has more blocks than the model has positions (block size >= 1).
     for group in ids:
         if not isinstance(group, list) or len(group) > max_tokens + 1:
             return f"remote_block_ids groups must be lists of at most {max_tokens + 1} ids"
         if not all(_is_int(b, 0, (1 << 31) - 1) for b in group):
             return "remote_block_ids must hold non-negative integers"
+    return None
+
+
+def block_counts(params: dict[str, Any]) -> list[int]:
+    """Blocks per KV group a well-formed handle names."""
+    counts = params.get(COUNTS_KEY)
+    if counts is not None:
+        return list(counts)
+    return [len(g) for g in params.get("remote_block_ids") or ()]
+
+
+def compact(out: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A handle as it leaves its issuer: one signed with its counts no longer carries
+    the ids (decode's retention kept them; the grant hands them to the reader)."""
+    if out is not None and COUNTS_KEY in out:
+        out.pop("remote_block_ids", None)
+    return out
+
+
+def placeholder_ids(counts: Sequence[int]) -> list[list[int]]:
+    """vLLM's scheduler takes a read only with a block list of the read's length; a
+    compact handle's real ids come with the grant (see PLACEHOLDER_ID)."""
+    return [[PLACEHOLDER_ID] * n for n in counts]
+
+
+def handle_problem(params: dict[str, Any], max_tokens: int) -> str | None:
+    """Why the handle in `params` is not well formed (None: it is)."""
+    problem = _blocks_problem(params, max_tokens)
+    if problem is not None:
+        return problem
+    if COUNTS_KEY in params and params.get("do_remote_decode") is not True:
+        # Only prefill's read of decode's retained blocks asks for the grant that
+        # brings the ids; anywhere else vLLM would take the request without its blocks.
+        return f"a handle with {COUNTS_KEY} is read by prefill only (do_remote_decode)"
     if not _is_str(params.get("remote_engine_id")):
         return "remote_engine_id must be a non-empty string"
     if not _is_str(params.get("remote_request_id")):
@@ -132,14 +179,17 @@ def _mac_message(params: dict[str, Any]) -> bytes:
     # those of earlier bidir-kv releases, so engines of both read each other's handles
     # during a rolling upgrade. Layout 4 (vLLM 0.33) signs the generation too; removing
     # it or adding one changes the layout, so the MAC no longer matches.
+    # Layouts 5 and 6 (wire version 3): a compact handle signs its counts where the ids
+    # were; the ids it was issued with stay with the issuer, which hands them over itself.
     gen = params.get(GENERATION)
+    counts = params.get(COUNTS_KEY)
     fields = [
-        3 if gen is None else 4,
+        (3 if gen is None else 4) + (0 if counts is None else 2),
         params.get("remote_engine_id"),
         params.get("remote_request_id"),
         params.get("remote_host"),
         params.get("remote_port"),
-        params.get("remote_block_ids"),
+        params.get("remote_block_ids") if counts is None else counts,
         params.get("remote_num_tokens"),
         params.get("remote_blocks_expiry_time"),
         params.get("tp_size"),

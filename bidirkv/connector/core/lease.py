@@ -4,11 +4,15 @@ Decode's side channel (a ZMQ ROUTER in its engine-core process, next to the sche
 that owns the blocks) answers vLLM's handshake (`get_meta_msg`). It also answers one
 message of ours:
 
-    request  msgpack [LEASE_MSG, decode request id]   (one frame)
-    reply    msgpack ["granted" | "refused", reason]  (one frame)
+    request  msgpack [LEASE_MSG, decode request id]                 (one frame)
+    reply    msgpack ["granted" | "refused", reason, block ids]     (one frame)
 
-Prefill reads only after "granted"; anything else (refused, no answer in time, a reply
-it cannot parse) makes it recompute, the outcome that can never be wrong. The ask runs in
+The block ids are vLLM's, one list per KV group, of the blocks decode retained for that
+request (empty when refused): decode's handle names only how many there are, so the
+router carries and stores a handle that does not grow with the history (wire.py).
+Prefill reads only after "granted" with ids for every block it reads; anything else
+(refused, no answer in time, a reply it cannot parse) makes it recompute, the outcome
+that can never be wrong. The ask runs in
 prefill's worker, one read after another, so it is bounded per peer (`PeerGate`): a
 decode that did not answer within `CONFIRM_TIMEOUT_MS` is not asked again for
 `QUIET_S`, and reads from it are recomputed at once meanwhile; one hung decode costs one
@@ -25,6 +29,8 @@ from typing import Any
 
 import msgspec
 
+from bidirkv.connector.core.handles import PLACEHOLDER_ID
+
 LEASE_MSG = b"bidirkv_lease"
 GRANTED = "granted"
 # A healthy side channel answers in about a millisecond, from a thread of its own.
@@ -39,8 +45,11 @@ def lease_request(req_id: str) -> bytes:
     return _encode.encode([LEASE_MSG, req_id])
 
 
+Grant = tuple[bool, str, list[list[int]]]
+
+
 def answer(msg: bytes, meta: dict[tuple[int, int], bytes],
-           grant: Callable[[str], tuple[bool, str]] | None) -> tuple[bytes, ...]:
+           grant: Callable[[str], Grant] | None) -> tuple[bytes, ...]:
     """The reply frames for one side-channel message (never raises)."""
     try:
         parts = _decode.decode(msg)
@@ -49,8 +58,9 @@ def answer(msg: bytes, meta: dict[tuple[int, int], bytes],
     if isinstance(parts, list) and parts:
         kind = parts[0]
         if kind == LEASE_MSG and len(parts) == 2 and isinstance(parts[1], str):
-            ok, reason = grant(parts[1]) if grant is not None else (False, "no_residency")
-            return (_encode.encode([GRANTED if ok else "refused", reason]),)
+            ok, reason, ids = (grant(parts[1]) if grant is not None
+                               else (False, "no_residency", []))
+            return (_encode.encode([GRANTED if ok else "refused", reason, ids]),)
         if len(parts) == 3:
             payload = meta.get((parts[1], parts[2]))
             if payload is not None:
@@ -59,17 +69,30 @@ def answer(msg: bytes, meta: dict[tuple[int, int], bytes],
     return (_encode.encode(["error", "unexpected side-channel message"]),)
 
 
-def parse_reply(frames: list[bytes]) -> tuple[bool, str]:
+def _id_lists(v: Any) -> list[list[int]] | None:
+    if not isinstance(v, list) or not all(isinstance(g, list) for g in v):
+        return None
+    ok = all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < (1 << 31)
+             for g in v for b in g)
+    return v if ok else None
+
+
+def parse_reply(frames: list[bytes]) -> Grant:
     try:
-        status, reason = _decode.decode(frames[0]) if len(frames) == 1 else (None, None)
+        status, reason, ids = _decode.decode(frames[0]) if len(frames) == 1 else (
+            None, None, None)
     except Exception:  # noqa: BLE001
-        return False, "unparsable reply"
-    return status == GRANTED, str(reason)
+        return False, "unparsable reply", []
+    lists = _id_lists(ids)
+    if status == GRANTED and lists is None:
+        return False, "granted without block ids", []
+    return status == GRANTED, str(reason), lists or []
 
 
 def confirm(host: str, port: int, req_id: str, timeout_ms: int = CONFIRM_TIMEOUT_MS,
-            zmq_module: Any = None) -> tuple[bool, str]:
-    """Ask decode at host:port for the grant to read `req_id`; (granted, reason)."""
+            zmq_module: Any = None) -> Grant:
+    """Ask decode at host:port for the grant to read `req_id`: (granted, reason, the
+    retained blocks' ids per KV group)."""
     import zmq
 
     zmq = zmq_module or zmq
@@ -83,9 +106,9 @@ def confirm(host: str, port: int, req_id: str, timeout_ms: int = CONFIRM_TIMEOUT
         sock.send(lease_request(req_id))
         return parse_reply(sock.recv_multipart())
     except zmq.Again:
-        return False, f"{NO_ANSWER} in {timeout_ms} ms"
+        return False, f"{NO_ANSWER} in {timeout_ms} ms", []
     except zmq.ZMQError as exc:
-        return False, f"side channel error: {exc}"
+        return False, f"side channel error: {exc}", []
     finally:
         sock.close(0)
 
@@ -93,7 +116,7 @@ def confirm(host: str, port: int, req_id: str, timeout_ms: int = CONFIRM_TIMEOUT
 class PeerGate:
     """`confirm`, except towards a peer that lately gave no answer (see the module doc)."""
 
-    def __init__(self, quiet_s: float = QUIET_S, ask: Callable[..., tuple[bool, str]] = confirm,
+    def __init__(self, quiet_s: float = QUIET_S, ask: Callable[..., Grant] = confirm,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.quiet_s = quiet_s
         self._ask = ask
@@ -101,16 +124,39 @@ class PeerGate:
         self._lock = threading.Lock()
         self._quiet_until: dict[tuple[str, int], float] = {}
 
-    def confirm(self, host: str, port: int, req_id: str) -> tuple[bool, str]:
+    def confirm(self, host: str, port: int, req_id: str) -> Grant:
         peer = (host, port)
         with self._lock:
             until = self._quiet_until.get(peer)
             if until is not None and self._clock() < until:
-                return False, f"peer gave no answer lately; not asked for {self.quiet_s:g} s"
-        ok, why = self._ask(host, port, req_id)
+                return (False, f"peer gave no answer lately; not asked for "
+                        f"{self.quiet_s:g} s", [])
+        ok, why, ids = self._ask(host, port, req_id)
         with self._lock:
             if why.startswith(NO_ANSWER):
                 self._quiet_until[peer] = self._clock() + self.quiet_s
             else:
                 self._quiet_until.pop(peer, None)
-        return ok, why
+        return ok, why, ids
+
+
+def ids_to_read(requested: Any, granted: list[list[int]]) -> list[list[int]] | None:
+    """The block ids to read: per group, the handle's list (narrowed to the verified
+    prefix, core/reuse.py) with its placeholders taken from decode's grant, which lists
+    the group's retained blocks in order. None: the grant does not cover the read."""
+    groups = list(requested)
+    if len(granted) != len(groups):
+        return None
+    out = []
+    for want, have in zip(groups, granted, strict=True):
+        want = list(want)
+        if want and want[0] == PLACEHOLDER_ID:
+            if len(have) < len(want):
+                return None
+            want = have[: len(want)]
+        out.append(want)
+    return out
+
+
+def has_placeholder(ids: Any) -> bool:
+    return any(len(g) and g[0] == PLACEHOLDER_ID for g in ids)

@@ -119,12 +119,9 @@ class Notes:
 
 
 def _bulk_chars(bulk: dict | None) -> int:
-    """About the JSON characters of a handle's bulk (block ids of up to 7 digits and the
-    digest record's ~3 KB): the page's bound, without encoding it here."""
-    if not bulk:
-        return 0
-    ids = bulk.get("remote_block_ids") or ()
-    return 8 * sum(len(g) for g in ids if isinstance(g, list | tuple)) + 4096
+    """About the JSON characters of a handle's bulk (the digest record's ~3 KB at any
+    length): the page's bound, without encoding it here."""
+    return 4096 if bulk else 0
 
 
 def exchange(notes: Notes, lock: threading.Lock, holds: Callable[[str, str], bool],

@@ -79,6 +79,15 @@ class Held:
     # What a router's note leaves out of the handle this request was issued with
     # (wire.NOTE_LEAVES_OUT), given back beside the note on a recall.
     bulk: dict | None = None
+    # `ids` per KV group, as vLLM lists them: the reader gets them with its grant.
+    groups: tuple[int, ...] = ()
+
+    def id_lists(self) -> list[list[int]]:
+        out, at = [], 0
+        for n in self.groups:
+            out.append(list(self.ids[at: at + n]))
+            at += n
+        return out
 
 
 @dataclass
@@ -126,12 +135,13 @@ class Residency:
     # -- engine thread: lifecycle ---------------------------------------------------------
     def retain(self, req_id: str, blocks: int, owner: str | None, deadline: float,
                tenant: str | None = None, gap: float | None = None,
-               block_ids: Iterable[int] = (), bulk: dict | None = None) -> None:
+               block_ids: Iterable[int] = (), bulk: dict | None = None,
+               groups: tuple[int, ...] = ()) -> None:
         now = self.clock()
         with self.lock:
             h = self.held[req_id] = Held(req_id, blocks, owner, deadline, tenant=tenant,
                                          kept_at=now, gap=gap, ids=tuple(block_ids),
-                                         bulk=bulk)
+                                         bulk=bulk, groups=groups)
             if gap is not None:
                 self.prior_gap = next_gap(self.prior_gap, gap)
             mine = self._free.setdefault(tenant, OrderedDict())
@@ -291,15 +301,18 @@ class Residency:
         return max(0, self.kept_blocks() - limit)
 
     # -- side-channel thread --------------------------------------------------------------
-    def grant(self, req_id: str) -> tuple[bool, str]:
-        """May prefill read this request's blocks now? Decided once, under the lock."""
+    def grant(self, req_id: str) -> tuple[bool, str, list[list[int]]]:
+        """May prefill read this request's blocks now, and which are they? Decided once,
+        under the lock; every worker of a prefill engine asks (one per TP rank), so a
+        granted request is granted again until its read frees it (the blocks stay
+        pinned meanwhile; the reader's replay guard keeps a handle to one read)."""
         now = self.clock()
         with self.lock:
             h = self.held.get(req_id)
             if h is None:
                 reason = "unknown"
             elif h.state == GRANTED:
-                reason = "already_granted"  # a handle is read once
+                return True, "granted", h.id_lists()
             elif h.state == RELEASING:
                 reason = f"released:{h.cause}"
             elif h.deadline - now < GRANT_MARGIN_S:
@@ -311,11 +324,11 @@ class Residency:
                 self._parked -= 1
                 self._granted += h.blocks
                 self.grants += 1
-                return True, "granted"
+                return True, "granted", h.id_lists()
             # released_<cause>: a read refused after pressure differs from one after the
             # router's release (the benchmark counts misses by it).
             self.refusals[reason.replace(":", "_")] += 1
-            return False, reason
+            return False, reason, []
 
     # -- views -----------------------------------------------------------------------------
     def kept_blocks(self) -> int:

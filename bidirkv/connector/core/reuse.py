@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from bidirkv.connector.core.digests import parse_held, verify_prefix
-from bidirkv.connector.core.handles import Admission
-from bidirkv.wire import BLOCKS_KEY
+from bidirkv.connector.core.handles import Admission, block_counts, placeholder_ids
+from bidirkv.wire import BLOCKS_KEY, COUNTS_KEY
 
 
 @dataclass
@@ -63,12 +63,12 @@ def plan(adm: Admission, offered: int, prompt: Sequence[int] | None, seed: bytes
     if not adm.handle:
         return Report(offered, offered, reason=adm.reason or "no_handle")
     params = adm.params
-    ids = params["remote_block_ids"]
-    max_blocks = max(len(g) for g in ids)
-    held = parse_held(params.get(BLOCKS_KEY), max_blocks)
+    counts = block_counts(params)
+    held = parse_held(params.get(BLOCKS_KEY), max(counts))
 
     def refuse(reason: str) -> Report:
         params["remote_num_tokens"] = 0
+        _narrow(params, counts)
         return Report(offered, offered, reason=reason)
 
     if prompt is None:
@@ -77,14 +77,23 @@ def plan(adm: Admission, offered: int, prompt: Sequence[int] | None, seed: bytes
         return refuse("unsupported_layout")
     if held is None:
         return refuse("no_digest")
-    if held.blocks * held.block_size > offered or any(len(g) < held.blocks for g in ids):
+    if held.blocks * held.block_size > offered or any(n < held.blocks for n in counts):
         return refuse("inconsistent_handle")
     v = verify_prefix(held, prompt, seed, req_seed, block_size)
-    if v.blocks:
-        params["remote_block_ids"] = [list(g[: v.blocks]) for g in ids]
+    _narrow(params, [v.blocks] * len(counts) if v.blocks else counts)
     params["remote_num_tokens"] = v.tokens
     return Report(v.comparable_blocks * held.block_size, offered, verified=True,
                   verified_tokens=v.tokens, reason=v.reason)
+
+
+def _narrow(params: dict[str, Any], counts: list[int]) -> None:
+    """The handle's block list cut to `counts` per group: vLLM's ids (a P-issued list),
+    or placeholders for a compact one's, whose ids come with decode's grant."""
+    ids = params.get("remote_block_ids")
+    if params.get(COUNTS_KEY) is None and ids is not None:
+        params["remote_block_ids"] = [list(g[:n]) for g, n in zip(ids, counts, strict=True)]
+    else:
+        params["remote_block_ids"] = placeholder_ids(counts)
 
 
 def record_match(report: Report, pulled: int, local_cached: int, prompt_len: int) -> None:

@@ -54,12 +54,15 @@ class Retention:
         deadline = self.sched._reqs_need_send.get(request.request_id)
         if deadline is not None:
             # Ids, not only a count: an extend shares its history's blocks with the turn
-            # it extends, and those are pinned once, not twice.
-            ids = [b for g in out.get("remote_block_ids") or () for b in g]
+            # it extends, and those are pinned once, not twice. Per group, too: the
+            # grant hands them to the reader as vLLM lists them.
+            groups = out.get("remote_block_ids") or ()
+            ids = [b for g in groups for b in g]
             self.residency.retain(request.request_id, len(ids),
                                   owner if isinstance(owner, str) else None, deadline,
                                   tenant, gap_of(params.get(RETURN_KEY)), ids,
-                                  {k: out[k] for k in NOTE_LEAVES_OUT if k in out})
+                                  {k: out[k] for k in NOTE_LEAVES_OUT if k in out},
+                                  tuple(len(g) for g in groups))
 
     def after_alloc(self, request: Any) -> None:
         params = request.kv_transfer_params

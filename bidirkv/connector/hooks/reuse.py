@@ -25,7 +25,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bidirkv.connector.core import digests
-from bidirkv.connector.core.handles import ReplayGuard, admit, normalized, sign, stamp_expiry
+from bidirkv.connector.core.handles import (
+    ReplayGuard,
+    admit,
+    block_counts,
+    normalized,
+    sign,
+    stamp_expiry,
+)
 from bidirkv.connector.core.reuse import (
     Report,
     offered_tokens,
@@ -38,6 +45,7 @@ from bidirkv.proof import PROOF_TTL_S, proof_problem
 from bidirkv.roleconfig import FINGERPRINT_ENV
 from bidirkv.wire import (
     BLOCKS_KEY,
+    COUNTS_KEY,
     MAC_KEY,
     PROOF_KEY,
     REPORT_KEY,
@@ -92,10 +100,10 @@ def _request_seed(st: State, request: Any) -> bytes:
                                 getattr(request, "cache_salt", None))
 
 
-def _layout_ok(sched: Any, ids: list) -> bool:
+def _layout_ok(sched: Any, counts: list[int]) -> bool:
     """Prefix narrowing is per-token blocks: full attention in every group only."""
     groups = sched.kv_cache_config.transfer_groups
-    return not getattr(sched, "_is_hma_required", True) and len(ids) == len(groups)
+    return not getattr(sched, "_is_hma_required", True) and len(counts) == len(groups)
 
 
 class Reuse:
@@ -138,10 +146,10 @@ class Reuse:
             log.warning("bidir-kv: request %s: kv_transfer_params handle dropped: %s",
                         request.request_id, adm.problem)
         if adm.params.get("do_remote_decode") and (adm.handle or adm.problem):
-            ids = adm.params.get("remote_block_ids") or []
             st.reports[request.request_id] = plan(
                 adm, offered, _tokens(request), st.seed, _request_seed(st, request),
-                self.sched.block_size, _layout_ok(self.sched, ids))
+                self.sched.block_size,
+                adm.handle and _layout_ok(self.sched, block_counts(adm.params)))
         # In place: the request and its sampling params share this dict.
         params.clear()
         params.update(adm.params)
@@ -218,6 +226,11 @@ class Reuse:
             out[BLOCKS_KEY] = digests.HeldBlocks.of(
                 sched.block_size, st.fingerprint, _request_seed(st, request), held,
             ).to_wire()
+        if out.get("do_remote_decode") and delay and out.get("remote_block_ids"):
+            # D keeps the ids with the retained request and hands them to the reader
+            # with the grant (core/lease.py); its handle names only how many there are,
+            # and the connector leaves the ids out once retention took them.
+            out[COUNTS_KEY] = [len(g) for g in out["remote_block_ids"]]
         if out.get("remote_block_ids"):
             # How long the issuer keeps the blocks: D its TTL, P its lease (which D's
             # heartbeats extend once it admitted the handle; admission is what is checked).

@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 from vllm.platforms import current_platform
 
 from bidirkv.connector.core import workingset
+from bidirkv.connector.core.handles import compact
 from bidirkv.connector.core.residency import Residency, current, install
 from bidirkv.connector.hooks.retention import Retention
 from bidirkv.connector.hooks.reuse import Reuse
@@ -141,7 +142,7 @@ class NixlConnector(NixlPullConnector):
         assert self._reuse is not None and self._retention is not None
         delay, out = self._reuse.finished(request, delay, out)
         self._retention.finished(request, delay, out)
-        return delay, out
+        return delay, compact(out)
 
     # -- stats -------------------------------------------------------------------------
     def get_kv_connector_stats(self):

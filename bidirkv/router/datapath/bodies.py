@@ -12,6 +12,7 @@ from bidirkv.router.datapath.replies import JSON_TYPE
 from bidirkv.router.datapath.sse import PARAMS
 from bidirkv.router.request.validation import CHAT
 from bidirkv.wire import (
+    COUNTS_KEY,
     OWNER_KEY,
     PROOF_KEY,
     RETURN_KEY,
@@ -110,7 +111,12 @@ def model_len(models: Any, name: str | None) -> int | None:
 
 
 def handle_blocks(params: dict[str, Any]) -> int:
-    """Blocks a D handle pins on its replica (all KV groups)."""
+    """Blocks a D handle pins on its replica (all KV groups): its counts (wire.COUNTS_KEY),
+    or the length of vLLM's id lists in a handle that carries them."""
+    counts = params.get(COUNTS_KEY)
+    if isinstance(counts, list):
+        return sum(n for n in counts if isinstance(n, int) and not isinstance(n, bool)
+                   and n > 0)
     ids = params.get("remote_block_ids")
     if not isinstance(ids, list):
         return 0

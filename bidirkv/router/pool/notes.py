@@ -116,7 +116,7 @@ def decode(key: bytes, request_id: str, note: Any, url: str, bulk: Any) -> Kept 
     one this router signed for this request, not a handle this release can use, or
     nothing given back to complete it. What decode gives back is checked where it is
     used (the handle's MAC covers it): a wrong one is a miss, never a wrong read."""
-    if not isinstance(bulk, dict) or not isinstance(bulk.get("remote_block_ids"), list):
+    if not isinstance(bulk, dict):
         return None
     if not isinstance(note, str) or len(note) > MAX_NOTE_LEN:
         return None

@@ -19,6 +19,7 @@ from bidirkv.router.datapath.replies import json_error, json_response
 from bidirkv.router.datapath.tracing import traced
 from bidirkv.router.request.validation import CHAT, COMPLETIONS, MAX_CONVERSATION_ID
 from bidirkv.router.store.base import Kept, StoreUnavailable
+from bidirkv.wire import COUNTS_KEY
 
 log = logging.getLogger("bidirkv.router")
 
@@ -125,7 +126,7 @@ async def _debug_fill(request: web.Request) -> web.Response:
         n = base + i
         params = {
             "do_remote_prefill": False, "do_remote_decode": True,
-            "remote_block_ids": [[100000 + (n * blocks + j) % 900000 for j in range(blocks)]],
+            COUNTS_KEY: [blocks],
             "remote_engine_id": "a3f1c2d4-5e6f-4a7b-8c9d-0e1f2a3b4c5d",
             "remote_request_id": f"chatcmpl-{n:032x}", "remote_host": "10.0.12.34",
             "remote_port": 5600, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
