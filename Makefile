@@ -65,6 +65,10 @@ test: $(ENGINE_STAMP) $(VLLM_NEXT_STAMP) $(PROMQL_STAMP) $(KUBECTL_STAMP)
 	$(BIN)/ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider
 
+# When `make` started (read as the Makefile is, before any install): the demo records the
+# time from here to its own start in out/demo/bench.json (bidirkv/bench/stamp.py).
+demo demo-all: export BIDIRKV_MAKE_STARTED := $(shell date +%s)
+
 # The local vLLM stack needs the engine stack (installed from this project's own files).
 demo: $(ENGINE_STAMP)
 	$(PY) -m bidirkv.demo

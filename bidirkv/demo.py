@@ -16,8 +16,10 @@ headline table first; the longer phases behind flags (`--all`: `make demo-all`).
 6. --with-pressure: decode limited to 128 KV blocks and vLLM's default 480 s retention,
    more conversations than it can keep, 4 requests in flight (the concurrent benchmark), ON
    then OFF: retained KV must never make new work wait (--only-pressure: only this).
-7. Tables, JSON and PNGs in out/demo/; --with-span-tree: one returning turn's trace from
-   the router's span file (ON stack), as a tree of its spans.
+7. Tables, JSON and PNGs in out/demo/; bench.json also records the run (its commit, date
+   and wall times: bidirkv/bench/stamp.py), which `make headline` writes README's
+   headline from; --with-span-tree: one returning turn's trace from the router's span file
+   (ON stack), as a tree of its spans.
 
 Every process started is stopped at the end, on failure, on Ctrl-C and on SIGTERM.
 """
@@ -34,6 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bidirkv.bench import stamp
 from bidirkv.bench.conversation import Appends
 from bidirkv.wire import RESIDENCY_PATH
 
@@ -263,6 +266,7 @@ def run_phase(label: str, patch: dict[str, Any] | None, bench_kw: dict[str, Any]
         from bidirkv.democoncurrency import placements
 
         doc["placements"] = placements(stack.router_url)
+        doc.update(run_settings(stack.spec))
         write_json(args.out / f"{label}.json", doc)
         load = runner.loadavg
         print(f"    {len(records)} turns in {time.monotonic() - t:.0f} s (1-min load average "
@@ -274,8 +278,15 @@ def run_phase(label: str, patch: dict[str, Any] | None, bench_kw: dict[str, Any]
     return doc
 
 
-def data_plane(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]], Any]
-               ) -> int:
+def run_settings(spec: Any) -> dict[str, Any]:
+    """What a run's JSON records of the spec its stack ran: the README's headline names
+    the placement policy its table shows (bidirkv/bench/headline.py)."""
+    return {"placement_policy": spec.router.placement.policy,
+            "bidirectional": spec.kv_transfer.bidirectional}
+
+
+def data_plane(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]], Any],
+               clock: stamp.Clock) -> int:
     from bidirkv.bench import report
     from bidirkv.bench.turns import Think, summary_text
     from bidirkv.local.cli import tiny_model_for
@@ -311,6 +322,7 @@ def data_plane(args: argparse.Namespace, timed: Callable[[str, Callable[[], Any]
     step(f"headline: OFF/ON (median over conversations per turn; {cpu.model}, {choice.dtype})")
     print(report.comparison_text(report.compare_document(on, off, meta)))
     cost = extra_runs(chosen, bench_kw, args, timed)
+    meta["run"] = stamp.run_stamp(clock, *stamp.git_commit(ROOT))
     doc = report.compare_document(on, off, meta, cost=cost)
     paths = report.write_comparison(
         args.out, doc, f"1P1D vLLM CPU, tiny model, {choice.dtype}\n{cpu.model} ({cpu.isa()})")
@@ -432,8 +444,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="    [%(name)s] %(message)s")
     logging.getLogger("kopf").setLevel(logging.CRITICAL)
     logging.getLogger("bidirkv.operator").setLevel(logging.ERROR)
-    t0 = time.monotonic()
-    walls: list[tuple[str, float]] = []
+    try:
+        clock = stamp.Clock(make_started=stamp.make_started(os.environ))
+    except ValueError as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
 
     def timed(title: str, fn: Callable[[], Any]) -> Any:
         step(title)
@@ -441,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return fn()
         finally:
-            walls.append((title.split(":")[0], time.monotonic() - t))
+            clock.phases.append((title.split(":")[0], time.monotonic() - t))
 
     try:
         with interrupt_on_signals():
@@ -450,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                 timed(f"control plane: operator on an in-memory API server, "
                       f"kubectl apply -f {args.spec.name}",
                       lambda: asyncio.run(control_plane(args.spec)))
-            rc = data_plane(args, timed) if "multi-turn" in chosen else 0
+            rc = data_plane(args, timed, clock) if "multi-turn" in chosen else 0
             if rc == 0 and "pressure" in chosen:
                 pressure(args, timed)
             if rc == 0 and "span-tree" in chosen:
@@ -462,8 +477,12 @@ def main(argv: list[str] | None = None) -> int:
             ValueError) as exc:
         print(f"\ndemo: {exc}\ndemo: every process it started is stopped", file=sys.stderr)
         return 1
-    step(f"done in {time.monotonic() - t0:.0f} s: " +
-         ", ".join(f"{name} {secs:.0f} s" for name, secs in walls))
+    if rc == 0 and "multi-turn" in chosen:
+        # The headline's JSON was written before the later phases: its record gets the
+        # demo's whole time.
+        stamp.restamp(args.out / "bench.json", stamp.run_stamp(clock, *stamp.git_commit(ROOT)))
+    step(f"done in {clock.elapsed():.0f} s: " +
+         ", ".join(f"{name} {secs:.0f} s" for name, secs in clock.phases))
     return rc
 
 
