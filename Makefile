@@ -7,7 +7,8 @@ BIN := $(VENV)/bin
 DEV_STAMP := $(VENV)/.bidirkv-dev
 ENGINE_STAMP := $(VENV)/.bidirkv-engine
 
-.PHONY: install engine test demo demo-all bench-long crds monitoring lint bench-operator clean
+.PHONY: install engine test demo demo-all headline bench-long crds monitoring lint \
+	bench-operator clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -77,10 +78,14 @@ demo: $(ENGINE_STAMP)
 demo-all: $(ENGINE_STAMP)
 	$(PY) -m bidirkv.demo --all
 
+# README's headline table, its copy in docs/benchmarks.md and docs/headline.json, from
+# the last `make demo` run's JSON (bidirkv/bench/headline.py).
+headline: $(DEV_STAMP)
+	$(BIN)/bidir-kv bench --headline out/demo/bench.json
+
 # Long contexts (examples/local-long.yaml): one conversation grown to 64k tokens, ON, OFF
-# and the bound, and a router restart at that length. 20 minutes on a shared 2-core Zen 4,
-# about an hour (estimated) on an AVX2-only one; not part of `make demo` or `make test`
-# (docs/local-stack.md).
+# and the bound, and a router restart at that length. 23 min 54 s on a 2-core Zen 4
+# (docs/benchmarks.md); not part of `make demo` or `make test` (docs/local-stack.md).
 bench-long: $(ENGINE_STAMP)
 	$(PY) -m bidirkv.demolong
 

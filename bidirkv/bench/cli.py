@@ -3,6 +3,7 @@
     bidir-kv bench --url http://ROUTER --label on          # any router, e.g. a cluster's
     bidir-kv bench --state-dir out/local --label on        # a `bidir-kv local up` stack
     bidir-kv bench --compare out/bench/on.json out/bench/off.json
+    bidir-kv bench --headline out/demo/bench.json   # README's headline from a demo run
     bidir-kv bench --state-dir out/local --concurrency 4 --conversations 12 --turns 4
         # concurrent mode: a pool of conversations, N in flight, think time between turns
 """
@@ -29,6 +30,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="a local stack's state directory: its router, and P's metrics")
     where.add_argument("--compare", nargs=2, metavar=("ON_JSON", "OFF_JSON"),
                        help="no run: table, JSON and plots of two saved runs")
+    where.add_argument("--headline", type=pathlib.Path, metavar="BENCH_JSON",
+                       help="no run: the headline table of README.md and docs/benchmarks.md "
+                       "(between their markers) and docs/headline.json, from a `make demo` "
+                       "run's out/demo/bench.json (or docs/headline.json: render again); "
+                       "run from the repository root")
+    p.add_argument("--commit", help="with --headline, for a bench.json that records no run: "
+                   "the commit it ran")
+    p.add_argument("--date", metavar="YYYY-MM-DD", help="with --headline, the same: its date")
+    p.add_argument("--policy", help="with --headline, for a bench.json whose runs record no "
+                   "placement policy: the policy ON and OFF ran")
     p.add_argument("--label", default=d.label, help="name of this run (file name too)")
     p.add_argument("--model", help="model name (default: the first of /v1/models)")
     p.add_argument("--conversations", type=int, default=d.conversations)
@@ -136,12 +147,28 @@ def run_load(args: argparse.Namespace) -> int:
     return 1 if doc["summary"]["errors"] else 0
 
 
+def run_headline(args: argparse.Namespace) -> int:
+    from bidirkv.bench import headline
+
+    given = {"commit": args.commit, "date": args.date, "policy": args.policy}
+    try:
+        written = headline.write_pages(args.headline, pathlib.Path("."), given)
+    except (OSError, ValueError) as exc:
+        print(f"bidir-kv bench --headline: {exc}", file=sys.stderr)
+        return 1
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from bidirkv.bench import report, stats, turns
     from bidirkv.bench.client import RequestFailed
     from bidirkv.bench.runner import Runner
 
     prog = "bidir-kv bench"
+    if args.headline is not None:
+        return run_headline(args)
     if args.concurrency is not None and not args.compare:
         return run_load(args)
     try:
