@@ -23,7 +23,13 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
 from bidirkv.connector.core import lease  # noqa: E402
 from bidirkv.local.model import build_model, random_text  # noqa: E402
 from bidirkv.proof import residency_headers, residency_target  # noqa: E402
-from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION, VERSION_KEY
+from bidirkv.wire import (  # noqa: E402
+    COUNTS_KEY,
+    RESIDENCY_PATH,
+    RESIDENCY_VERSION_FIELD,
+    VERSION,
+    VERSION_KEY,
+)
 
 from .vllm_stack import (  # noqa: E402
     BLOCK,
@@ -154,20 +160,23 @@ def test_a_granted_read_cannot_be_released(stack):
     user, text, handle = first_turn(stack, seed=3)
     rid = handle["remote_request_id"]
     answered = metric(stack.d_url, "vllm:bidirkv_grants_total")
-    ok, why = lease.confirm("127.0.0.1", handle["remote_port"], rid)
-    assert ok, why
+    ok, why, ids = lease.confirm("127.0.0.1", handle["remote_port"], rid)
+    # The grant brings the retained blocks' ids, as many as the handle counts.
+    assert ok and [len(g) for g in ids] == handle[COUNTS_KEY], (why, ids)
     out = residency(stack, release=[rid])
     assert out["releasedBlocks"] == 0 and out["grantedBlocks"] > 0
-    ok, why = lease.confirm("127.0.0.1", handle["remote_port"], rid)
-    assert not ok and why == "already_granted"
+    # Every worker of a reader (one per TP rank) asks for the same read: granted again,
+    # the same ids, until the read frees the blocks.
+    assert lease.confirm("127.0.0.1", handle["remote_port"], rid) == (True, "granted", ids)
     # Released first: the grant is refused.
     _, _, handle2 = first_turn(stack, seed=4)
     assert residency(stack, release=[handle2["remote_request_id"]])["releasedBlocks"] > 0
-    ok, why = lease.confirm("127.0.0.1", handle2["remote_port"], handle2["remote_request_id"])
-    assert not ok and why.startswith(("released", "unknown")), why
-    # Granted, refused, refused: in D's /metrics once D's engine steps again.
+    ok, why, ids = lease.confirm("127.0.0.1", handle2["remote_port"],
+                                 handle2["remote_request_id"])
+    assert not ok and why.startswith(("released", "unknown")) and ids == [], why
+    # Granted once, refused once: in D's /metrics once D's engine steps again.
     first_turn(stack, seed=5)
-    assert metric_reaches(stack.d_url, "vllm:bidirkv_grants_total", answered + 3) >= answered + 3
+    assert metric_reaches(stack.d_url, "vllm:bidirkv_grants_total", answered + 2) >= answered + 2
 
 
 def test_a_waiting_request_takes_retained_blocks(stack):
