@@ -3,12 +3,14 @@ description, in vLLM's names where vLLM has the setting.
 
 The CRD's `kvTransfer` section (bidirkv/operator/api/transfer.py) is `KvKnobs` plus what
 only the engines' command line needs; the CRD's `router` section
-(bidirkv/operator/api/router.py) is `RouterKnobs` plus what only the Deployment needs; the
-router's config file (bidirkv/router/config.py) is both plus what the operator derives;
-decode's plugin (bidirkv/connector/settings.py) reads `RetentionWatermark` and
-`OwnerLeaseSeconds` from its environment. A rule between knobs is a `Rule`: its Python form
-is what the operator and the router check, its CEL form what the API server checks, and
-tests/test_knob_rules.py holds the two equal. Imports no component.
+(bidirkv/operator/api/router.py) is `RouterKnobs` plus what only the Deployment needs; its
+`monitoring.tracing` (bidirkv/operator/api/monitoring.py) is `TracingKnobs` plus the
+collector's headers. The router's config file (bidirkv/router/config.py) is the three plus
+what the operator derives; decode's plugin (bidirkv/connector/settings.py) reads
+`RetentionWatermark` and `OwnerLeaseSeconds` from its environment. A rule between knobs is
+a `Rule`: its Python form is what the operator and the router check, its CEL form what the
+API server checks, and tests/test_knob_rules.py holds the two equal (and each knob
+declared here alone). Imports no component.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic.fields import FieldInfo
+
+from bidirkv.otlp import endpoint_problem
 
 MIB = 1024 * 1024
 # Prefill declines a remote read this close to decode's deadline, so a router handle must
@@ -91,6 +95,15 @@ def _check(rule: Rule, section: str, model: BaseModel, *fields: str) -> None:
     problem = rule.problem(names, tuple(getattr(model, f) for f in fields))
     if problem:
         raise ValueError(problem)
+
+
+def _refused(problem_of: Callable[[str], str | None]) -> AfterValidator:
+    """A value `problem_of` finds a problem with is refused, with what it says."""
+    def check(value: str) -> str:
+        if problem := problem_of(value):
+            raise ValueError(problem)
+        return value
+    return AfterValidator(check)
 
 
 def _node_rule(rule: Rule, *fields: str) -> dict[str, str]:
@@ -262,20 +275,13 @@ def handle_store_url_problem(value: str) -> str | None:
     return None
 
 
-def _store_url(value: str) -> str:
-    problem = handle_store_url_problem(value)
-    if problem:
-        raise ValueError(problem)
-    return value
-
-
 HandleStoreUrl = Annotated[str, Strict(), Field(
     max_length=512,
     json_schema_extra={"pattern": HANDLE_STORE_URL_PATTERN},
     description="Redis-protocol server shared by the router replicas (Valkey, Redis, "
     "ElastiCache without cluster mode): `redis://HOST:PORT/DB`, `rediss://` for TLS. No "
     "password here: it comes from a Secret.",
-), AfterValidator(_store_url)]
+), _refused(handle_store_url_problem)]
 
 
 class RouterKnobs(Section):
@@ -418,3 +424,26 @@ class RouterKnobs(Section):
     def _one_body_fits_in_flight(self) -> RouterKnobs:
         _check(ONE_BODY_FITS_IN_FLIGHT, "", self, "max_inflight_body_bytes", "max_body_bytes")
         return self
+
+
+# --- Traces: the CRD's monitoring.tracing and the router's config file ---------------
+
+class TracingKnobs(Section):
+    # Used as given, as vLLM's --otlp-traces-endpoint is; the collector's headers (a token)
+    # never sit here: they come from OTEL_EXPORTER_OTLP_TRACES_HEADERS.
+    otlp_endpoint: Annotated[str, Strict(), Field(min_length=1, max_length=512),
+                             _refused(endpoint_problem)] | None = Field(
+        default=None,
+        description="OTLP/HTTP (protobuf) traces endpoint, e.g. "
+        "`http://otel-collector.monitoring:4318/v1/traces`. The router exports a span per "
+        "request with a child per leg there, and both engines get vLLM's "
+        "`--otlp-traces-endpoint` with it. Unset: nothing is exported, and a client's own "
+        "`traceparent` still reaches both engines through the router.",
+    )
+    # bidirkv/router/datapath/tracing.py says why a client's sampled flag is not obeyed.
+    sample_ratio: Annotated[float, Strict()] = Field(
+        default=1.0, ge=0, le=1,
+        description="Share of the router's requests whose traces are sampled, whether or "
+        "not the client sent a `traceparent`: a client's sampled flag does not decide, or "
+        "any client could have every request it sends recorded and exported.",
+    )

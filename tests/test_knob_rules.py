@@ -3,7 +3,9 @@ form on a table of values, wherever it is checked (the API server, the operator,
 router), and every key of the router's config is set from the CRD or listed as derived or
 fixed by the operator."""
 
+import ast
 import json
+from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
@@ -242,7 +244,8 @@ def test_every_router_key_is_set_from_the_crd_or_listed():
         "monitoring": {"tracing": {"otlpEndpoint": "http://c:4318/v1/traces"}},
     })
     rendered = _leaves(router_config(Owner("x", "ns", "u"), spec))
-    knob_keys = _model_leaves(knobs.RouterKnobs) | _model_leaves(knobs.KvKnobs)
+    knob_keys = (_model_leaves(knobs.RouterKnobs) | _model_leaves(knobs.KvKnobs)
+                 | _model_leaves(knobs.TracingKnobs, "tracing."))
     derived, fixed = set(DERIVED_ROUTER_KEYS), set(FIXED_ROUTER_KEYS)
     assert not (knob_keys & derived or knob_keys & fixed or derived & fixed)
     assert _model_leaves(RouterConfig) == knob_keys | derived | fixed
@@ -260,20 +263,99 @@ def test_what_the_crd_sets_reaches_the_router_as_set():
                    "placement": {"policy": "thresholds", "localPrefillTokens": 8}},
         "kvTransfer": {"ownerLeaseSeconds": 45, "retentionWatermark": 0.5,
                        "decoderKvBlocksTtlSeconds": 120, "kvRecomputeThreshold": 0},
+        "monitoring": {"tracing": {"otlpEndpoint": "http://c:4318/v1/traces",
+                                   "sampleRatio": 0.25}},
     })
     cfg = parse_config(json.loads(json.dumps(router_config(Owner("x", "ns", "u"), spec))))
-    for section, knob_model in ((spec.router, knobs.RouterKnobs), (spec.kv_transfer,
-                                                                   knobs.KvKnobs)):
+    for ours, theirs, knob_model in _sections(spec, cfg):
         for name in knob_model.model_fields:
-            assert getattr(cfg, name) == getattr(section, name), name
+            assert getattr(theirs, name) == getattr(ours, name), name
+
+
+def _sections(spec, cfg):
+    """(the CRD's section, the router's, the knobs they share)"""
+    return ((spec.router, cfg, knobs.RouterKnobs), (spec.kv_transfer, cfg, knobs.KvKnobs),
+            (spec.monitoring.tracing, cfg.tracing, knobs.TracingKnobs))
 
 
 def test_the_router_and_the_crd_share_each_knobs_default():
     spec, cfg = parse_spec({"model": {"name": "m"}}), parse_config(BASE)
-    for section, knob_model in ((spec.router, knobs.RouterKnobs), (spec.kv_transfer,
-                                                                   knobs.KvKnobs)):
+    for ours, theirs, knob_model in _sections(spec, cfg):
         for name in knob_model.model_fields:
-            assert getattr(cfg, name) == getattr(section, name), name
+            assert getattr(theirs, name) == getattr(ours, name), name
+
+
+@pytest.mark.parametrize(("tracing", "in_the_schema"), [
+    ({"sampleRatio": "0.5"}, True), ({"sampleRatio": True}, True), ({"sampleRatio": 1.5}, True),
+    ({"otlpEndpoint": ""}, True), ({"otlpEndpoint": "ftp://c/v1/traces"}, False),
+    ({"otlpEndpoint": "http://u:p@c:4318/v1/traces"}, False)])
+def test_the_operator_and_the_router_refuse_a_tracing_knob_alike(tracing, in_the_schema):
+    """One definition, one verdict: and the API server's too where its schema can say
+    (a URL's shape it cannot)."""
+    spec = {"model": {"name": "m"}, "monitoring": {"tracing": tracing}}
+    _, errors = validate_custom_resource(build_crd(), {
+        "apiVersion": "bidirkv.io/v1alpha1", "kind": "DisaggregatedInference",
+        "metadata": {"name": "x", "namespace": "default"}, "spec": spec})
+    assert bool(errors) == in_the_schema
+    assert _operator_refuses(spec) and _router_refuses({"tracing": tracing})
+
+
+BIDIRKV = Path(__file__).resolve().parents[1] / "bidirkv"
+# Names the operator's spec and the router's config both declare that are not one setting.
+NOT_ONE_KNOB = {
+    "prefill": "a role's engines in the spec (its counts in the status), their URLs in "
+    "the router's config",
+    "decode": "the same, for decode",
+    "model": "the model the engines load; the name the router serves it as",
+    "handle_store": "the store and its password's Secret; the router's URL of it (one "
+    "type, knobs.HandleStoreUrl)",
+    "kv_fingerprint": "recorded in the status; rendered from the spec into the config",
+    "tracing": "the sections; the knobs they share are knobs.TracingKnobs",
+}
+
+
+def declared_fields(paths) -> dict[str, set[str]]:
+    """Each field a class in `paths` declares (`name: type`) -> `module:class`."""
+    out: dict[str, set[str]] = {}
+    for path in paths:
+        for cls in ast.walk(ast.parse(path.read_text())):
+            for line in cls.body if isinstance(cls, ast.ClassDef) else []:
+                if isinstance(line, ast.AnnAssign) and isinstance(line.target, ast.Name):
+                    out.setdefault(line.target.id, set()).add(f"{path.name}:{cls.name}")
+    return out
+
+
+def second_definitions(operator_files, router_files) -> list[str]:
+    """The settings declared both by the CRD's models and by the router's config, or
+    declared again over a knob of bidirkv/knobs.py (which they inherit)."""
+    operator, router = declared_fields(operator_files), declared_fields(router_files)
+    shared = {name for section in (knobs.KvKnobs, knobs.RouterKnobs, knobs.Placement,
+                                   knobs.Timeouts, knobs.TracingKnobs)
+              for name in section.model_fields}
+    both = sorted(operator.keys() & router.keys() - NOT_ONE_KNOB.keys())
+    return ([f"{n}: {sorted(operator[n] | router[n])}" for n in both]
+            + [f"{n}: {sorted(where)} over knobs.py's" for side in (operator, router)
+               for n, where in sorted(side.items()) if n in shared])
+
+
+def test_a_knob_both_sides_read_is_declared_once():
+    """A setting that the CRD and the router's config both hold is declared in
+    bidirkv/knobs.py alone."""
+    assert second_definitions(sorted((BIDIRKV / "operator" / "api").glob("*.py")),
+                              [BIDIRKV / "router" / "config.py"]) == []
+
+
+def test_a_second_definition_of_a_tracing_knob_is_caught(tmp_path):
+    operator, router = tmp_path / "monitoring.py", tmp_path / "config.py"
+    operator.write_text("class TracingSpec(_Model):\n    otlp_endpoint: str | None = None\n")
+    router.write_text("class Tracing(_Model):\n    otlp_endpoint: str | None = None\n")
+    assert second_definitions([operator], [router]) == [
+        "otlp_endpoint: ['config.py:Tracing', 'monitoring.py:TracingSpec']",
+        "otlp_endpoint: ['monitoring.py:TracingSpec'] over knobs.py's",
+        "otlp_endpoint: ['config.py:Tracing'] over knobs.py's"]
+    router.write_text("class Tracing(TracingKnobs, _Model):\n    sample_ratio: float = 1\n")
+    assert second_definitions([], [router]) == [
+        "sample_ratio: ['config.py:Tracing'] over knobs.py's"]
 
 
 @pytest.mark.parametrize("url", [

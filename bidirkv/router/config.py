@@ -31,8 +31,8 @@ from bidirkv.knobs import (
     Placement,
     RouterKnobs,
     Timeouts,
+    TracingKnobs,
 )
-from bidirkv.otlp import endpoint_problem
 
 
 class ConfigError(ValueError):
@@ -51,31 +51,15 @@ class _Model(BaseModel):
     )
 
 
-class Tracing(_Model):
-    """Where the router's spans go (bidirkv/router/datapath/tracing.py). Neither exporter
-    set: no span is recorded, and a client's `traceparent` is still passed on upstream."""
+class Tracing(TracingKnobs, _Model):
+    """Where the router's spans go (bidirkv/router/datapath/tracing.py): the knobs shared
+    with the CRD (bidirkv/knobs.py), or a file. Neither exporter set: no span is recorded,
+    and a client's `traceparent` is still passed on upstream."""
 
-    # The OTLP/HTTP (protobuf) traces URL, used as given (as vLLM's --otlp-traces-endpoint
-    # is): a collector's receiver is `http://HOST:4318/v1/traces`. Headers (a collector's
-    # token) come from OTEL_EXPORTER_OTLP_TRACES_HEADERS, never from this file.
-    otlp_endpoint: str | None = Field(default=None, max_length=512)
     # Spans as JSON lines appended to this file, for a machine without a collector (the
     # local stack). A relative path is relative to the router's working directory.
     file: str | None = Field(default=None, min_length=1, max_length=4096)
     service_name: str = Field(default="bidir-kv-router", min_length=1, max_length=128)
-    # Share of requests whose traces are sampled, a client's traceparent or not: its
-    # sampled flag is not obeyed (bidirkv/router/datapath/tracing.py says why).
-    sample_ratio: float = Field(default=1.0, ge=0, le=1)
-
-    @field_validator("otlp_endpoint")
-    @classmethod
-    def _endpoint(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        problem = endpoint_problem(value)
-        if problem:
-            raise ValueError(problem)
-        return value
 
     @field_validator("file")
     @classmethod

@@ -7,9 +7,9 @@ from urllib.parse import urlsplit
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from bidirkv.knobs import TracingKnobs
 from bidirkv.operator.api.base import _Model, check_labels
 from bidirkv.operator.api.router import SecretKeyRef
-from bidirkv.otlp import endpoint_problem
 
 # prometheus-operator's Duration grammar (its CRDs validate intervals with it).
 DURATION_PATTERN = (r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?"
@@ -46,8 +46,10 @@ class PodMonitorSpec(_Model):
         return check_labels(value)
 
 
-class TracingSpec(_Model):
-    # The headers are usually a bearer token: over plain HTTP anyone on the path reads it.
+class TracingSpec(TracingKnobs, _Model):
+    # The knobs the router reads too (bidirkv/knobs.py), and the collector's headers (no
+    # docstring: it would become the schema's description). The headers are usually a
+    # bearer token: over plain HTTP anyone on the path reads it.
     model_config = ConfigDict(
         **_Model.model_config,
         json_schema_extra={"x-kubernetes-validations": [{
@@ -57,21 +59,6 @@ class TracingSpec(_Model):
             "message": "headersSecretRef is refused with a plain http:// otlpEndpoint (the "
             "headers would travel in clear text): use https://, or set "
             "allowInsecureHeaders: true", "fieldPath": ".headersSecretRef"}]},
-    )
-
-    otlp_endpoint: str | None = Field(
-        default=None, min_length=1, max_length=512,
-        description="OTLP/HTTP (protobuf) traces endpoint, e.g. "
-        "`http://otel-collector.monitoring:4318/v1/traces`. The router exports a span per "
-        "request with a child per leg there, and both engines get vLLM's "
-        "`--otlp-traces-endpoint` with it. Unset: nothing is exported, and a client's own "
-        "`traceparent` still reaches both engines through the router.",
-    )
-    sample_ratio: float = Field(
-        default=1.0, ge=0, le=1,
-        description="Share of the router's requests whose traces are sampled, whether or "
-        "not the client sent a `traceparent`: a client's sampled flag does not decide, or "
-        "any client could have every request it sends recorded and exported.",
     )
 
     headers_secret_ref: SecretKeyRef | None = Field(
@@ -90,16 +77,6 @@ class TracingSpec(_Model):
         "clear text to anyone on the path (e.g. a collector on the node or behind a "
         "mesh that encrypts). Off: only `https://` endpoints get them.",
     )
-
-    @field_validator("otlp_endpoint")
-    @classmethod
-    def _endpoint(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
-        problem = endpoint_problem(value)
-        if problem:
-            raise ValueError(problem)
-        return value
 
     @model_validator(mode="after")
     def _headers_in_clear(self) -> TracingSpec:

@@ -8,7 +8,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from bidirkv.knobs import TTL_SAFETY_MARGIN_SECONDS, KvKnobs, RouterKnobs
+from bidirkv.knobs import (
+    TTL_SAFETY_MARGIN_SECONDS,
+    KvKnobs,
+    RouterKnobs,
+    Section,
+    TracingKnobs,
+)
 from bidirkv.operator.api import spec as api
 from bidirkv.operator.render.autoscaling import role_replicas
 from bidirkv.operator.render.engine import http_probe
@@ -39,8 +45,6 @@ DERIVED_ROUTER_KEYS = {
     "model": "model.servedName, else model.name",
     "kvFingerprint": "the hash of what prefill and decode share (kv_fingerprint)",
     "handleStore": "router.handleStore.url",
-    "tracing.otlpEndpoint": "monitoring.tracing.otlpEndpoint",
-    "tracing.sampleRatio": "monitoring.tracing.sampleRatio",
 }
 FIXED_ROUTER_KEYS = {
     "safetyMarginSeconds": f"{TTL_SAFETY_MARGIN_SECONDS} s: prefill declines a read this "
@@ -52,7 +56,7 @@ FIXED_ROUTER_KEYS = {
 }
 
 
-def _knobs(section: RouterKnobs | KvKnobs, knobs: type[RouterKnobs | KvKnobs]) -> dict[str, Any]:
+def _knobs(section: Section, knobs: type[Section]) -> dict[str, Any]:
     """The section's shared knobs under the router's keys, which are the CRD's."""
     return section.model_dump(mode="json", by_alias=True, include=set(knobs.model_fields),
                               exclude_none=True)
@@ -89,8 +93,7 @@ def _tracing(spec: api.DisaggregatedInferenceSpec) -> dict[str, Any]:
     if tracing.otlp_endpoint is None:
         # No exporter: the router still passes a client's traceparent to the engines.
         return {}
-    return {"tracing": {"otlpEndpoint": tracing.otlp_endpoint,
-                        "sampleRatio": tracing.sample_ratio}}
+    return {"tracing": _knobs(tracing, TracingKnobs)}
 
 
 def router_configmap(owner: Owner, spec: api.DisaggregatedInferenceSpec,
