@@ -3,7 +3,7 @@ the conversation's decode handle kept between turns.
 
 Layers, each importing only those before it: the leaf modules (`config`, `codec`,
 `metrics`) -> `request` (client input: checks, identity) and `store` (handles) ->
-`pool` (replicas, their health and residency) -> `datapath` (a turn's legs) ->
-`server` (aiohttp app and routes). Nothing here imports the operator or the engine
-plugin; the wire format is `bidirkv.wire`.
+`pool` (replicas, drains and residency) -> `datapath` (a turn's legs, the engines'
+health) -> `server` (aiohttp app and routes). Nothing here imports the operator or the
+engine plugin; the wire format is `bidirkv.wire`.
 """
