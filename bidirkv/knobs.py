@@ -1,16 +1,14 @@
 """Every setting that more than one side reads, defined once: type, bounds, default and
 description, in vLLM's names where vLLM has the setting.
 
-The CRD's `kvTransfer` section (bidirkv/operator/api/transfer.py) is `KvKnobs` plus what
-only the engines' command line needs; the CRD's `router` section
-(bidirkv/operator/api/router.py) is `RouterKnobs` plus what only the Deployment needs; its
-`monitoring.tracing` (bidirkv/operator/api/monitoring.py) is `TracingKnobs` plus the
-collector's headers. The router's config file (bidirkv/router/config.py) is the three plus
+The CRD's `kvTransfer` is `KvKnobs` plus what only the engines' command line needs
+(bidirkv/operator/api/transfer.py), its `router` `RouterKnobs` plus what only the Deployment
+needs (api/router.py), its `monitoring.tracing` `TracingKnobs` plus the collector's headers
+(api/monitoring.py); the router's config file (bidirkv/router/config.py) is the three plus
 what the operator derives; decode's plugin (bidirkv/connector/settings.py) reads
 `RetentionWatermark` and `OwnerLeaseSeconds` from its environment. A rule between knobs is
 a `Rule`: its Python form is what the operator and the router check, its CEL form what the
-API server checks, and tests/test_knob_rules.py holds the two equal (and each knob
-declared here alone). Imports no component.
+API server checks; tests/test_knob_rules.py holds the two equal. Imports no component.
 """
 
 from __future__ import annotations
@@ -90,7 +88,8 @@ def default_of(knob: Any) -> Any:
     return next(m.default for m in knob.__metadata__ if isinstance(m, FieldInfo))
 
 
-def _check(rule: Rule, section: str, model: BaseModel, *fields: str) -> None:
+def check_rule(rule: Rule, section: str, model: BaseModel, *fields: str) -> None:
+    """The rule on the model's fields: a ValueError naming them by their keys."""
     names = tuple(f"{section}{type(model).model_fields[f].alias}" for f in fields)
     problem = rule.problem(names, tuple(getattr(model, f) for f in fields))
     if problem:
@@ -221,8 +220,8 @@ class Placement(Section):
 
     @model_validator(mode="after")
     def _thresholds_under_the_cap(self) -> Placement:
-        _check(LOCAL_PREFILL_UNDER_CAP, "placement.", self, "local_prefill_tokens",
-               "max_local_prefill_tokens")
+        check_rule(LOCAL_PREFILL_UNDER_CAP, "placement.", self, "local_prefill_tokens",
+                   "max_local_prefill_tokens")
         return self
 
 
@@ -422,7 +421,7 @@ class RouterKnobs(Section):
 
     @model_validator(mode="after")
     def _one_body_fits_in_flight(self) -> RouterKnobs:
-        _check(ONE_BODY_FITS_IN_FLIGHT, "", self, "max_inflight_body_bytes", "max_body_bytes")
+        check_rule(ONE_BODY_FITS_IN_FLIGHT, "", self, "max_inflight_body_bytes", "max_body_bytes")
         return self
 
 

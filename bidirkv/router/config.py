@@ -14,14 +14,13 @@ from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
-from pydantic.alias_generators import to_camel
 
 from bidirkv.knobs import (
     LEASE_OUTLIVES_RENEWALS,
@@ -30,8 +29,10 @@ from bidirkv.knobs import (
     KvKnobs,
     Placement,
     RouterKnobs,
+    Section,
     Timeouts,
     TracingKnobs,
+    check_rule,
 )
 
 
@@ -39,16 +40,10 @@ class ConfigError(ValueError):
     """A configuration the router refuses; the message is meant for a human."""
 
 
-class _Model(BaseModel):
-    # strict: "true" or "5" in a ConfigMap is a rendering bug, not something to coerce.
-    # forbid: a misspelt key must not silently fall back to a default.
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        strict=True,
-        frozen=True,
-    )
+class _Model(Section):
+    # The knobs' conventions (camelCase, a misspelt key refused), and strict throughout:
+    # "true" or "5" in a ConfigMap is a rendering bug, not something to coerce.
+    model_config = ConfigDict(strict=True, frozen=True)
 
 
 class Tracing(TracingKnobs, _Model):
@@ -120,15 +115,10 @@ class RouterConfig(RouterKnobs, KvKnobs, _Model):
     # carried so a router can refuse engines of another fingerprint.
     kv_fingerprint: str | None = Field(default=None, max_length=64)
 
-    @field_validator("prefill")
+    @field_validator("prefill", "decode")
     @classmethod
-    def _prefill_urls(cls, value: list[str]) -> list[str]:
-        return _urls(value, "prefill")
-
-    @field_validator("decode")
-    @classmethod
-    def _decode_urls(cls, value: list[str]) -> list[str]:
-        return _urls(value, "decode")
+    def _engine_urls(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        return _urls(value, info.field_name)
 
     @model_validator(mode="after")
     def _ttl_positive(self) -> RouterConfig:
@@ -142,11 +132,8 @@ class RouterConfig(RouterKnobs, KvKnobs, _Model):
 
     @model_validator(mode="after")
     def _lease_outlives_renewals(self) -> RouterConfig:
-        problem = LEASE_OUTLIVES_RENEWALS.problem(
-            ("ownerLeaseSeconds", "healthCheckIntervalSeconds"),
-            (self.owner_lease_seconds, self.health_check_interval_seconds))
-        if problem:
-            raise ValueError(problem)
+        check_rule(LEASE_OUTLIVES_RENEWALS, "", self, "owner_lease_seconds",
+                   "health_check_interval_seconds")
         return self
 
     @property
