@@ -38,30 +38,20 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     any_of = node.pop("anyOf", None)
     if any_of is not None:
         branches = [b for b in any_of if b.get("type") != "null"]
-        types = {b.get("type") for b in branches}
         if len(branches) == 1:
             # The branch is structural already; processing it again would lose the optional
             # markers of its own fields.
             outer = {k: v for k, v in node.items() if k not in _DROP}
-            node = {**_structural(branches[0], defs), **outer}
-            if node.get("default", 0) is None:
-                del node["default"]
-                node[_OPTIONAL] = True
-            return node
-        if types == {"integer", "string"}:
-            # Kubernetes quantities: int-or-string, the string form with the API server's
-            # own quantity grammar (the pattern applies to strings only).
-            node["x-kubernetes-int-or-string"] = True
-            pattern = next((b["pattern"] for b in branches if "pattern" in b), None)
-            if pattern:
-                node["pattern"] = pattern
-        else:
+            return _optional({**_structural(branches[0], defs), **outer})
+        if {b.get("type") for b in branches} != {"integer", "string"}:
             raise ValueError(f"cannot express anyOf {any_of} in a structural schema")
-        if node.get("default", 0) is None:
-            del node["default"]
-            # Optional (None by default): absent stays absent, never defaulted to `{}`
-            # (an empty label selector means "everything").
-            node[_OPTIONAL] = True
+        # Kubernetes quantities: int-or-string, the string form with the API server's
+        # own quantity grammar (the pattern applies to strings only).
+        node["x-kubernetes-int-or-string"] = True
+        pattern = next((b["pattern"] for b in branches if "pattern" in b), None)
+        if pattern:
+            node["pattern"] = pattern
+        node = _optional(node)
     extra = node.get("additionalProperties")
     out: dict[str, Any] = {}
     for key, value in node.items():
@@ -78,19 +68,32 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     if out.get("type") == "object" and "properties" not in out and not isinstance(extra, dict):
         out["x-kubernetes-preserve-unknown-fields"] = True
     if out.get("type") == "object" and "properties" in out:
-        # An object field with a model default gets `{}` so the server fills in its fields.
-        required = set(out.get("required", []))
-        for name, prop in out["properties"].items():
-            if (
-                prop.get("type") == "object"
-                and "properties" in prop
-                and "default" not in prop
-                and name not in required
-                and not prop.pop(_OPTIONAL, False)
-            ):
-                prop["default"] = {}
-            prop.pop(_OPTIONAL, None)
+        _default_objects(out)
     return out
+
+
+def _optional(node: dict[str, Any]) -> dict[str, Any]:
+    """Optional (None by default): absent stays absent, never defaulted to `{}` (an empty
+    label selector means "everything")."""
+    if node.get("default", 0) is None:
+        del node["default"]
+        node[_OPTIONAL] = True
+    return node
+
+
+def _default_objects(node: dict[str, Any]) -> None:
+    """An object field with a model default gets `{}` so the server fills in its fields."""
+    required = set(node.get("required", []))
+    for name, prop in node["properties"].items():
+        if (
+            prop.get("type") == "object"
+            and "properties" in prop
+            and "default" not in prop
+            and name not in required
+            and not prop.pop(_OPTIONAL, False)
+        ):
+            prop["default"] = {}
+        prop.pop(_OPTIONAL, None)
 
 
 def openapi_schema(model: type) -> dict[str, Any]:
@@ -118,8 +121,24 @@ def status_schema() -> dict[str, Any]:
     return schema
 
 
-def build_crd() -> dict[str, Any]:
-    root = {
+def _printer_columns() -> list[dict[str, str]]:
+    return [
+        {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
+        {"name": "Prefill", "type": "string", "jsonPath": ".status.prefill.summary",
+         "description": "Ready/desired prefill pods"},
+        {"name": "Decode", "type": "string", "jsonPath": ".status.decode.summary",
+         "description": "Ready/desired decode pods"},
+        {"name": "Draining", "type": "string", "jsonPath": ".status.decode.drainingSummary",
+         "description": "Decode pods leaving, each until the conversations it holds moved or "
+         "its drain ran out, and the conversations they still hold"},
+        {"name": "Bidirectional", "type": "boolean", "jsonPath": ".spec.kvTransfer.bidirectional"},
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+
+def _root_schema() -> dict[str, Any]:
+    return {
         "type": "object",
         "description": "DisaggregatedInference runs one prefill pool, n decode replicas and a "
         "KV-cache-aware router of vLLM with bidirectional NIXL KV transfer.",
@@ -139,6 +158,9 @@ def build_crd() -> dict[str, Any]:
             }
         ],
     }
+
+
+def build_crd() -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -162,7 +184,7 @@ def build_crd() -> dict[str, Any]:
                     "name": api.VERSION,
                     "served": True,
                     "storage": True,
-                    "schema": {"openAPIV3Schema": root},
+                    "schema": {"openAPIV3Schema": _root_schema()},
                     "subresources": {
                         "status": {},
                         "scale": {
@@ -171,25 +193,7 @@ def build_crd() -> dict[str, Any]:
                             "labelSelectorPath": ".status.decode.selector",
                         },
                     },
-                    "additionalPrinterColumns": [
-                        {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
-                        {"name": "Prefill", "type": "string",
-                         "jsonPath": ".status.prefill.summary",
-                         "description": "Ready/desired prefill pods"},
-                        {"name": "Decode", "type": "string",
-                         "jsonPath": ".status.decode.summary",
-                         "description": "Ready/desired decode pods"},
-                        {"name": "Draining", "type": "string",
-                         "jsonPath": ".status.decode.drainingSummary",
-                         "description": "Decode pods leaving, each until the conversations "
-                         "it holds moved or its drain ran out, and the conversations they "
-                         "still hold"},
-                        {"name": "Bidirectional", "type": "boolean",
-                         "jsonPath": ".spec.kvTransfer.bidirectional"},
-                        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-                        {"name": "Age", "type": "date",
-                         "jsonPath": ".metadata.creationTimestamp"},
-                    ],
+                    "additionalPrinterColumns": _printer_columns(),
                 }
             ],
         },
