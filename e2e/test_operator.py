@@ -204,11 +204,11 @@ async def test_restart_with_nothing_changed_writes_nothing(minimal, example):
         async with running_operator(client) as controller:
             # The proof that it had every chance to write: both resources reconciled
             # after every child reached its caches.
-            await eventually(lambda: expected <= set(controller.controller.children),
+            await eventually(lambda: expected <= set(controller.controller.children.cache),
                              what="every child in the new operator's caches")
             seen = controller.reconciles
             for uid in list(controller.controller.owners):
-                controller.loop.call_soon_threadsafe(controller.controller.schedule, uid, 0)
+                controller.loop.call_soon_threadsafe(controller.controller.queue.schedule, uid, 0)
             await eventually(lambda: controller.reconciles >= seen + 2, what="two reconciles")
             await controller.idle()
         # Not even the handle-key Secrets: each is recorded in its resource's status.
@@ -326,7 +326,7 @@ async def test_delete_leaves_children_to_the_garbage_collector(minimal):
         # The proof that it saw everything go: the deletion processed, every child's
         # DELETED event in its caches.
         await eventually(lambda: not ctl.controller.owners and not any(
-            k[1] == "ns1" for k in ctl.controller.children), what="deletions seen")
+            k[1] == "ns1" for k in ctl.controller.children.cache), what="deletions seen")
         await ctl.idle()
         # The operator wrote nothing while its resource went away (no re-creation).
         assert [r for r in server.writes() if r.verb != "delete"] == []

@@ -39,7 +39,7 @@ async def force_reconciles(controller, n: int) -> None:
     for _ in range(n):
         seen = controller.reconciles
         for uid in list(controller.controller.owners):
-            controller.loop.call_soon_threadsafe(controller.controller.schedule, uid, 0)
+            controller.loop.call_soon_threadsafe(controller.controller.queue.schedule, uid, 0)
         await eventually(lambda s=seen: controller.reconciles > s, what="a reconcile")
         await controller.idle()
 

@@ -353,18 +353,18 @@ async def test_a_leaving_or_gone_engine_pod_brings_a_pass_of_its_resource(event,
     controller = Controller(client=None)
     controller.owners["u1"] = {"metadata": {"name": "tiny", "namespace": "ns1", "uid": "u1"}}
     controller.pod_event(event, body)
-    assert ("u1" in controller._pending) is scheduled
+    assert ("u1" in controller.queue._pending) is scheduled
     controller.close()
 
 
 def test_the_status_patch_removes_what_a_pod_or_role_no_longer_says():
     """A count that became unknown is removed, not left stale: a merge patch deletes by
     null at any depth of objects, and replaces a list whole."""
-    from bidirkv.operator.reconcile.controller import _merge_patch
+    from bidirkv.operator.reconcile.status import merge_patch
 
     old = {"phase": "Ready", "decode": {"draining": 1, "drainingConversations": 3,
                                         "drainingPods": [entry("d1", conversations=3)]}}
     new = {"decode": {"draining": 1, "drainingPods": [entry("d1")]}}
-    assert _merge_patch(old, new) == {
+    assert merge_patch(old, new) == {
         "phase": None, "decode": {"draining": 1, "drainingConversations": None,
                                   "drainingPods": [entry("d1")]}}

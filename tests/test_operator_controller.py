@@ -112,7 +112,7 @@ async def test_triggers_are_coalesced_into_one_reconcile(minimal):
     body = owner_body(minimal, client)
     controller.owners["u-1"] = body
     for _ in range(20):
-        controller.schedule("u-1", 0.05)
+        controller.queue.schedule("u-1", 0.05)
     await asyncio.sleep(0)
     await controller.idle()
     assert controller.reconciles == 1
@@ -122,13 +122,13 @@ async def test_failures_back_off_exponentially_up_to_the_cap(minimal, monkeypatc
     client = Client()
     controller = Controller(client, max_backoff=2.0)
     delays: list[float] = []
-    real = controller.schedule
+    real = controller.queue.schedule
 
     def record(uid: str, delay: float) -> None:
         delays.append(delay)
         real(uid, 0)  # run at once: the test checks the delays asked for, not the waiting
 
-    monkeypatch.setattr(controller, "schedule", record)
+    monkeypatch.setattr(controller.queue, "schedule", record)
     client.fail["GET", "*"] = [ApiError(500, "InternalError", "boom")] * 5
     controller.owners["u-1"] = owner_body(minimal, client)
     record("u-1", 0)
@@ -136,7 +136,7 @@ async def test_failures_back_off_exponentially_up_to_the_cap(minimal, monkeypatc
         await asyncio.sleep(0.01)
     await controller.idle()
     assert delays == [0, 0.5, 1.0, 2.0, 2.0, 2.0]
-    assert controller._failures == {}  # the sixth pass succeeded and cleared the count
+    assert controller.queue._failures == {}  # the sixth pass succeeded and cleared the count
 
 
 async def test_a_conflict_on_create_reads_the_winner_and_goes_on(minimal):

@@ -1,15 +1,9 @@
-"""Level-based reconciliation of DisaggregatedInference resources.
-
-Watch events (delivered by kopf) only fill two caches and schedule a reconcile of the
-owning resource; the reconcile compares the rendered children with the cache and
-writes only what differs. A cache miss or a suspected difference is confirmed with a
-fresh GET before anything is written, so a restarted operator whose caches are still
-filling writes nothing when nothing changed.
-"""
+"""Level-based reconciliation of DisaggregatedInference resources: watch events (delivered
+by kopf) fill the caches and schedule a pass over the owning resource (queue.py), which
+brings its children to what it renders (apply.py) and writes its status (status.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import datetime as dt
 import logging
@@ -18,9 +12,11 @@ from typing import Any
 
 from bidirkv.operator.api import spec as api
 from bidirkv.operator.kube import ApiError, KubeClient
-from bidirkv.operator.reconcile.diff import controlled_by, differs, owned_by, replacement
+from bidirkv.operator.reconcile.apply import ChildConflict, Children, KindMissing
+from bidirkv.operator.reconcile.diff import controlled_by, owned_by
 from bidirkv.operator.reconcile.drainwatch import (
     DRAIN_TIMED_OUT,
+    format_time,
     newly_timed_out,
     next_look,
     parse_time,
@@ -28,8 +24,9 @@ from bidirkv.operator.reconcile.drainwatch import (
 )
 from bidirkv.operator.reconcile.heldcount import HeldReads
 from bidirkv.operator.reconcile.keysecret import CRD_OUTDATED, KeySecrets, RecordDropped
-from bidirkv.operator.reconcile.status import compute_status, same_status
-from bidirkv.operator.render.autoscaling import AUTOSCALER_KINDS, SCALED_OBJECT_API_VERSION
+from bidirkv.operator.reconcile.queue import PassQueue
+from bidirkv.operator.reconcile.status import compute_status, failed_message, status_patch
+from bidirkv.operator.render.autoscaling import AUTOSCALER_KINDS
 from bidirkv.operator.render.children import (
     Owner,
     optional_children,
@@ -37,49 +34,20 @@ from bidirkv.operator.render.children import (
     selector_string,
 )
 from bidirkv.operator.render.handlekey import STATUS_FIELD, recorded
-from bidirkv.operator.render.monitoring import POD_MONITOR_API_VERSION
 from bidirkv.operator.render.naming import child_name
 from bidirkv.operator.render.netpol import namespace_error
 from bidirkv.roleconfig import ROLES
 
 log = logging.getLogger("bidirkv.operator")
 
-Key = tuple[str, str, str]  # kind, namespace, name
-# Children the operator does not watch (their CRD may be missing, and a watch would need
-# list and watch on them): never trusted from the cache.
-UNWATCHED_KINDS = frozenset({"PodMonitor", "HorizontalPodAutoscaler", "ScaledObject"})
-
 
 def _now() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """`new` as a merge patch over `old`: fields it no longer has, at any depth of
-    objects, are removed (null deletes; a list is replaced whole)."""
-    patch: dict[str, Any] = {k: None for k in old if k not in new}
-    for k, v in new.items():
-        before = old.get(k)
-        patch[k] = _merge_patch(before, v) if isinstance(v, dict) and isinstance(
-            before, dict) else v
-    return patch
-
-
-def _key(obj: dict[str, Any]) -> Key:
-    meta = obj["metadata"]
-    return obj["kind"], meta.get("namespace", ""), meta["name"]
+    return format_time(dt.datetime.now(dt.UTC))
 
 
 class Controller:
-    def __init__(
-        self,
-        client: KubeClient,
-        *,
-        debounce: float = 0.05,
-        max_backoff: float = 60.0,
-        now: Callable[[], str] = _now,
-        operator_namespace: str | None = None,
-    ):
+    def __init__(self, client: KubeClient, *, debounce: float = 0.05, max_backoff: float = 60.0,
+                 now: Callable[[], str] = _now, operator_namespace: str | None = None):
         """`operator_namespace`: the namespace this operator's pods run in, the one the
         engines' NetworkPolicy admits them from (None: not known; render/netpol.py)."""
         problem = None if operator_namespace is None else namespace_error(operator_namespace)
@@ -88,19 +56,11 @@ class Controller:
         self.client = client
         self.operator_namespace = operator_namespace
         self.debounce = debounce
-        self.max_backoff = max_backoff
         self.now = now
         self.owners: dict[str, dict[str, Any]] = {}  # uid -> DisaggregatedInference
-        self.children: dict[Key, dict[str, Any]] = {}
-        self._pending: dict[str, asyncio.TimerHandle | asyncio.Task] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._failures: dict[str, int] = {}
+        self.queue = PassQueue(self.owners, self.reconcile, max_backoff)
+        self.children = Children(client)
         self._keys = KeySecrets(client, self._event)
-        # Optional children confirmed absent: not looked up again until rendered.
-        self._absent: set[Key] = set()
-        # While pods drain: the next look at them (drainwatch.py), outside `_pending` so
-        # that `idle` does not wait for drains.
-        self._drain_looks: dict[str, asyncio.TimerHandle] = {}
         self._pods_refused = False
         # Draining decode pods' gauges: read on the event loop, one read per pod at once.
         self.held_reads = HeldReads()
@@ -113,22 +73,16 @@ class Controller:
             # Children carry owner references: the garbage collector removes them.
             self.owners.pop(uid, None)
             self._keys.forget(uid)
-            self._cancel(uid)
-            if (look := self._drain_looks.pop(uid, None)) is not None:
-                look.cancel()
+            self.queue.forget(uid)
             return
         self.owners[uid] = body
-        self.schedule(uid, 0)
+        self.queue.schedule(uid, 0)
 
     def child_event(self, event_type: str | None, body: dict[str, Any]) -> None:
-        key = _key(body)
-        if event_type == "DELETED":
-            self.children.pop(key, None)
-        else:
-            self.children[key] = body
+        self.children.observe(event_type, body)
         for ref in body["metadata"].get("ownerReferences", []):
             if ref.get("kind") == api.KIND and ref.get("uid") in self.owners:
-                self.schedule(ref["uid"], self.debounce)
+                self.queue.schedule(ref["uid"], self.debounce)
 
     def pod_event(self, event_type: str | None, body: dict[str, Any]) -> None:
         """An engine pod that starts leaving, or is gone: its resource's status follows
@@ -144,58 +98,14 @@ class Controller:
             om = owner["metadata"]
             if (om.get("name") == labels.get("app.kubernetes.io/instance")
                     and om.get("namespace") == meta.get("namespace")):
-                self.schedule(uid, self.debounce)
-
-    # -- scheduling -----------------------------------------------------------------
-    def schedule(self, uid: str, delay: float) -> None:
-        """Coalesce triggers: at most one reconcile of a resource is waiting."""
-        if uid in self._pending:
-            return
-        loop = asyncio.get_running_loop()
-        self._pending[uid] = loop.call_later(delay, self._start, uid)
-
-    def _start(self, uid: str) -> None:
-        self._pending[uid] = asyncio.get_running_loop().create_task(self._run(uid))
-
-    def _cancel(self, uid: str) -> None:
-        pending = self._pending.pop(uid, None)
-        if pending is not None:
-            pending.cancel()
-
-    async def _run(self, uid: str) -> None:
-        lock = self._locks.setdefault(uid, asyncio.Lock())
-        async with lock:
-            # Triggers arriving from here on schedule a new pass.
-            self._pending.pop(uid, None)
-            body = self.owners.get(uid)
-            if body is None:
-                return
-            try:
-                await self.reconcile(body)
-                self._failures.pop(uid, None)
-            except Exception as exc:  # noqa: BLE001 - any failure is retried with backoff
-                n = self._failures[uid] = self._failures.get(uid, 0) + 1
-                delay = min(self.max_backoff, 0.5 * 2 ** (n - 1))
-                log.warning("reconcile of %s failed (%s); retrying in %.1fs",
-                            body["metadata"]["name"], exc, delay)
-                if uid in self.owners and uid not in self._pending:
-                    self.schedule(uid, delay)
+                self.queue.schedule(uid, self.debounce)
 
     async def idle(self, timeout: float = 30.0) -> None:
         """Wait until no reconcile is pending or running (tests, benchmarks)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while self._pending or any(lock.locked() for lock in self._locks.values()):
-            if loop.time() > deadline:
-                raise TimeoutError("reconciles still pending")
-            await asyncio.sleep(0.02)
+        await self.queue.idle(timeout)
 
     def close(self) -> None:
-        for uid in list(self._pending):
-            self._cancel(uid)
-        for look in self._drain_looks.values():
-            look.cancel()
-        self._drain_looks.clear()
+        self.queue.close()
 
     # -- the reconcile pass ---------------------------------------------------------
     async def reconcile(self, body: dict[str, Any]) -> None:
@@ -227,10 +137,11 @@ class Controller:
                 # ScaledObject on a workload an HPA still scales, and the pass would stop.
                 for kind in AUTOSCALER_KINDS:
                     if kind != obj["kind"]:
-                        await self._remove((kind, owner.namespace, obj["metadata"]["name"]),
-                                           owner)
+                        await self.children.remove(
+                            (kind, owner.namespace, obj["metadata"]["name"]), owner)
             try:
-                seen[(obj["kind"], obj["metadata"]["name"])] = await self._apply(obj, owner)
+                seen[(obj["kind"], obj["metadata"]["name"])] = await self.children.apply(
+                    obj, owner)
             except ChildConflict as exc:
                 problem = ("ChildConflict", str(exc))
                 seen[(obj["kind"], obj["metadata"]["name"])] = None
@@ -239,7 +150,7 @@ class Controller:
                 seen[(obj["kind"], obj["metadata"]["name"])] = None
         for kind, name in optional_children(owner):
             if (kind, name) not in seen:
-                await self._remove((kind, owner.namespace, name), owner)
+                await self.children.remove((kind, owner.namespace, name), owner)
         pods = await self._engine_pods(owner, seen)
         now = self.now()
         when = parse_time(now)
@@ -251,8 +162,8 @@ class Controller:
         for role, pod in newly_timed_out(previous, status):
             await self._event(body, "Warning", DRAIN_TIMED_OUT, timed_out_message(
                 role, pod, getattr(spec, role).drain_seconds))
-        self._look_again(meta["uid"], status, now)
-        if problem and _condition_message(previous) != problem[1]:
+        self.queue.look_again(meta["uid"], None if when is None else next_look(status, when))
+        if problem and failed_message(previous) != problem[1]:
             await self._event(body, "Warning", problem[0], problem[1])
         if problem and problem[0] == "KindMissing":
             # No event announces a CRD: retry (with backoff) until it is installed.
@@ -267,7 +178,7 @@ class Controller:
         out: dict[str, int] = {}
         for role in ROLES:
             key = ("StatefulSet", owner.namespace, child_name(owner, role))
-            sts = self.children.get(key)
+            sts = self.children.cache.get(key)
             if sts is None and getattr(spec, role).autoscaling is not None:
                 # Without a count of its own in the spec, an autoscaled role needs the
                 # server's; a fixed role has one, and its watch brings what exists.
@@ -304,23 +215,6 @@ class Controller:
         self._pods_refused = False
         return out
 
-    def _look_again(self, uid: str, status: dict[str, Any], now: str) -> None:
-        """While pods drain, reconcile again at the next deadline (or RECHECK_S): a drain
-        that runs out changes no StatefulSet."""
-        when = parse_time(now)
-        delay = None if when is None else next_look(status, when)
-        look = self._drain_looks.pop(uid, None)
-        if look is not None:
-            look.cancel()
-        if delay is not None:
-            self._drain_looks[uid] = asyncio.get_running_loop().call_later(
-                delay, self._drain_look, uid)
-
-    def _drain_look(self, uid: str) -> None:
-        self._drain_looks.pop(uid, None)
-        if uid in self.owners:
-            self.schedule(uid, 0)
-
     async def _record_key(self, body: dict[str, Any], owner: Owner,
                           previous: dict[str, Any]) -> dict[str, str]:
         """The handle-key Secret the pods mount, created and recorded (keysecret.py)."""
@@ -334,61 +228,11 @@ class Controller:
             self.owners[owner.uid] = server_body
         return key
 
-    async def _remove(self, key: Key, owner: Owner) -> None:
-        """Delete an optional child this resource owns and no longer renders."""
-        if key in self._absent:
-            return
-        actual = self.children.pop(key, None) or await self.client.get(*key)
-        if actual is not None and owned_by(actual, owner.uid):
-            await self.client.delete(*key, actual["metadata"]["uid"])
-            log.info("deleted %s/%s (turned off)", key[0], key[2])
-        self._absent.add(key)
-
-    async def _apply(self, obj: dict[str, Any], owner: Owner) -> dict[str, Any]:
-        key = _key(obj)
-        self._absent.discard(key)
-        cached = self.children.get(key)
-        # Only watched kinds keep their cache current; the others are read every pass, so
-        # a hand edit or deletion is put right at the next reconcile.
-        if (cached is not None and key[0] not in UNWATCHED_KINDS
-                and owned_by(cached, owner.uid) and not differs(obj, cached)):
-            return cached
-        # Cache miss or a difference: confirm against the server before writing.
-        actual = await self.client.get(*key)
-        if actual is None:
-            try:
-                created = await self.client.create(obj)
-            except ApiError as exc:
-                if exc.status == 404 and (missing := _kind_missing(obj)):
-                    raise KindMissing(missing) from None
-                if exc.status != 409:
-                    raise
-                actual = await self.client.get(*key)
-                if actual is None:
-                    raise
-            else:
-                self.children[key] = created
-                log.info("created %s/%s", key[0], key[2])
-                return created
-        if not owned_by(actual, owner.uid):
-            raise ChildConflict(
-                f"{key[0]} {key[1]}/{key[2]} exists and is not owned by this "
-                "DisaggregatedInference; delete or rename it"
-            )
-        if not differs(obj, actual):
-            self.children[key] = actual
-            return actual
-        updated = await self.client.replace(replacement(obj, actual))
-        self.children[key] = updated
-        log.info("updated %s/%s", key[0], key[2])
-        return updated
-
     async def _write_status(self, body: dict[str, Any], status: dict[str, Any]) -> None:
-        status = _drop_none(status)
-        if same_status(body.get("status") or {}, status):
+        patch = status_patch(body.get("status") or {}, status)
+        if patch is None:
             return
         meta = body["metadata"]
-        patch = _merge_patch(body.get("status") or {}, status)
         result = await self.client.patch_status(api.KIND, meta["namespace"], meta["name"], patch)
         if meta["uid"] in self.owners and result:
             self.owners[meta["uid"]] = result
@@ -400,7 +244,7 @@ class Controller:
         if phase is not None:
             status["phase"] = phase
         await self._write_status(body, status)
-        if _condition_message(previous) != message:
+        if failed_message(previous) != message:
             log.warning("%s/%s: %s", owner.namespace, owner.name, message)
             await self._event(body, "Warning", reason, message)
 
@@ -430,39 +274,3 @@ class Controller:
             await self.client.create(event)
         except ApiError as exc:  # an event is best effort; the condition says it too
             log.warning("could not post event %s: %s", reason, exc)
-
-
-class ChildConflict(Exception):
-    """A child name is taken by an object this resource does not own."""
-
-
-class KindMissing(Exception):
-    """The cluster does not serve the kind of an optional child (its CRD is missing)."""
-
-
-def _kind_missing(obj: dict[str, Any]) -> str | None:
-    """What to say when the cluster does not serve an optional child's kind."""
-    served = f"the cluster serves no {obj['apiVersion']} {obj['kind']}"
-    if obj["apiVersion"] == POD_MONITOR_API_VERSION:
-        return (f"spec.monitoring.podMonitor.enabled is true but {served} (install "
-                "prometheus-operator's CRDs, or turn it off)")
-    if obj["apiVersion"] == SCALED_OBJECT_API_VERSION:
-        role = obj["metadata"]["labels"]["app.kubernetes.io/component"]
-        return (f"spec.{role}.autoscaling.engine is 'keda' but {served} (install KEDA, or "
-                "use engine hpa)")
-    return None
-
-
-def _condition_message(status: dict[str, Any]) -> str | None:
-    for cond in status.get("conditions", []):
-        if cond.get("type") == "Reconciled" and cond.get("status") == "False":
-            return cond.get("message")
-    return None
-
-
-def _drop_none(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _drop_none(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_drop_none(v) for v in value]
-    return value

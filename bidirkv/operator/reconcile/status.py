@@ -1,4 +1,5 @@
-"""The status of a DisaggregatedInference, computed from its children (pure)."""
+"""The status of a DisaggregatedInference, computed from its children, and the merge patch
+that writes it (pure)."""
 
 from __future__ import annotations
 
@@ -120,20 +121,8 @@ def compute_status(
     if HANDLE_KEY_FIELD in previous:
         status[HANDLE_KEY_FIELD] = previous[HANDLE_KEY_FIELD]
     if spec is None:
-        # The spec is unusable: keep the counts of what runs, say what is wrong.
-        for key in ("prefill", "decode", "routerReady", "routerUrl", "kvFingerprint"):
-            if key in previous:
-                status[key] = previous[key]
-        reason, message = problem or ("InvalidSpec", "")
-        conds = [c for c in previous.get("conditions", []) if c.get("type") != RECONCILED]
-        conds.append(_condition(RECONCILED, False, reason, message, generation))
-        status["conditions"] = _stamp(conds, previous.get("conditions", []), now)
-        status["phase"] = "Invalid"
-        return status
-
-    conds = []
-    all_ready = True
-    rolling: list[str] = []
+        return _unusable(status, previous, problem or ("InvalidSpec", ""), generation, now)
+    readiness = []  # (condition type, ok, reason, message) of each child
     for role in ROLES:
         sts = children.get(("StatefulSet", child_name(owner, role)))
         seen = ((sts or {}).get("spec") or {}).get("replicas")
@@ -141,60 +130,84 @@ def compute_status(
         rs = _role_status(owner, desired, sts, role)
         rs.update(_drains(role, pods, previous, now, held if role == "decode" else None))
         status[role] = rs
-        ok, reason, msg = _readiness(sts, desired, rs["ready"], "pods")
-        all_ready &= ok
-        if reason == "RollingOut":
-            rolling.append(f"{role}: {msg}")
-        conds.append(_condition(f"{role.capitalize()}Ready", ok, reason, msg, generation))
+        readiness.append((f"{role.capitalize()}Ready",
+                          *_readiness(sts, desired, rs["ready"], "pods")))
     dep = children.get(("Deployment", child_name(owner, "router")))
-    router_ready = _counts(dep)["readyReplicas"]
-    status["routerReady"] = router_ready
+    status["routerReady"] = _counts(dep)["readyReplicas"]
     status["routerUrl"] = router_url(owner, spec)
     status["kvFingerprint"] = kv_fingerprint(spec)
-    rok, reason, msg = _readiness(dep, spec.router.replicas, router_ready, "router pods")
-    all_ready &= rok
-    if reason == "RollingOut":
-        rolling.append(f"router: {msg}")
-    conds.append(_condition("RouterReady", rok, reason, msg, generation))
-    conds.append(_condition("Progressing", bool(rolling),
-                            "RollingOut" if rolling else "RolloutComplete",
-                            "; ".join(rolling) if rolling
-                            else "every child runs its current template", generation))
+    readiness.append(("RouterReady", *_readiness(dep, spec.router.replicas,
+                                                  status["routerReady"], "router pods")))
+    rolling = [f"{type_[: -len('Ready')].lower()}: {msg}"
+               for type_, _, reason, msg in readiness if reason == "RollingOut"]
+    all_ready = all(ok for _, ok, _, _ in readiness)
+    conds = [_condition(*r, generation) for r in readiness]
+    conds += _conditions_beyond_readiness(spec, status, rolling, problem, generation)
+    conds.insert(0, _ready(conds, all_ready, rolling, problem, generation))
+    status["conditions"] = _stamp(conds, previous.get("conditions", []), now)
+    status["phase"] = _phase(status, problem, all_ready, rolling, _counts(dep)["replicas"])
+    return status
+
+
+def _unusable(status: dict[str, Any], previous: dict[str, Any], problem: tuple[str, str],
+              generation: int | None, now: str) -> dict[str, Any]:
+    """The spec is unusable: keep the counts of what runs, say what is wrong."""
+    for key in ("prefill", "decode", "routerReady", "routerUrl", "kvFingerprint"):
+        if key in previous:
+            status[key] = previous[key]
+    conds = [c for c in previous.get("conditions", []) if c.get("type") != RECONCILED]
+    conds.append(_condition(RECONCILED, False, *problem, generation))
+    status["conditions"] = _stamp(conds, previous.get("conditions", []), now)
+    status["phase"] = "Invalid"
+    return status
+
+
+def _conditions_beyond_readiness(spec: api.DisaggregatedInferenceSpec, status: dict[str, Any],
+                                 rolling: list[str], problem: tuple[str, str] | None,
+                                 generation: int | None) -> list[dict[str, Any]]:
+    """Progressing, DrainCoversRetention, Draining and Reconciled."""
     # Allowed, but a leaving decode pod then drops what it still holds at the deadline.
     short = short_drain(spec)
-    conds.append(_condition("DrainCoversRetention", short is None,
-                            "ShorterThanRetention" if short else "CoversRetention",
-                            short or "a leaving decode pod may wait for every conversation "
-                            "it retains", generation))
     drains, reason, msg = draining_condition(status)
-    conds.append(_condition(DRAINING, drains, reason, msg, generation))
+    return [
+        _condition("Progressing", bool(rolling), "RollingOut" if rolling else "RolloutComplete",
+                   "; ".join(rolling) if rolling else "every child runs its current template",
+                   generation),
+        _condition("DrainCoversRetention", short is None,
+                   "ShorterThanRetention" if short else "CoversRetention",
+                   short or "a leaving decode pod may wait for every conversation it retains",
+                   generation),
+        _condition(DRAINING, drains, reason, msg, generation),
+        _condition(RECONCILED, False, *problem, generation) if problem
+        else _condition(RECONCILED, True, "Applied", "all children match the spec", generation),
+    ]
+
+
+def _ready(conds: list[dict[str, Any]], all_ready: bool, rolling: list[str],
+           problem: tuple[str, str] | None, generation: int | None) -> dict[str, Any]:
+    if problem and all_ready:
+        return _condition("Ready", False, problem[0], "the pods are ready, but " + problem[1],
+                          generation)
+    if all_ready:
+        return _condition("Ready", True, "AllReady", "prefill, decode and router are ready",
+                          generation)
+    waiting = ", ".join(c["type"][: -len("Ready")].lower() for c in conds
+                        if c["type"].endswith("Ready") and c["status"] == "False")
+    return _condition("Ready", False, "RollingOut" if rolling else "NotReady",
+                      "waiting for " + waiting, generation)
+
+
+def _phase(status: dict[str, Any], problem: tuple[str, str] | None, all_ready: bool,
+           rolling: list[str], router_pods: int) -> str:
     if problem:
-        conds.append(_condition(RECONCILED, False, problem[0], problem[1], generation))
-    else:
-        conds.append(_condition(RECONCILED, True, "Applied",
-                                "all children match the spec", generation))
-    conds.insert(0, _condition("Ready", all_ready and not problem,
-                               problem[0] if problem and all_ready
-                               else "AllReady" if all_ready
-                               else "RollingOut" if rolling else "NotReady",
-                               "the pods are ready, but " + problem[1] if problem and all_ready
-                               else "prefill, decode and router are ready" if all_ready
-                               else "waiting for " + ", ".join(
-                                   c["type"][: -len("Ready")].lower() for c in conds
-                                   if c["type"].endswith("Ready") and c["status"] == "False"
-                               ), generation))
-    status["conditions"] = _stamp(conds, previous.get("conditions", []), now)
-    if problem:
-        status["phase"] = "Degraded"
-    elif all_ready:
-        status["phase"] = "Ready"
-    elif any(status[r]["ready"] for r in ROLES) or router_ready or (
-            rolling and (any(status[r]["replicas"] for r in ROLES) or _counts(dep)["replicas"])):
+        return "Degraded"
+    if all_ready:
+        return "Ready"
+    if any(status[r]["ready"] for r in ROLES) or status["routerReady"] or (
+            rolling and (any(status[r]["replicas"] for r in ROLES) or router_pods)):
         # Pending until a first pod exists; from then on a rollout is progress.
-        status["phase"] = "Progressing"
-    else:
-        status["phase"] = "Pending"
-    return status
+        return "Progressing"
+    return "Pending"
 
 
 def _drains(role: str, pods: Mapping[str, Sequence[dict[str, Any]]] | None,
@@ -208,9 +221,38 @@ def _drains(role: str, pods: Mapping[str, Sequence[dict[str, Any]]] | None,
     return role_drains(draining_pods(pods.get(role) or [], before, when, held))
 
 
-def same_status(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return _normalise(a) == _normalise(b)
+def status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any] | None:
+    """The merge patch that makes `old` say `new` (its unset fields left out); None when
+    it says that already."""
+    new = _drop_none(new)
+    if {k: v for k, v in old.items() if v is not None} == new:
+        return None
+    return merge_patch(old, new)
 
 
-def _normalise(status: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in (status or {}).items() if v is not None}
+def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """`new` as a merge patch over `old`: fields it no longer has, at any depth of
+    objects, are removed (null deletes; a list is replaced whole)."""
+    patch: dict[str, Any] = {k: None for k in old if k not in new}
+    for k, v in new.items():
+        before = old.get(k)
+        patch[k] = merge_patch(before, v) if isinstance(v, dict) and isinstance(
+            before, dict) else v
+    return patch
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value
+
+
+def failed_message(status: dict[str, Any]) -> str | None:
+    """What the status's Reconciled condition says while it is False: its Event was
+    posted when it first said it."""
+    for cond in status.get("conditions", []):
+        if cond.get("type") == RECONCILED and cond.get("status") == "False":
+            return cond.get("message")
+    return None
