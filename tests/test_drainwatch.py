@@ -354,7 +354,7 @@ async def test_a_leaving_or_gone_engine_pod_brings_a_pass_of_its_resource(event,
     controller.owners["u1"] = {"metadata": {"name": "tiny", "namespace": "ns1", "uid": "u1"}}
     controller.pod_event(event, body)
     assert ("u1" in controller.queue._pending) is scheduled
-    controller.close()
+    controller.queue.close()
 
 
 def test_the_status_patch_removes_what_a_pod_or_role_no_longer_says():

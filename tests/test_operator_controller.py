@@ -114,7 +114,7 @@ async def test_triggers_are_coalesced_into_one_reconcile(minimal):
     for _ in range(20):
         controller.queue.schedule("u-1", 0.05)
     await asyncio.sleep(0)
-    await controller.idle()
+    await controller.queue.idle()
     assert controller.reconciles == 1
 
 
@@ -134,7 +134,7 @@ async def test_failures_back_off_exponentially_up_to_the_cap(minimal, monkeypatc
     record("u-1", 0)
     while len(delays) < 6:
         await asyncio.sleep(0.01)
-    await controller.idle()
+    await controller.queue.idle()
     assert delays == [0, 0.5, 1.0, 2.0, 2.0, 2.0]
     assert controller.queue._failures == {}  # the sixth pass succeeded and cleared the count
 

@@ -82,7 +82,7 @@ def build_registry(
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
-        controller.close()
+        controller.queue.close()
 
     return registry
 
@@ -152,7 +152,7 @@ async def run_operator(
             liveness_endpoint=liveness_endpoint,
         )
     finally:
-        controller.close()
+        controller.queue.close()
         controller.client.close()
 
 

@@ -77,7 +77,7 @@ class OperatorHandle:
 
     async def idle(self, timeout: float = 30.0) -> None:
         assert self.loop is not None
-        future = asyncio.run_coroutine_threadsafe(self.controller.idle(timeout), self.loop)
+        future = asyncio.run_coroutine_threadsafe(self.controller.queue.idle(timeout), self.loop)
         await asyncio.wrap_future(future)
 
 

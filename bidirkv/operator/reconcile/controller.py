@@ -100,13 +100,6 @@ class Controller:
                     and om.get("namespace") == meta.get("namespace")):
                 self.queue.schedule(uid, self.debounce)
 
-    async def idle(self, timeout: float = 30.0) -> None:
-        """Wait until no reconcile is pending or running (tests, benchmarks)."""
-        await self.queue.idle(timeout)
-
-    def close(self) -> None:
-        self.queue.close()
-
     # -- the reconcile pass ---------------------------------------------------------
     async def reconcile(self, body: dict[str, Any]) -> None:
         self.reconciles += 1
