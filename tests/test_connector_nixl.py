@@ -15,7 +15,7 @@ from bidirkv.connector.hooks import tally
 from bidirkv.connector.hooks.retention import Retention
 from bidirkv.connector.patches import connector as guard
 from bidirkv.roleconfig import KV_CONNECTOR, KV_CONNECTOR_MODULE
-from bidirkv.wire import OWNER_KEY, RETURN_KEY, TENANT_KEY
+from bidirkv.wire import COUNTS_KEY, OWNER_KEY, RETURN_KEY, TENANT_KEY
 
 pytest.importorskip("vllm")
 
@@ -70,6 +70,22 @@ def sched(bidirectional=True):
 
 def req(rid, params):
     return SimpleNamespace(request_id=rid, kv_transfer_params=params)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_prefill_lends_the_ids_its_compact_handle_leaves_out(bidirectional):
+    """Whatever the direction of transfer, D reads P's blocks each turn: P keeps the ids
+    of a compact handle it hands out until vLLM frees the blocks."""
+    s, res = sched(bidirectional), Residency()
+    r = Retention(s, res)
+    out = {"do_remote_prefill": True, "remote_block_ids": [[7, 8]], COUNTS_KEY: [2]}
+    r.finished(req("p1", {}), True, out)
+    assert res.answer("p1") == (True, "lent", [[7, 8]]) and "p1" not in res.held
+    r.finished(req("p2", {}), False, dict(out))  # not delayed: nothing lent
+    r.finished(req("p3", {}), True, {k: v for k, v in out.items() if k != COUNTS_KEY})
+    assert len(res.lent) == 1
+    r.freed(["p1"])
+    assert res.answer("p1")[0] is False and len(res.lent) == 0
 
 
 def test_retention_follows_vllms_bookkeeping():

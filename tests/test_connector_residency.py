@@ -470,3 +470,18 @@ def test_the_report_and_lapsed_leases_walk_no_retained_requests():
     clock.t += 11
     assert res.expire_owners() > 0
     assert sorted(res.take_pending()) == sorted(["r2"] + [f"r{i}" for i in range(0, 50, 10)])
+
+
+def test_prefills_lent_blocks_are_answered_until_vllm_frees_them():
+    """P's handle names its blocks by count; D asks P for their ids before it reads.
+    Answering changes nothing on P (vLLM's lease keeps the blocks until D's read)."""
+    res, clock = make()
+    res.lent.lend("p-1", [[4, 5, 6]])
+    assert res.answer("p-1") == (True, "lent", [[4, 5, 6]])
+    assert res.answer("p-1") == (True, "lent", [[4, 5, 6]])  # every worker of D asks
+    assert res.grants == 0 and res.kept_blocks() == 0
+    res.on_freed(iter(["p-1"]))  # D read them (or the lease ran out)
+    assert res.answer("p-1") == (False, "unknown", []) and len(res.lent) == 0
+    # Decode's retained requests are answered by their grant, as before.
+    res.retain("d-1", 2, None, clock.t + 100, block_ids=[8, 9], groups=(2,))
+    assert res.answer("d-1") == (True, "granted", [[8, 9]])

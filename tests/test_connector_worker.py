@@ -1,4 +1,5 @@
-"""Prefill's worker reads decode's retained blocks only with the ids decode's grant gave
+"""A worker reads its peer's blocks only with the ids the peer gave when asked: prefill
+decode's retained ones with the grant, decode prefill's lent ones
 (bidirkv/connector/nixl/worker.py), driven with stand-ins for vLLM's worker state."""
 
 from types import SimpleNamespace
@@ -69,12 +70,18 @@ def test_a_refused_or_short_grant_recomputes_and_reads_nothing(reads, answer):
     assert reads == [] and w.failed == ["p-1"] and w.expired == 1
 
 
-def test_a_placeholder_is_never_read_without_a_grant(reads):
-    """Not a read of decode's retained blocks (no deadline): no grant is asked, and ids
-    that are still placeholders are not read either."""
-    w = worker((True, "granted", [[40, 41]]))
-    w._read_blocks_for_req("p-1", meta(tuple(placeholder_ids([2])), expiry=None))
-    assert w.grant_gate.asked == [] and reads == [] and w.failed == ["p-1"]
-    # P's own handle (real ids, read by decode) goes to vLLM as it is.
-    w._read_blocks_for_req("d-2", meta(([5, 6],), expiry=None))
-    assert reads == [("d-2", [[5, 6]])]
+def test_prefills_lent_blocks_are_read_with_the_ids_prefill_gives(reads):
+    """A read of prefill's blocks (no deadline: decode, each turn) asks prefill for the
+    ids its compact handle left out; without them nothing is read (vLLM recomputes)."""
+    w = worker((True, "lent", [[40, 41, 42]]))
+    w._read_blocks_for_req("d-1", meta(tuple(placeholder_ids([3])), expiry=None))
+    assert w.grant_gate.asked == ["d-1"] and reads == [("d-1", [[40, 41, 42]])]
+    for answer in ((False, "unknown", []), (True, "lent", [[40, 41]])):
+        w = worker(answer)
+        w._read_blocks_for_req("d-2", meta(tuple(placeholder_ids([3])), expiry=None))
+        assert w.failed == ["d-2"] and w.expired == 0
+    assert len(reads) == 1
+    # A handle that carries its ids (vLLM's own) goes to vLLM as it is, unasked.
+    w = worker((True, "lent", [[9, 9]]))
+    w._read_blocks_for_req("d-3", meta(([5, 6],), expiry=None))
+    assert w.grant_gate.asked == [] and reads[-1] == ("d-3", [[5, 6]])

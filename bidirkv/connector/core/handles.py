@@ -129,10 +129,12 @@ def handle_problem(params: dict[str, Any], max_tokens: int) -> str | None:
     problem = _blocks_problem(params, max_tokens)
     if problem is not None:
         return problem
-    if COUNTS_KEY in params and params.get("do_remote_decode") is not True:
-        # Only prefill's read of decode's retained blocks asks for the grant that
-        # brings the ids; anywhere else vLLM would take the request without its blocks.
-        return f"a handle with {COUNTS_KEY} is read by prefill only (do_remote_decode)"
+    if COUNTS_KEY in params and not (params.get("do_remote_decode") is True
+                                     or params.get("do_remote_prefill") is True):
+        # The ids come with the ask before a read (lease.py); a leg that reads nothing
+        # never asks.
+        return (f"a handle with {COUNTS_KEY} is read on a leg with do_remote_decode or "
+                "do_remote_prefill")
     if not _is_str(params.get("remote_engine_id")):
         return "remote_engine_id must be a non-empty string"
     if not _is_str(params.get("remote_request_id")):

@@ -1,4 +1,4 @@
-"""The read grant on NIXL's side channel: prefill asks decode right before it reads.
+"""The read grant on NIXL's side channel: a reader asks the issuer right before it reads.
 
 Decode's side channel (a ZMQ ROUTER in its engine-core process, next to the scheduler
 that owns the blocks) answers vLLM's handshake (`get_meta_msg`). It also answers one
@@ -10,6 +10,9 @@ message of ours:
 The block ids are vLLM's, one list per KV group, of the blocks decode retained for that
 request (empty when refused): decode's handle names only how many there are, so the
 router carries and stores a handle that does not grow with the history (wire.py).
+Prefill's handle does the same for the blocks it lends decode for a turn: decode asks
+prefill with the same message, and prefill answers from `Lent` ("lent", its ids), which
+changes nothing (vLLM's lease keeps those blocks until decode's read, as before).
 Prefill reads only after "granted" with ids for every block it reads; anything else
 (refused, no answer in time, a reply it cannot parse) makes it recompute, the outcome
 that can never be wrong. The ask runs in
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -160,3 +163,27 @@ def ids_to_read(requested: Any, granted: list[list[int]]) -> list[list[int]] | N
 
 def has_placeholder(ids: Any) -> bool:
     return any(len(g) and g[0] == PLACEHOLDER_ID for g in ids)
+
+
+class Lent:
+    """Prefill's blocks lent to decode for a turn, whose handle names only their count:
+    their ids by request, for decode's ask, until vLLM frees them (decode read them, or
+    the lease ran out). Written by the engine thread, read by the side-channel thread
+    (single dict operations)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, list[list[int]]] = {}
+
+    def lend(self, req_id: str, ids: list[list[int]]) -> None:
+        self._ids[req_id] = ids
+
+    def freed(self, req_ids: Iterable[str]) -> None:
+        for rid in req_ids:
+            self._ids.pop(rid, None)
+
+    def answer(self, req_id: str) -> Grant | None:
+        ids = self._ids.get(req_id)
+        return None if ids is None else (True, "lent", ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)

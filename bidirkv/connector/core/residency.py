@@ -42,6 +42,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from bidirkv.connector.core.lease import Grant, Lent
 from bidirkv.connector.core.notes import Notes
 from bidirkv.connector.core.releaseorder import Heaviest, ReleaseOrder
 from bidirkv.returns import next_gap
@@ -131,6 +132,8 @@ class Residency:
     # What each owner left beside its held requests to rebuild its handles after a
     # restart (notes.py); a note goes when its request leaves state held.
     notes: Notes = field(default_factory=Notes)
+    # On prefill: the ids of blocks lent to decode for a turn (lease.Lent).
+    lent: Lent = field(default_factory=Lent)
 
     # -- engine thread: lifecycle ---------------------------------------------------------
     def retain(self, req_id: str, blocks: int, owner: str | None, deadline: float,
@@ -162,6 +165,8 @@ class Residency:
 
     def on_freed(self, req_ids: Iterable[str]) -> None:
         """vLLM freed these requests' blocks (read, TTL, or a release we asked for)."""
+        req_ids = list(req_ids)
+        self.lent.freed(req_ids)
         with self.lock:
             for rid in req_ids:
                 h = self.held.pop(rid, None)
@@ -301,7 +306,12 @@ class Residency:
         return max(0, self.kept_blocks() - limit)
 
     # -- side-channel thread --------------------------------------------------------------
-    def grant(self, req_id: str) -> tuple[bool, str, list[list[int]]]:
+    def answer(self, req_id: str) -> Grant:
+        """The side channel's answer to a reader's ask: blocks prefill lent (no state to
+        change), else a grant of blocks decode retained."""
+        return self.lent.answer(req_id) or self.grant(req_id)
+
+    def grant(self, req_id: str) -> Grant:
         """May prefill read this request's blocks now, and which are they? Decided once,
         under the lock; every worker of a prefill engine asks (one per TP rank), so a
         granted request is granted again until its read frees it (the blocks stay

@@ -24,7 +24,14 @@ from typing import Any
 from bidirkv.connector.core.residency import Residency
 from bidirkv.connector.hooks import tally
 from bidirkv.returns import gap_of
-from bidirkv.wire import MAX_TENANT_LEN, NOTE_LEAVES_OUT, OWNER_KEY, RETURN_KEY, TENANT_KEY
+from bidirkv.wire import (
+    COUNTS_KEY,
+    MAX_TENANT_LEN,
+    NOTE_LEAVES_OUT,
+    OWNER_KEY,
+    RETURN_KEY,
+    TENANT_KEY,
+)
 
 
 def bidirectional(sched: Any) -> bool:
@@ -43,6 +50,12 @@ class Retention:
         self.tally = counts or tally.Tally()
 
     def finished(self, request: Any, delay: bool, out: dict | None) -> None:
+        if delay and isinstance(out, dict) and out.get("do_remote_prefill") and (
+                COUNTS_KEY in out):
+            # P lends these blocks to D for this turn, whatever the transfer's direction:
+            # D asks for their ids before it reads (core/lease.py's Lent).
+            self.residency.lent.lend(request.request_id,
+                                     [list(g) for g in out.get("remote_block_ids") or ()])
         if not (self.enabled and delay and isinstance(out, dict)
                 and out.get("do_remote_decode")):
             return

@@ -30,6 +30,7 @@ from bidirkv.connector.core.handles import (
     admit,
     block_counts,
     normalized,
+    placeholder_ids,
     sign,
     stamp_expiry,
 )
@@ -150,6 +151,10 @@ class Reuse:
                 adm, offered, _tokens(request), st.seed, _request_seed(st, request),
                 self.sched.block_size,
                 adm.handle and _layout_ok(self.sched, block_counts(adm.params)))
+        if adm.handle and adm.params.get("remote_block_ids") is None:
+            # A compact handle P lent (D reads): vLLM takes a read only with a block list
+            # of its length; the ids come with the ask before the read (nixl/worker.py).
+            adm.params["remote_block_ids"] = placeholder_ids(block_counts(adm.params))
         # In place: the request and its sampling params share this dict.
         params.clear()
         params.update(adm.params)
@@ -226,10 +231,11 @@ class Reuse:
             out[BLOCKS_KEY] = digests.HeldBlocks.of(
                 sched.block_size, st.fingerprint, _request_seed(st, request), held,
             ).to_wire()
-        if out.get("do_remote_decode") and delay and out.get("remote_block_ids"):
-            # D keeps the ids with the retained request and hands them to the reader
-            # with the grant (core/lease.py); its handle names only how many there are,
-            # and the connector leaves the ids out once retention took them.
+        if delay and out.get("remote_block_ids"):
+            # The issuer keeps the ids (D with the retained request, P with the blocks it
+            # lends) and hands them to the reader when it asks (core/lease.py); the
+            # handle names only how many there are, and the connector leaves the ids out
+            # once retention took them.
             out[COUNTS_KEY] = [len(g) for g in out["remote_block_ids"]]
         if out.get("remote_block_ids"):
             # How long the issuer keeps the blocks: D its TTL, P its lease (which D's

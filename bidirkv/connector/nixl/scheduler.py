@@ -1,5 +1,5 @@
 """bidir-kv's pull-mode connector scheduler: vLLM's, whose side channel also answers
-read grants (decode, engine-core process).
+read grants and asks for lent blocks' ids (engine-core process).
 
 Prefill asks decode over NIXL's side channel for a grant right before it reads decode's
 retained blocks (core/lease.py is the wire format). The grant is decided by the
@@ -42,4 +42,4 @@ class PullScheduler(NixlPullConnectorScheduler):
                 res = current()
                 sock.send_multipart((identity, b"",
                                      *lease.answer(msg, encoded_data,
-                                                   res.grant if res is not None else None)))
+                                                   res.answer if res is not None else None)))

@@ -4,8 +4,9 @@ it reads decode's retained blocks, and leaves the model thread on its cores (CPU
 A read of decode's retained blocks (a turn-2 read: it carries D's deadline) asks for the
 grant first (core/lease.py), which also brings the blocks' ids (decode's handle carries
 only their count); refused, or granted without ids for every block to read, it takes
-vLLM's expired-read path and the request is recomputed. A read that would still use a
-placeholder id is never issued.
+vLLM's expired-read path and the request is recomputed. A read of prefill's blocks
+(decode, each turn) asks prefill for their ids the same way; without them it is a failed
+transfer. A read that would still use a placeholder id is never issued.
 """
 
 from __future__ import annotations
@@ -47,10 +48,27 @@ class PullWorker(NixlPullConnectorWorker):
                                      why if not ok else "the grant's ids do not cover it")
             remote.block_ids = type(remote.block_ids)(ids)
         elif (remote is not None and remote.engine_id in self._remote_agents
+              and remote.engine_id not in self._invalid_remote_engines
               and lease.has_placeholder(remote.block_ids)
               and any(len(g) for g in meta.local_physical_block_ids)):
-            return self._decline(req_id, remote.request_id, "no grant to bring its ids")
+            # Blocks prefill lent for this turn: its handle named their count, prefill
+            # answers with their ids (lease.Lent).
+            ok, why, lent = self.grant_gate.confirm(remote.host, remote.port,
+                                                    remote.request_id)
+            ids = lease.ids_to_read(remote.block_ids, lent) if ok else None
+            if ids is None:
+                return self._unread(req_id, remote.request_id,
+                                    why if not ok else "the ids given do not cover it")
+            remote.block_ids = type(remote.block_ids)(ids)
         return super()._read_blocks_for_req(req_id, meta)
+
+    def _unread(self, req_id, remote_req_id, why) -> None:
+        """A read of prefill's blocks without their ids: a failed transfer, which vLLM's
+        `kv_load_failure_policy` decides about (recompute, here)."""
+        log.warning("bidir-kv: no ids for prefill's blocks of %s for %s (%s); recomputing",
+                    remote_req_id, req_id, why)
+        self._handle_failed_transfer(req_id, None, self._recv_failures,
+                                     record_failed_transfer=False)
 
     def _decline(self, req_id, remote_req_id, why) -> None:
         log.warning("bidir-kv: decode refused the read of %s for %s (%s); recomputing",
