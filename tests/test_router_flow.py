@@ -325,3 +325,68 @@ async def test_expired_handle_is_a_miss():
         await c.chat(U1 + [r1["message"]], conversation_id="a")
         assert not gens(c.p[0])[1].has_handle
         assert 'bidirkv_router_reuse_total{outcome="expired"} 1.0' in await c.metrics()
+
+
+def record_steps(router, monkeypatch):
+    """The steps of each turn, as the spine (`Flow.serve`) takes them, recorded on the
+    router's own parts; the legs' sends recorded too, to show where they fall."""
+    from bidirkv.router.datapath.admission import Slot
+
+    steps = []
+
+    def wrap(owner, name, step):
+        real = getattr(owner, name)
+
+        def sync(*args, **kwargs):
+            steps.append(step)
+            return real(*args, **kwargs)
+
+        async def coro(*args, **kwargs):
+            steps.append(step)
+            return await real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, coro if asyncio.iscoroutinefunction(real) else sync)
+
+    flow, runner = router.flow, router.runner
+    wrap(router.intake, "admit", "admit")
+    wrap(router.conversations, "identify", "identify")
+    wrap(flow.placing, "plan", "plan")
+    wrap(runner, "run", "run")
+    wrap(runner.legs, "prefill_leg", "prefill leg")
+    wrap(runner.legs, "decode_leg", "decode leg")
+    wrap(flow, "end", "end")
+    real_exit = Slot.__aexit__
+
+    async def slot_freed(self, *exc):
+        steps.append("slot freed")
+        return await real_exit(self, *exc)
+
+    monkeypatch.setattr(Slot, "__aexit__", slot_freed)
+    return steps
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_turn_runs_its_steps_once_in_order(stream, monkeypatch):
+    """Admitted (its slot held until the turn ends), named, placed, run, ended: each step
+    once, in that order, for a first turn and for one that returns with a handle."""
+    async with Cluster() as c:
+        steps = record_steps(c.router, monkeypatch)
+        order = ["admit", "identify", "plan", "run", "prefill leg", "decode leg", "end",
+                 "slot freed"]
+        r1 = await c.chat(U1, stream, conversation_id="order")
+        assert r1["status"] == 200 and steps == order
+        steps.clear()
+        r2 = await c.chat(U1 + [r1["message"], {"role": "user", "content": "more"}], stream,
+                          conversation_id="order")
+        assert r2["status"] == 200 and steps == order
+        assert gens(c.p[0])[1].has_handle
+
+
+async def test_a_refused_request_is_admitted_no_further(monkeypatch):
+    """A body the router cannot parse is refused inside its slot: it is never named,
+    placed or run."""
+    async with Cluster() as c:
+        steps = record_steps(c.router, monkeypatch)
+        status, _, _ = await c.post("/v1/chat/completions", {"messages": "not a list"})
+        assert status == 400
+        assert steps == ["admit", "slot freed"]

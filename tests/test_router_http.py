@@ -253,7 +253,7 @@ async def test_an_unhandled_error_logs_the_client_request_id_bounded_and_escaped
     from bidirkv.router.datapath.admission import LOGGED_CHARS
 
     async with Cluster() as c:
-        async def broken(*args):
+        def broken(*args):
             raise RuntimeError("boom")
 
         c.router.intake.admit = broken

@@ -225,12 +225,13 @@ def modes_readers(source: str) -> list[int]:
 
 def test_a_turns_modes_are_read_where_it_is_built_and_where_it_is_placed():
     """A turn's modes are resolved once per turn: admission.py builds the turn from them
-    (without reading them back off it: whether its conversation is looked up and whether
-    its prompt is measured come before placement), turn.py declares the field, and
-    placing.py makes the turn's plan of them. Every other data-path module reads the
-    plan (`turn.plan`) or takes what it needs as an argument."""
+    (without reading them back off it: whether its prompt is measured comes before
+    placement), turn.py declares the field, conversations.py reads whether the
+    conversation is looked up (before placement too), and placing.py makes the turn's
+    plan of them. Every other data-path module reads the plan (`turn.plan`) or takes
+    what it needs as an argument."""
     found = {p.name for p in sorted(DATAPATH.glob("*.py")) if modes_readers(p.read_text())}
-    assert found == {"placing.py", "turn.py"}
+    assert found == {"conversations.py", "placing.py", "turn.py"}
     assert modes_readers("def keeps(turn):\n    return turn.modes.bidirectional\n") == [2]
     # Per turn, modes_of is called where the turn is built; health.py and upkeep.py call
     # it once per round of their loops or probe, never for a turn.

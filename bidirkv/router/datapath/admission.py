@@ -1,4 +1,5 @@
-"""Admission: a client request becomes a `Turn`, or a refusal before it costs anything.
+"""Admission: a client request takes an in-flight slot (`Slot`, held for as long as its turn
+runs) and becomes a `Turn`, or is refused before it costs anything.
 
 At most maxInflightRequests requests and maxInflightBodyBytes of bodies at once; past
 either a 429 with Retry-After. A request takes its in-flight slot once its body is here,
@@ -23,12 +24,11 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
 from bidirkv.router.datapath.context import Context
-from bidirkv.router.datapath.conversations import Conversations
 from bidirkv.router.datapath.modes import modes_of
 from bidirkv.router.datapath.reading import PER_SOURCE_KNOB, Readers
 from bidirkv.router.datapath.replies import json_error
@@ -40,7 +40,7 @@ from bidirkv.router.request.validation import ClientError, parse_request
 
 log = logging.getLogger("bidirkv.router")
 
-# Bodies above this take their parse and hashing steps one at a time (Intake._turn).
+# Bodies above this take their parse and hashing steps one at a time (Slot.paced).
 BIG_BODY_BYTES = 256 * 1024
 # A body refused before it was read is still on its way, and the client may read the
 # answer only once it has sent it all (httpx does): it is read and dropped, but every
@@ -119,24 +119,6 @@ def body_room(budget: int, max_body: int, small: bool) -> int:
     return budget if small else budget - min(budget // RESERVE_SHARE, budget - max_body)
 
 
-class Charge:
-    """The body bytes one request holds against the in-flight budget."""
-
-    __slots__ = ("bytes",)
-
-    def __init__(self, n: int) -> None:
-        self.bytes = n
-
-
-class _Undrained:
-    """A refusal whose body is still arriving: drained once the request's slot is free."""
-
-    __slots__ = ("resp",)
-
-    def __init__(self, resp: web.Response) -> None:
-        self.resp = resp
-
-
 class _TooSlow(Exception):
     def __init__(self, received: int, after: float) -> None:
         self.received = received
@@ -186,81 +168,109 @@ def _closing(resp: web.Response) -> web.Response:
     return resp
 
 
-class Intake:
-    """The router's admission of client requests (the connector's `Admission` is of a
-    handle): requests and body bytes in flight, the body read and parsed, the turn built
-    with its modes and its conversation named."""
+# A small body's steps take no lock.
+UNPACED: contextlib.AbstractAsyncContextManager[None] = contextlib.nullcontext()
 
-    def __init__(self, ctx: Context, conversations: Conversations) -> None:
-        self.ctx = ctx
-        self.conversations = conversations
-        self.inflight = 0
-        self.inflight_bytes = 0
-        self.readers = Readers()
-        self._big_bodies = asyncio.Lock()
 
-    async def admit(self, request: web.Request, kind: str, trace: Trace, t0: float,
-                    serve: Callable[[web.Request, Turn], Awaitable[Served]]) -> Served:
-        """`serve`'s answer for the admitted turn (its slot held until it returns), or
-        the refusal."""
-        cfg = self.ctx.cfg
-        metrics = self.ctx.metrics
-        n = request.content_length
+class Slot:
+    """One request's admission, as an async context manager. On entry its body is read,
+    charged as it arrives, and it takes an in-flight slot; or it is refused (`refused`).
+    On exit the slot and the body's bytes are free again, and then a refusal is counted
+    and sent, the rest of a body refused part-way drained at the shared pace."""
+
+    __slots__ = ("intake", "request", "kind", "body", "bytes", "held", "refused",
+                 "conversation_id")
+
+    def __init__(self, intake: Intake, request: web.Request, kind: str) -> None:
+        self.intake = intake
+        self.request = request
+        self.kind = kind
+        self.body = b""
+        self.bytes = 0  # held against the in-flight bytes
+        self.held = False  # an in-flight slot
+        self.refused: Served | None = None
+        self.conversation_id: str | None = None  # once the body is parsed
+
+    def refuse(self, resp: web.Response) -> Served:
+        self.refused = resp, "overloaded" if resp.status == 429 else "client_error"
+        return self.refused
+
+    async def __aenter__(self) -> Slot:
+        refusal = await self._enter()
+        if refusal is not None:
+            self.refuse(refusal)
+        return self
+
+    async def _enter(self) -> web.Response | None:
+        """The body read and a slot taken (None), else the refusal."""
+        intake, cfg = self.intake, self.intake.ctx.cfg
+        n = self.request.content_length
         if n is not None and n > cfg.max_body_bytes:  # refused before it costs a slot
-            metrics.request(kind, "client_error")
-            return await drained(request, json_error(
+            return json_error(
                 413, f"request body of {n} bytes is over the limit of {cfg.max_body_bytes} "
-                "bytes (maxBodyBytes)", "request_too_large")), "client_error"
+                "bytes (maxBodyBytes)", "request_too_large")
         small = n is not None and n <= SMALL_BODY_BYTES
         room = body_room(cfg.max_inflight_body_bytes, cfg.max_body_bytes, small)
         # Complete requests hold every slot: refused before its body is read, which would
         # most likely find none free either.
-        if (self.inflight >= cfg.max_inflight_requests
-                or self.inflight_bytes + (n or 0) > room):
-            metrics.request(kind, "overloaded")
-            return await drained(request, self._overloaded()), "overloaded"
-        charge = Charge(n if small else 0)
-        self.inflight_bytes += charge.bytes
+        if (intake.inflight >= cfg.max_inflight_requests
+                or intake.inflight_bytes + (n or 0) > room):
+            return intake.overloaded()
+        self.bytes = n if small else 0
+        intake.inflight_bytes += self.bytes
         try:
-            got = await self._in_slot(request, charge, None if small else room, kind,
-                                      trace, t0, serve)
-            if isinstance(got, tuple):
-                return got
-        finally:
-            self.inflight_bytes -= charge.bytes
+            got = await intake.body(self.request, self, None if small else room)
+        except BaseException:
+            intake.inflight_bytes -= self.bytes
+            raise
+        if not isinstance(got, bytes):
+            return got
+        if intake.inflight >= cfg.max_inflight_requests:  # taken while the body arrived
+            return intake.overloaded()
+        intake.inflight += 1
+        self.held, self.body = True, got
+        return None
+
+    def paced(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        """Parsing, validating and hashing a body is work on the loop in one piece per
+        step: big bodies take those steps one body at a time (this lock), yielding in
+        between (Intake.turn), so a burst of them delays everyone else by one step, not
+        by all of them."""
+        return self.intake.big_bodies if len(self.body) > BIG_BODY_BYTES else UNPACED
+
+    async def __aexit__(self, *exc: object) -> None:
+        intake = self.intake
+        intake.inflight -= self.held
+        intake.inflight_bytes -= self.bytes
+        if self.refused is None:
+            return
         # Refused: the bytes are free again before the rest of a body refused part-way is
         # drained, which lasts as long as the client keeps sending.
-        resp = got.resp if isinstance(got, _Undrained) else got
-        outcome = "overloaded" if resp.status == 429 else "client_error"
-        metrics.request(kind, outcome)
-        if isinstance(got, _Undrained):
-            resp = await drained(request, resp)
-        elif resp.keep_alive is False:  # _closing's: the rest of the body is not waited for
-            resp = await shut(request, resp)
-        return resp, outcome
+        resp, outcome = self.refused
+        intake.ctx.metrics.request(self.kind, outcome)
+        if resp.keep_alive is False:  # _closing's: the rest of the body is not waited for
+            await shut(self.request, resp)
+        else:
+            await drained(self.request, resp)
 
-    async def _in_slot(self, request: web.Request, charge: Charge, room: int | None,
-                       kind: str, trace: Trace, t0: float,
-                       serve: Callable[[web.Request, Turn], Awaitable[Served]]
-                       ) -> Served | web.Response | _Undrained:
-        """The body read, then `serve`'s answer for its turn in an in-flight slot held
-        until it returns; else the refusal (of the body, or every slot taken while it
-        arrived)."""
-        raw = await self._body(request, charge, room)
-        if not isinstance(raw, bytes):
-            return raw
-        if self.inflight >= self.ctx.cfg.max_inflight_requests:
-            return self._overloaded()
-        self.inflight += 1
-        try:
-            parsing = self._turn(request, raw, kind, trace, t0)
-            del raw  # _turn lets go of the bytes once parsed: none held while it is served
-            turn = await parsing
-            return await serve(request, turn) if isinstance(turn, Turn) else turn
-        finally:
-            self.inflight -= 1
 
-    def _overloaded(self) -> web.Response:
+class Intake:
+    """The router's admission of client requests (the connector's `Admission` is of a
+    handle): requests and body bytes in flight, the body read and parsed, the turn built
+    with its modes."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.inflight = 0
+        self.inflight_bytes = 0
+        self.readers = Readers()
+        self.big_bodies = asyncio.Lock()
+
+    def admit(self, request: web.Request, kind: str) -> Slot:
+        """The request's admission: `async with` it for as long as the turn runs."""
+        return Slot(self, request, kind)
+
+    def overloaded(self) -> web.Response:
         cfg = self.ctx.cfg
         return json_error(
             429, f"the router is at its limit of {cfg.max_inflight_requests} requests or "
@@ -280,8 +290,8 @@ class Intake:
         return _closing(json_error(429, f"{said} ({knob}); retry", "overloaded",
                                    headers={"Retry-After": "1"}))
 
-    async def _body(self, request: web.Request, charge: Charge, room: int | None
-                    ) -> bytes | web.Response | _Undrained:
+    async def body(self, request: web.Request, charge: Slot, room: int | None
+                   ) -> bytes | web.Response:
         """The whole body, or the client's error. A body not here whole is read only
         if its source and the router have room for one more request still reading."""
         cfg = self.ctx.cfg
@@ -311,10 +321,10 @@ class Intake:
                 f"{cfg.timeouts.body_read_seconds:g} s (timeouts.bodyReadSeconds)",
                 "request_timeout"))
         except ClientError as e:
-            return _Undrained(self._overloaded() if e.status == 429 else
-                              json_error(e.status, e.message, e.type, e.param))
+            return self.overloaded() if e.status == 429 else \
+                json_error(e.status, e.message, e.type, e.param)
 
-    async def _read(self, content: web.StreamReader, charge: Charge, room: int | None
+    async def _read(self, content: web.StreamReader, charge: Slot, room: int | None
                     ) -> bytes:
         """The rest of a body not here whole, each chunk charged as it arrives (`room`:
         the total it may bring the in-flight bytes to; None: charged up front). 413 past
@@ -340,7 +350,7 @@ class Intake:
             raise
         return b"".join(parts)
 
-    def _take(self, chunk: bytes, size: int, limit: int, charge: Charge,
+    def _take(self, chunk: bytes, size: int, limit: int, charge: Slot,
               room: int | None) -> None:
         """Charge `chunk`, which brings the body to `size` bytes: 413 past `limit`, 429
         past `room`."""
@@ -353,39 +363,32 @@ class Intake:
             charge.bytes += len(chunk)
             self.inflight_bytes += len(chunk)
 
-    async def _turn(self, request: web.Request, raw: bytes, kind: str, trace: Trace,
-                    t0: float) -> Turn | web.Response:
-        """The turn of the body `raw`, its conversation named (its handle taken); else
-        the client's error."""
+    async def turn(self, request: web.Request, slot: Slot, trace: Trace, t0: float
+                   ) -> Turn | Served:
+        """The turn of the admitted body, its modes read once; else the client's error,
+        which the slot sends as it ends. The body's bytes are let go of once parsed: none
+        held while the turn runs."""
         ctx = self.ctx
         cfg = ctx.cfg
-        # Parsing, validating and hashing a body is work on the loop in one piece per
-        # step: big bodies take those steps one body at a time, yielding in between, so a
-        # burst of them delays everyone else by one step, not by all of them.
+        raw, slot.body = slot.body, b""
         big = len(raw) > BIG_BODY_BYTES
-        if big:  # taken by big bodies only: a small one passes no context manager
-            await self._big_bodies.acquire()
+        if big:
+            await asyncio.sleep(0)
         try:
-            if big:
-                await asyncio.sleep(0)
-            try:
-                req = parse_request(raw, kind, request.headers.get("X-Conversation-Id"),
-                                    ctx.max_model_len, cfg.max_json_containers)
-            except ClientError as e:
-                return json_error(e.status, e.message, e.type, e.param)
-            del raw
-            if cfg.model is not None and "model" not in req.body:
-                req.body["model"] = cfg.model
-            rid = request_id(request.headers.get("X-Request-Id"))
-            modes = modes_of(cfg)
-            turn = Turn(kind, req.stream, req.body, rid, request.headers.get("Authorization"),
-                        self.conversations.tenant(request), t0, modes,
-                        Reservation(ctx.store, ctx.evicted), trace,
-                        prompt_chars(req.body) if modes.places else 0)  # a pass over the body
-            if big:
-                await asyncio.sleep(0)
-            await self.conversations.identify(turn, req.conversation_id, modes.bidirectional)
-        finally:
-            if big:
-                self._big_bodies.release()
+            req = parse_request(raw, slot.kind, request.headers.get("X-Conversation-Id"),
+                                ctx.max_model_len, cfg.max_json_containers)
+        except ClientError as e:
+            return slot.refuse(json_error(e.status, e.message, e.type, e.param))
+        del raw
+        if cfg.model is not None and "model" not in req.body:
+            req.body["model"] = cfg.model
+        modes = modes_of(cfg)
+        turn = Turn(slot.kind, req.stream, req.body,
+                    request_id(request.headers.get("X-Request-Id")),
+                    request.headers.get("Authorization"), t0, modes,
+                    Reservation(ctx.store, ctx.evicted), trace,
+                    prompt_chars(req.body) if modes.places else 0)  # a pass over the body
+        slot.conversation_id = req.conversation_id
+        if big:
+            await asyncio.sleep(0)
         return turn

@@ -1,10 +1,10 @@
 """What every part of the data path shares, declared in one place: `Context`.
 
-The router is a few parts (health, upkeep, conversations, intake, placing, legs, relay;
-proxy.py builds them), each a class that takes the context and the parts it calls in its
-constructor (the clients, sessions.py, take the metrics alone). What one request carries
-across them is its `Turn` (turn.py), handed to each call. Nothing here is per request: a
-request that needs a value of its own puts it on its Turn.
+The router is a few parts (clients, health, upkeep, admission, conversations, placing,
+the legs and the flow that runs them), each a class that takes the context and the parts
+it calls in its constructor. What one request carries across them is its `Turn`
+(turn.py), handed to each call. Nothing here is per request: a request that needs a
+value of its own puts it on its Turn.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Timeouts:
     flight keeps the one it started with). The legs' client (enginehttp.py) reads
     `prefill` and `decode` as bounds on the connect (sock_connect), the whole exchange
     (total) and each wait for bytes (sock_read); aiohttp's session takes `probe`, and
-    `prefill` for a client's GET /v1/models (proxy.py)."""
+    `prefill` for a client's GET /v1/models (flow.py)."""
 
     prefill: aiohttp.ClientTimeout
     decode: aiohttp.ClientTimeout

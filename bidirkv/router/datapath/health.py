@@ -23,7 +23,7 @@ UNAVAILABLE = "unavailable"
 
 
 def serving_mode(ctx: Context) -> tuple[str, str | None]:
-    """(mode, why it is not disaggregated); prefill-only: prefillonly.py."""
+    """(mode, why it is not disaggregated); prefill-only: flow.py."""
     if not ctx.prefill.healthy():
         return UNAVAILABLE, "no healthy prefill engine"
     if ctx.decode.healthy():

@@ -1,5 +1,6 @@
-"""The prefill leg and the decode leg, with their retries; the decode leg's relay to the
-client, and the handle it hands to the conversation's bookkeeping.
+"""One attempt of a leg on the replica it is given: the prefill leg, the decode leg, the
+whole turn on decode (extend) or on P; the answer relayed to the client (relay.py). Which
+replica, and what follows a failure, is flow.py's.
 
 What P says about a reuse turn is read here, as the prefill leg ends. (P's side of a reuse
 turn, which writes this report, is bidirkv/connector/core/reuse.py.) P's answer may carry
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -35,7 +35,6 @@ from bidirkv.router.datapath.context import Context
 from bidirkv.router.datapath.engineconn import Response
 from bidirkv.router.datapath.failures import (
     UPSTREAM_FAILURES,
-    Unavailable,
     UpstreamFailure,
     classify,
     rejected,
@@ -48,9 +47,6 @@ from bidirkv.router.datapath.tracing import Leg
 from bidirkv.router.datapath.turn import Turn
 from bidirkv.router.pool.backends import DECODE, PREFILL, Backend
 from bidirkv.router.pool.placement import EXTEND
-from bidirkv.router.pool.selection import least_outstanding
-
-log = logging.getLogger("bidirkv.router")
 
 
 class ReuseReport(NamedTuple):
@@ -106,7 +102,8 @@ def prefill_answer(prefill_body: dict[str, Any]
 
 
 class Legs:
-    """The prefill leg and the decode leg (or a whole request on P), with their retries."""
+    """One attempt of a leg: the prefill leg, the decode leg, or a whole turn on one
+    engine."""
 
     def __init__(self, ctx: Context, clients: Clients, health: Health, relay: Relay) -> None:
         self.ctx = ctx
@@ -114,76 +111,40 @@ class Legs:
         self.health = health
         self.relay = relay
 
-    async def prefill_leg(self, turn: Turn, rid: str) -> tuple[Backend, dict[str, Any]]:
+    async def prefill_leg(self, turn: Turn, p: Backend, rid: str) -> dict[str, Any]:
+        """P's answer to the prefill leg on `p` (with the turn's handle, if it holds one);
+        UpstreamFailure when it failed (flow.py decides what follows)."""
         ctx = self.ctx
-        tried: list[Backend] = []
-        last: UpstreamFailure | None = None
-        for attempt in range(2):
-            p = least_outstanding(ctx.prefill.backends, ctx.prefill.next_start(), tried)
-            if p is None:
-                if last is not None:
-                    raise last
-                raise Unavailable(PREFILL)
-            entry = turn.handle.held
-            handle = loads(entry.params) if entry is not None else None
-            payload = functools.partial(prefill_payload, ctx.handle_key, turn.body, handle)
-            span = turn.trace.leg(PREFILL, p.url, PATHS[turn.kind])
+        entry = turn.handle.held
+        handle = loads(entry.params) if entry is not None else None
+        payload = functools.partial(prefill_payload, ctx.handle_key, turn.body, handle)
+        span = turn.trace.leg(PREFILL, p.url, PATHS[turn.kind])
+        if entry is not None:
+            span.set("bidirkv.kv.offered_tokens", entry.num_tokens)
+        t = time.perf_counter()
+        alone = p.outstanding == 0
+        p.outstanding += 1
+        turn.asked_prefill = True
+        try:
+            data = await self.clients.post_prefill(p, PATHS[turn.kind], payload, rid,
+                                                   turn.auth, ctx.timeouts.prefill, span)
+        except asyncio.CancelledError:
+            span.end("cancelled")
             if entry is not None:
-                span.set("bidirkv.kv.offered_tokens", entry.num_tokens)
-            t = time.perf_counter()
-            alone = p.outstanding == 0
-            p.outstanding += 1
-            turn.asked_prefill = True
-            try:
-                data = await self.clients.post_prefill(p, PATHS[turn.kind], payload, rid,
-                                                       turn.auth, ctx.timeouts.prefill, span)
-            except asyncio.CancelledError:
-                span.end("cancelled")
-                if entry is not None:
-                    # P was asked and may have read D's blocks: not safe to hand out again.
-                    turn.handle.forget("cancelled")
-                raise
-            except UpstreamFailure as f:
-                span.end(f.result, f.status)
-                ctx.metrics.observe_leg("prefill", "error", time.perf_counter() - t)
-                last = f
-                await self._prefill_failed(turn, p, f, rid, attempt == 0, tried,
-                                           entry is not None)
-                continue
-            except Exception as exc:  # a bug's exception still closes the leg's span
-                span.end(type(exc).__name__)
-                raise
-            finally:
-                p.outstanding -= 1
-            await self._prefill_answered(turn, span, data, time.perf_counter() - t, alone)
-            return p, data
-        assert last is not None
-        raise last
-
-    async def _prefill_failed(self, turn: Turn, p: Backend, f: UpstreamFailure, rid: str,
-                              first: bool, tried: list[Backend], with_handle: bool) -> None:
-        """What a failed prefill leg means for the next attempt; raises `f` when there is
-        none (the engine refused the client's request)."""
-        ctx = self.ctx
-        if with_handle:
-            # Spent or poisoned: see proxy.py's docstring. Retry as a miss.
-            await turn.handle.discard("reuse_failed")
-            if f.kind == "connect":
-                self.health.set_health(p, False, f.detail)
-                tried.append(p)
-            ctx.metrics.retries.labels("prefill_reuse_failed").inc()
-            log.warning("prefill with handle failed (%s); retrying without rid=%s "
-                        "conv=%s prefill=%s", f.detail or f.kind, rid, turn.conv, p.url)
-            return
-        if f.client_error:
-            raise f
-        if f.backend_down:
-            self.health.set_health(p, False, f.detail or f"HTTP {f.status}")
-        tried.append(p)
-        log.warning("prefill failed (%s) rid=%s conv=%s prefill=%s",
-                    f.detail or f"HTTP {f.status}", rid, turn.conv, p.url)
-        if first:
-            ctx.metrics.retries.labels("prefill_failed").inc()
+                # P was asked and may have read D's blocks: not safe to hand out again.
+                turn.handle.forget("cancelled")
+            raise
+        except UpstreamFailure as f:
+            span.end(f.result, f.status)
+            ctx.metrics.observe_leg("prefill", "error", time.perf_counter() - t)
+            raise
+        except Exception as exc:  # a bug's exception still closes the leg's span
+            span.end(type(exc).__name__)
+            raise
+        finally:
+            p.outstanding -= 1
+        await self._prefill_answered(turn, span, data, time.perf_counter() - t, alone)
+        return data
 
     def _learn_prefill(self, turn: Turn, work: PrefillWork | None, seconds: float,
                        alone: bool) -> None:

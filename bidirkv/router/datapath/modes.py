@@ -2,9 +2,9 @@
 per round by the loops that depend on them: health's serving mode, upkeep's renewals).
 No other data-path module reads these settings from the config.
 
-Of a turn's modes, admission.py reads what it needs to build the turn (whether its
-conversation is looked up, whether its prompt is measured); placing.py turns them into
-the turn's `Plan`, which is all that the modules after placement read."""
+Of a turn's modes, admission.py reads what it needs to build the turn (whether its prompt
+is measured) and conversations.py whether its conversation is looked up; placing.py turns
+them into the turn's `Plan`, which is all that the modules after placement read."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from bidirkv.router.config import Placement, RouterConfig
 from bidirkv.router.pool.backends import Backend
 from bidirkv.router.pool.placement import ALWAYS_DISAGGREGATE
+from bidirkv.router.pool.selection import Tries
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ def modes_of(cfg: RouterConfig) -> Modes:
 
 @dataclass(frozen=True)
 class Plan:
-    """What one turn does, made of its modes once, at placement (placing.py)."""
+    """What one turn does and where, made of its modes once, at placement (placing.py)."""
 
     # No healthy decode replica and prefillOnlyFallback on: P serves the whole turn.
     on_prefill: bool
@@ -49,6 +50,10 @@ class Plan:
     # A placement that may keep a turn on decode: an explicit id's next handle is stored
     # under its messages' prompt key, which the next placement compares.
     keyed: bool
+    # The two legs' decode replicas, in the order they are tried.
+    decodes: Tries | None = None
+    # The role with no healthy replica, when the turn cannot run at all.
+    unavailable: str | None = None
 
 
 # A turn not placed yet: nothing it answers is kept.

@@ -1,65 +1,39 @@
-"""The data path: one client request = a prefill leg on P, then a decode leg on D.
-
-See docs/protocol.md (sections 1, 2 and 4). Decisions where the protocol is silent:
-- A handle is reserved at lookup and spent only when P answered (single use). If P fails
-  with a handle, the handle is discarded, not put back: P may have read (and so freed)
-  D's blocks before failing, and a handle that made P fail would make the next turn fail
-  too. The turn is retried once without it; its own decode leg stores a fresh handle.
-- D failing before the client got a byte is retried once on another decode replica with
-  a fresh prefill leg (no handle: the first one is spent). P's blocks from the first
-  prefill are not reused: the failed D may have read (so freed) them or not, and the
-  router cannot tell. A retry uses `<request id>-retry1` on both its legs, so it never
-  collides with the first attempt's request id inside an engine.
-- A 4xx from an engine is the client's problem and is returned as is. Connection errors
-  and 5xx take the backend out until its next good health check, except a 5xx from P on
-  a reuse turn (the handle, not P, is the likely cause).
-- Upstream `Authorization` is the client's own header, so engines started with --api-key
-  check the same credential.
-- A stale kept-alive connection to P is retried on P itself (bidirkv/router/datapath/sessions.py);
-  with no healthy decode, P serves whole requests (bidirkv/router/datapath/prefillonly.py).
+"""The router: the parts of the data path built once, around one `Context`; its start, its
+close and a reload. A client request's turn runs in flow.py (`Flow.serve`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
 import time
-import uuid
 
 from aiohttp import web
 
 from bidirkv.router.config import RouterConfig
 from bidirkv.router.datapath.admission import Intake
-from bidirkv.router.datapath.bodies import PATHS, upstream_headers
+from bidirkv.router.datapath.bodies import PATHS
 from bidirkv.router.datapath.context import Context, quietly, timeouts_of
 from bidirkv.router.datapath.conversations import Conversations
-from bidirkv.router.datapath.failures import (
-    UPSTREAM_FAILURES,
-    classify,
-    unavailable,
-)
-from bidirkv.router.datapath.health import PREFILL_ONLY, Health, serving_mode
+from bidirkv.router.datapath.flow import MODELS, Flow, Runner
+from bidirkv.router.datapath.health import Health
+from bidirkv.router.datapath.keeping import Keeping
 from bidirkv.router.datapath.legs import Legs
 from bidirkv.router.datapath.placing import Placing
 from bidirkv.router.datapath.relay import Relay
-from bidirkv.router.datapath.replies import json_response
 from bidirkv.router.datapath.sessions import Clients
-from bidirkv.router.datapath.tracing import Trace, Untraced, replace, traced
+from bidirkv.router.datapath.tracing import Untraced, replace, traced
 from bidirkv.router.datapath.upkeep import Upkeep
 from bidirkv.router.metrics import Metrics
-from bidirkv.router.pool.backends import DECODE, Backend
+from bidirkv.router.pool.backends import DECODE
 from bidirkv.router.pool.residency import SHUTDOWN_FLUSH_S
-from bidirkv.router.pool.selection import least_outstanding
 
-MODELS = "/v1/models"
 log = logging.getLogger("bidirkv.router")
 
 
 class Router:
-    """One router: a request's flow starts here (`handle_generate` -> `Intake.admit` ->
-    `Placing.serve`). What the parts share is the `Context`; each part
+    """One router: its parts, built once. What the parts share is the `Context`; each part
     gets it, and the parts it calls, when it is built, and one request's state travels
     as its `Turn`."""
 
@@ -70,10 +44,11 @@ class Router:
         self.health = Health(ctx, self.clients)
         self.upkeep = Upkeep(ctx, self.clients, self.health)
         self.conversations = Conversations(ctx)
-        self.legs = Legs(ctx, self.clients, self.health,
-                         Relay(ctx, self.health, self.conversations))
-        self.intake = Intake(ctx, self.conversations)
-        self.placing = Placing(ctx, self.conversations, self.legs)
+        self.intake = Intake(ctx)
+        placing = Placing(ctx)
+        legs = Legs(ctx, self.clients, self.health, Relay(ctx, self.health, Keeping(ctx)))
+        self.runner = Runner(ctx, self.clients, self.health, placing, legs)
+        self.flow = Flow(ctx, self.intake, self.conversations, placing, self.runner)
 
     # -- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
@@ -130,51 +105,14 @@ class Router:
         t0 = time.perf_counter()
         trace = self.ctx.traces.request(request.method, PATHS[kind], request.headers)
         if isinstance(trace, Untraced):  # no span to end (tracing off, the default)
-            resp, _ = await self.intake.admit(request, kind, trace, t0, self.placing.serve)
+            resp, _ = await self.flow.serve(request, kind, trace, t0)
             return resp
-        resp, _ = await traced(trace, functools.partial(self.intake.admit, request, kind,
-                                                        trace, t0, self.placing.serve))
+        resp, _ = await traced(trace, functools.partial(self.flow.serve, request, kind,
+                                                        trace, t0))
         return resp
 
-    # -- other routes ------------------------------------------------------------------
     async def handle_models(self, request: web.Request) -> web.StreamResponse:
         trace = self.ctx.traces.request(request.method, MODELS, request.headers)
-        resp, outcome = await traced(trace, lambda: self._models(request, trace))
+        resp, outcome = await traced(trace, lambda: self.runner.models(request, trace))
         self.ctx.metrics.request("models", outcome)
         return resp
-
-    async def _models(self, request: web.Request, trace: Trace
-                      ) -> tuple[web.StreamResponse, str]:
-        ctx = self.ctx
-        tried: list[Backend] = []
-        pool = ctx.prefill if serving_mode(ctx)[0] == PREFILL_ONLY else ctx.decode
-        while True:
-            d = least_outstanding(pool.backends, pool.next_start(), tried)
-            if d is None:
-                return unavailable(pool.role, ctx.cfg.health_check_interval_seconds), \
-                    "unavailable"
-            span = trace.leg("models", d.url, MODELS, "GET")
-            try:
-                async with self.clients.pooled.get(
-                        d.url + MODELS, timeout=ctx.timeouts.prefill,
-                        headers=upstream_headers(uuid.uuid4().hex,
-                                                 request.headers.get("Authorization"),
-                                                 span.headers)) as r:
-                    body, status = await r.read(), r.status
-            except UPSTREAM_FAILURES as exc:
-                kind, detail = classify(exc)
-                span.end(kind)
-                self.health.set_health(d, False, detail)
-                tried.append(d)
-                continue
-            except asyncio.CancelledError:
-                span.end("cancelled")
-                raise
-            if status >= 500:
-                span.end("status", status)
-                self.health.set_health(d, False, f"HTTP {status}")
-                tried.append(d)
-                continue
-            span.end("ok" if status == 200 else "upstream_client_error", status)
-            return json_response(status, body), \
-                "ok" if status == 200 else "upstream_client_error"

@@ -12,10 +12,10 @@ from aiohttp import web
 from bidirkv.router.codec import dumps, loads
 from bidirkv.router.datapath.bodies import PARAMS_MARKER
 from bidirkv.router.datapath.context import Context
-from bidirkv.router.datapath.conversations import Conversations
 from bidirkv.router.datapath.engineconn import Response
 from bidirkv.router.datapath.failures import UPSTREAM_FAILURES, classify
 from bidirkv.router.datapath.health import Health
+from bidirkv.router.datapath.keeping import Keeping
 from bidirkv.router.datapath.replies import json_response, placement_header
 from bidirkv.router.datapath.sse import DONE, PARAMS, MessageCollector, SSEFilter, error_event
 from bidirkv.router.datapath.turn import Turn
@@ -46,10 +46,10 @@ class Relay:
     """An engine's answer to the client; only a decode (or extend) leg's handle is kept,
     P's own params (a request P serves whole) are stripped, never stored."""
 
-    def __init__(self, ctx: Context, health: Health, conversations: Conversations) -> None:
+    def __init__(self, ctx: Context, health: Health, keeping: Keeping) -> None:
         self.ctx = ctx
         self.health = health
-        self.conversations = conversations
+        self.keeping = keeping
 
     async def whole(self, turn: Turn, d: Backend, body: bytes, t: float, leg: str
                     ) -> web.Response:
@@ -65,7 +65,7 @@ class Relay:
                 if collector is not None:
                     collector.feed_response(obj)
                 if isinstance(params, dict) and keeps:
-                    await self.conversations.store_handle(turn, d, params, collector)
+                    await self.keeping.store_handle(turn, d, params, collector)
                 body = dumps(obj)
         now = time.perf_counter()
         self.ctx.metrics.observe_ttft(turn.kind, False, now - turn.t0)
@@ -95,7 +95,7 @@ class Relay:
                 chunk = filt.feed(data) if data else filt.finish()
                 # Stored before the client can see [DONE]: its next turn may come at once.
                 if not stored and filt.params is not None:
-                    await self.conversations.store_handle(turn, d, filt.params, collector)
+                    await self.keeping.store_handle(turn, d, filt.params, collector)
                     stored = True
                 done = done or chunk.endswith(DONE)
                 # The answer's last bytes go with the stream's terminator, in one send,

@@ -5,7 +5,7 @@ The store hands an entry out once (`lookup` reserves it); it must then end exact
 and every end is written here:
 - consumed: P answered with it (P read, and so freed, D's blocks or refused them);
 - discarded: a leg with it failed, or the whole turn ran on decode (the handle is not
-  P's to read and never handed out again: see proxy.py's docstring);
+  P's to read and never handed out again: see flow.py's docstring);
 - forgotten: the client left while P had it (P may have read: not safe to hand out);
 - released: the turn ended without using it, so it goes back to the store (or, with the
   store gone, D frees its blocks now).

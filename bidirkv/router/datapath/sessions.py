@@ -14,7 +14,7 @@ body, as the other prefill retries do. That includes a decode handle: P admits a
 once (its replay guard refuses a second use as `replayed`, and D grants no read of
 blocks it freed), so if the first request did reach P the retry is served without
 reuse, and if it did not (the usual case) the handle is not wasted. A second failure is
-an ordinary prefill failure (`bidirkv/router/datapath/legs.py`).
+an ordinary prefill failure (`bidirkv/router/datapath/flow.py`).
 
 The decode leg is not retried here: it carries a single-use proof and reads P's
 blocks, so it keeps its own retry on another replica with a fresh prefill.

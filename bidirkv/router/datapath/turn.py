@@ -2,11 +2,11 @@
 
 Each field has one writer, so a reader looking for where a value comes from finds one
 place:
-- the request as admitted (admission.py, `Intake`, when the turn is built): kind, stream, body, rid,
-  auth, tenant, t0, trace, modes (modes.py's `modes_of`, once per turn), prompt_chars;
-- its conversation (conversations.py, `identify`): conv, store_key, history, prompt,
-  holder_url, gap; `handle` is built with the turn, and only reservation.py changes
-  what it holds (the entry, its end, the reuse outcome); prompt_key (conversations.py's
+- the request as admitted (admission.py, `Intake`, when the turn is built): kind, stream,
+  body, rid, auth, t0, trace, modes (modes.py's `modes_of`, once per turn), prompt_chars;
+- its conversation (conversations.py, `identify`): tenant, conv, store_key, history,
+  prompt, holder_url, gap; `handle` is built with the turn, and only reservation.py
+  changes what it holds (the entry, its end, the reuse outcome); prompt_key (keeping.py's
   `extends`, when placement has it hash the messages);
 - where it runs (placing.py): plan (what it does, made of its modes: the only part of
   them that the modules after placement read), placed, new_tokens;
@@ -36,14 +36,14 @@ class Turn:
     )
 
     def __init__(self, kind: str, stream: bool, body: dict[str, Any], rid: str,
-                 auth: str | None, tenant: bytes, t0: float, modes: Modes,
+                 auth: str | None, t0: float, modes: Modes,
                  handle: Reservation, trace: Trace = UNTRACED, prompt_chars: int = 0) -> None:
         self.kind = kind
         self.stream = stream
         self.body = body
         self.rid = rid
         self.auth = auth
-        self.tenant = tenant
+        self.tenant = b""
         self.t0 = t0
         # Its spans (tracing.py): the request's, under which each leg starts its own.
         self.trace = trace

@@ -1,10 +1,11 @@
-"""Which replica serves a leg: pure functions over the pools' current state."""
+"""Which replica serves a leg: pure functions over the pools' current state, and `Tries`,
+the replicas one leg tries in order, each picked by them as it is asked for."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from bidirkv.router.pool.backends import Backend
+from bidirkv.router.pool.backends import Backend, Pool
 
 
 def least_outstanding(
@@ -79,3 +80,29 @@ def pick_decode(
             not holder.draining or best is None or best.draining):
         return holder
     return best
+
+
+class Tries:
+    """The replicas of `pool` one leg tries, in order, each picked as it is asked for: from
+    the pool as it is then (loads move, and a replica that failed is out of service),
+    never one in `tried`; the conversation's holder (`holder_url`) when it is not much
+    busier (`pick_decode`). `avoid`: a busy holder, which the first pick passes over
+    when another replica can take the leg."""
+
+    __slots__ = ("pool", "holder_url", "avoid", "tried")
+
+    def __init__(self, pool: Pool, holder_url: str | None = None,
+                 avoid: Backend | None = None) -> None:
+        self.pool = pool
+        self.holder_url = holder_url
+        self.avoid = avoid
+        self.tried: list[Backend] = []
+
+    def next(self) -> Backend | None:
+        pool, tried = self.pool, self.tried
+        if self.avoid is not None:
+            avoid, self.avoid = self.avoid, None
+            b = least_outstanding(pool.backends, pool.next_start(), [*tried, avoid])
+            if b is not None:
+                return b
+        return pick_decode(pool.backends, pool.next_start(), tried, self.holder_url)

@@ -89,7 +89,7 @@ async def _ready(request: web.Request) -> web.Response:
     mode, reason = serving_mode(router.ctx)
     body = dumps({
         "ready": mode != UNAVAILABLE,
-        # prefill-only still serves: see bidirkv/router/datapath/prefillonly.py
+        # prefill-only still serves: see bidirkv/router/datapath/flow.py
         "mode": mode, "reason": reason,
         "prefill": {"healthy": len(router.ctx.prefill.healthy()),
                     "total": len(router.ctx.prefill.backends)},
