@@ -74,7 +74,7 @@ from bidirkv.bench.histories import containers, history  # noqa: E402
 from bidirkv.connector.core import digests  # noqa: E402
 from bidirkv.connector.core.handles import sign, signature_ok  # noqa: E402
 from bidirkv.router.codec import dumps, dumps_kept, loads  # noqa: E402
-from bidirkv.router.datapath.bodies import (  # noqa: E402
+from bidirkv.router.engine.bodies import (  # noqa: E402
     decode_payload,
     handle_blocks,
     prefill_payload,

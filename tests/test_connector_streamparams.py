@@ -13,7 +13,7 @@ from bidirkv.connector.core.streamparams import (
     params_event,
     wrap_stream_generator,
 )
-from bidirkv.router.datapath.sse import SSEFilter
+from bidirkv.router.engine.sse import SSEFilter
 
 PARAMS = {"do_remote_decode": True, "remote_block_ids": [[1, 2]], "remote_num_tokens": 99}
 

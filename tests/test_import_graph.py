@@ -20,8 +20,8 @@ PRODUCT = ROOT / "bidirkv"
 # layers before it, never one after it.
 LAYERS = {
     "bidirkv.operator": ["api", "kube", "crd", "render", "reconcile", "main"],
-    "bidirkv.router": ["codec", "config", "metrics", "request", "store", "pool", "datapath",
-                       "server"],
+    "bidirkv.router": ["codec", "config", "metrics", "tracing", "request", "store", "pool",
+                       "engine", "datapath", "server"],
     "bidirkv.connector": ["core", "settings", "targets", "hooks", "nixl", "patches", "plugin",
                           "identity", "bodyread", "endpoint", "drain", "supervise", "launcher"],
 }

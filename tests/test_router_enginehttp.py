@@ -1,4 +1,4 @@
-"""The legs' HTTP/1.1 client (bidirkv/router/datapath/enginehttp.py, engineconn.py)
+"""The legs' HTTP/1.1 client (bidirkv/router/engine/http.py, connection.py)
 against real servers on 127.0.0.1: aiohttp's server, and a raw asyncio server that
 answers with exact bytes."""
 
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 from aiohttp import web
 
-from bidirkv.router.datapath import enginehttp
-from bidirkv.router.datapath.engineconn import (
+from bidirkv.router.engine import http as enginehttp
+from bidirkv.router.engine.connection import (
     HEAD_LIMIT,
     HIGH_WATER,
     LINE_LIMIT,
@@ -19,8 +19,8 @@ from bidirkv.router.datapath.engineconn import (
     Disconnected,
     ProtocolError,
 )
-from bidirkv.router.datapath.enginehttp import EngineHTTP
-from bidirkv.router.datapath.failures import classify, stale_connection
+from bidirkv.router.engine.failures import classify, stale_connection
+from bidirkv.router.engine.http import EngineHTTP
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -6,7 +6,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-DATAPATH = Path(__file__).resolve().parents[1] / "bidirkv" / "router" / "datapath"
+ROUTER = Path(__file__).resolve().parents[1] / "bidirkv" / "router"
+DATAPATH = ROUTER / "datapath"
+# What the data path was before it split into the turn's modules, the engine client and
+# tracing: the rules on its parts hold in all three.
+PARTS = [p for folder in ("datapath", "engine", "tracing")
+         for p in sorted((ROUTER / folder).glob("*.py"))]
 
 
 def undeclared_reads(source: str) -> dict[str, set[str]]:
@@ -54,7 +59,7 @@ def undeclared_reads(source: str) -> dict[str, set[str]]:
 
 def test_every_datapath_class_defines_what_it_reads():
     found = {f"{p.name}:{cls}": sorted(names)
-             for p in sorted(DATAPATH.glob("*.py"))
+             for p in PARTS
              for cls, names in undeclared_reads(p.read_text()).items()}
     assert found == {}
 
@@ -78,7 +83,7 @@ class Router(Legs):
     assert undeclared_reads(mixin) == {"Legs": {"session", "cfg"}}
 
 
-ROUTER_CODE = [*sorted(DATAPATH.glob("*.py")), *sorted((DATAPATH.parent / "server").glob("*.py"))]
+ROUTER_CODE = [*PARTS, *sorted((ROUTER / "server").glob("*.py"))]
 # Every module of the router and the operator packages: the sizes a reader holds apply
 # to all of them.
 BIDIRKV = DATAPATH.parents[1]
@@ -188,7 +193,7 @@ def test_a_reservation_ends_only_in_its_module():
 def turn_writers() -> dict[str, set[str]]:
     """Each field of a `turn` assigned in the data path -> the modules that assign it."""
     out: dict[str, set[str]] = {}
-    for p in sorted(DATAPATH.glob("*.py")):
+    for p in PARTS:
         for node in ast.walk(ast.parse(p.read_text())):
             targets = (node.targets if isinstance(node, ast.Assign)
                        else [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign)
@@ -207,7 +212,7 @@ def test_each_field_of_a_turn_has_one_writer():
     assert {f: sorted(m) for f, m in turn_writers().items() if len(m) > 1} == {}
     assert turn_writers()["placed"] == {"placing.py"}
     handle_writes = sorted(
-        f"{p.name}:{node.lineno}" for p in sorted(DATAPATH.glob("*.py"))
+        f"{p.name}:{node.lineno}" for p in PARTS
         if p.name != "reservation.py"
         for node in ast.walk(ast.parse(p.read_text()))
         if isinstance(node, ast.Assign | ast.AugAssign) for t in (
@@ -230,12 +235,12 @@ def test_a_turns_modes_are_read_where_it_is_built_and_where_it_is_placed():
     conversation is looked up (before placement too), and placing.py makes the turn's
     plan of them. Every other data-path module reads the plan (`turn.plan`) or takes
     what it needs as an argument."""
-    found = {p.name for p in sorted(DATAPATH.glob("*.py")) if modes_readers(p.read_text())}
+    found = {p.name for p in PARTS if modes_readers(p.read_text())}
     assert found == {"conversations.py", "placing.py", "turn.py"}
     assert modes_readers("def keeps(turn):\n    return turn.modes.bidirectional\n") == [2]
     # Per turn, modes_of is called where the turn is built; health.py and upkeep.py call
     # it once per round of their loops or probe, never for a turn.
-    callers = {p.name for p in sorted(DATAPATH.glob("*.py")) if p.name != "modes.py"
+    callers = {p.name for p in PARTS if p.name != "modes.py"
                for node in ast.walk(ast.parse(p.read_text()))
                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                and node.func.id == "modes_of"}

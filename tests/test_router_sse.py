@@ -2,7 +2,7 @@
 
 import json
 
-from bidirkv.router.datapath.sse import (
+from bidirkv.router.engine.sse import (
     DONE,
     MessageCollector,
     SSEFilter,

@@ -25,9 +25,9 @@ from bidirkv.bench.traces import (
     tree,
 )
 from bidirkv.router.config import ConfigError, parse_config
-from bidirkv.router.datapath.spanfile import SpanFileExporter
-from bidirkv.router.datapath.tracing import Traces, passthrough, upstream_attributes
 from bidirkv.router.server.app import build_app
+from bidirkv.router.tracing.spanfile import SpanFileExporter
+from bidirkv.router.tracing.spans import Traces, passthrough, upstream_attributes
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -291,7 +291,7 @@ async def test_the_router_decides_sampling_whatever_the_clients_flag(tmp_path):
 def test_a_trace_id_picked_to_pass_the_ratio_is_not_sampled_for_it():
     from opentelemetry.sdk.trace.sampling import Decision, TraceIdRatioBased
 
-    from bidirkv.router.datapath.sampling import OwnDraw
+    from bidirkv.router.tracing.sampling import OwnDraw
 
     picked = int(TRACE_ID[:16] + "0" * 16, 16)  # its low 64 bits pass any ratio above 0
     assert TraceIdRatioBased(0.01).should_sample(None, picked, "x").decision \
@@ -305,7 +305,7 @@ async def test_a_clients_long_model_name_is_cut_in_the_span(tmp_path):
     async with with_file(tmp_path) as c:
         r = await c.chat(U1, headers={"traceparent": SAMPLED}, model=model)
         assert r["status"] == 200
-    from bidirkv.router.datapath.sampling import MAX_ATTRIBUTE_CHARS
+    from bidirkv.router.tracing.sampling import MAX_ATTRIBUTE_CHARS
 
     server = next(s for s in spans_of(tmp_path) if s["kind"] == "SPAN_KIND_SERVER")
     kept = server["attributes"]["gen_ai.request.model"]

@@ -20,6 +20,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUTER = str(ROOT / "bidirkv" / "router") + "/"
+DATA_PATH = ("datapath/", "engine/", "tracing/")
 FIRST = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
 
 
@@ -86,9 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all", action="store_true", help="also list every router module entered")
     args = ap.parse_args(argv)
     modules = asyncio.run(trace_turn(not args.no_stream))
-    print(report("data path (bidirkv/router/datapath/)",
-                 entries([m.removeprefix("datapath/") for m in modules
-                          if m.startswith("datapath/")])))
+    print(report("data path (bidirkv/router/datapath/, engine/, tracing/)",
+                 entries([m for m in modules if m.startswith(DATA_PATH)])))
     if args.all:
         print(report("all of bidirkv/router/", entries(modules)))
     return 0

@@ -1,5 +1,5 @@
 """The router's span file (`tracing.file`: one span a line, as
-bidirkv/router/datapath/spanfile.py writes them), read back and shown as an indented tree:
+bidirkv/router/tracing/spanfile.py writes them), read back and shown as an indented tree:
 
     POST /v1/chat/completions  41.3 ms  HTTP 200, reuse hit, 9412 prompt tokens
       prefill  12.0 ms at +0.4 ms  127.0.0.1:8100, HTTP 200, KV offered 8400, reused 8384

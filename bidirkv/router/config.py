@@ -47,7 +47,7 @@ class _Model(Section):
 
 
 class Tracing(TracingKnobs, _Model):
-    """Where the router's spans go (bidirkv/router/datapath/tracing.py): the knobs shared
+    """Where the router's spans go (bidirkv/router/tracing/spans.py): the knobs shared
     with the CRD (bidirkv/knobs.py), or a file. Neither exporter set: no span is recorded,
     and a client's `traceparent` is still passed on upstream."""
 

@@ -8,7 +8,7 @@ the last params seen, and one extra event carrying them goes out just before
     data: {"id": ..., "object": ..., "created": ..., "model": ..., "choices": [],
            "kv_transfer_params": {...}}
 Chunks with empty `choices` are already legal in OpenAI streams (the usage chunk), and
-the router drops this one before the client sees it (`bidirkv/router/datapath/sse.py`).
+the router drops this one before the client sees it (`bidirkv/router/engine/sse.py`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 vLLM 0.32 sends them only in non-streamed bodies; from 0.33 its stream response models
 declare the field and the finishing chunk carries them, so there nothing is patched (the
-router reads them from that chunk either way: bidirkv/router/datapath/sse.py).
+router reads them from that chunk either way: bidirkv/router/engine/sse.py).
 """
 
 from __future__ import annotations

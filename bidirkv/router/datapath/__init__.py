@@ -1,5 +1,8 @@
-"""One turn on the data path: the prefill leg, the decode leg, streaming, retries,
-prefill-only mode and the handle taken and stored around them.
+"""One turn on the data path, top to bottom (`flow.py`): its admission, its conversation
+and handle, its plan, its legs with their fallbacks and retries, the answer relayed and
+the next handle kept; and the parts that serve it (the shared `Context`, health, upkeep,
+the `Router` that builds them).
 
-Imports `pool`, `store`, `request` and the leaf modules; never `server`.
+Imports `engine`, `tracing`, `pool`, `store`, `request` and the leaf modules; never
+`server`.
 """

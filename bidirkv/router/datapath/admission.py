@@ -31,12 +31,12 @@ from aiohttp import web
 from bidirkv.router.datapath.context import Context
 from bidirkv.router.datapath.modes import modes_of
 from bidirkv.router.datapath.reading import PER_SOURCE_KNOB, Readers
-from bidirkv.router.datapath.replies import json_error
 from bidirkv.router.datapath.reservation import Reservation
-from bidirkv.router.datapath.tracing import Trace
 from bidirkv.router.datapath.turn import Turn
 from bidirkv.router.pool.placement import prompt_chars
+from bidirkv.router.request.replies import json_error
 from bidirkv.router.request.validation import ClientError, parse_request
+from bidirkv.router.tracing.spans import Trace
 
 log = logging.getLogger("bidirkv.router")
 

@@ -16,7 +16,6 @@ from typing import Any
 import aiohttp
 
 from bidirkv.router.config import RouterConfig
-from bidirkv.router.datapath.tracing import Traces
 from bidirkv.router.metrics import Metrics
 from bidirkv.router.pool.backends import DECODE, PREFILL, Backend, Pool
 from bidirkv.router.pool.notes import note_key
@@ -24,15 +23,16 @@ from bidirkv.router.pool.placement import CostModel
 from bidirkv.router.pool.recall import Recall
 from bidirkv.router.pool.residency import ResidencyClient
 from bidirkv.router.request.identity import LookupKeys
-from bidirkv.router.store.base import Entry, Store, StoreUnavailable
+from bidirkv.router.store.base import Entry, Store
 from bidirkv.router.store.memory import InProcessStore
 from bidirkv.router.store.shared import make_store, store_mode
+from bidirkv.router.tracing.spans import Traces
 
 
 @dataclass(frozen=True)
 class Timeouts:
     """The client timeouts of one config (a reload swaps the whole set; a request in
-    flight keeps the one it started with). The legs' client (enginehttp.py) reads
+    flight keeps the one it started with). The legs' client (engine/http.py) reads
     `prefill` and `decode` as bounds on the connect (sock_connect), the whole exchange
     (total) and each wait for bytes (sock_read); aiohttp's session takes `probe`, and
     `prefill` for a client's GET /v1/models (flow.py)."""
@@ -51,14 +51,6 @@ def timeouts_of(cfg: RouterConfig) -> Timeouts:
                                      sock_read=t.decode_seconds),
         probe=aiohttp.ClientTimeout(total=probe, sock_connect=t.connect_seconds),
     )
-
-
-async def quietly(coro: Any) -> Any:
-    """A store call whose failure costs only reuse (the store counts the error)."""
-    try:
-        return await coro
-    except StoreUnavailable:
-        return None
 
 
 class Context:
@@ -84,7 +76,7 @@ class Context:
         self.residency = ResidencyClient(cfg.owner_lease_seconds, self.timeouts.probe,
                                          on_result=self._on_residency_call,
                                          handle_key=handle_key)
-        # The request spans and their exporters (tracing.py); a reload may replace them.
+        # The request spans and their exporters (tracing/spans.py); a reload may replace them.
         # First: a span file that cannot be opened stops the start before anything else.
         self.traces = Traces(cfg.tracing)
         self.store: Store = make_store(cfg, store_password, self.evicted,

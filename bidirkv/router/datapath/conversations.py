@@ -9,9 +9,9 @@ import time
 from aiohttp import web
 
 from bidirkv.returns import next_gap
-from bidirkv.router.datapath.bodies import salt
 from bidirkv.router.datapath.context import Context
 from bidirkv.router.datapath.turn import Turn
+from bidirkv.router.engine.bodies import salt
 from bidirkv.router.request.identity import Tenants, accounting_tenant
 from bidirkv.router.request.validation import CHAT
 from bidirkv.router.store.base import EXPIRED, HIT, MISS, StoreUnavailable

@@ -22,7 +22,7 @@ Decisions where the protocol is silent:
 - Upstream `Authorization` is the client's own header, so engines started with --api-key
   check the same credential.
 - A stale kept-alive connection to P is sent again to P itself, on a new connection
-  (sessions.py says why).
+  (engine/clients.py says why).
 - Prefill-only: a prefill server is a complete vLLM engine; only its role in the P/D
   split makes it stop after one token. While every decode replica is out, answering 503
   would turn a decode outage into a full one, so (with `prefillOnlyFallback`, on by
@@ -48,10 +48,16 @@ from aiohttp import web
 
 from bidirkv.router.codec import dumps
 from bidirkv.router.datapath.admission import Intake, Served
-from bidirkv.router.datapath.bodies import upstream_headers
 from bidirkv.router.datapath.context import Context
 from bidirkv.router.datapath.conversations import Conversations
-from bidirkv.router.datapath.failures import (
+from bidirkv.router.datapath.health import PREFILL_ONLY, Health, serving_mode
+from bidirkv.router.datapath.legs import Legs
+from bidirkv.router.datapath.modes import Plan
+from bidirkv.router.datapath.placing import Placing
+from bidirkv.router.datapath.turn import Turn, trace_attributes
+from bidirkv.router.engine.bodies import upstream_headers
+from bidirkv.router.engine.clients import Clients
+from bidirkv.router.engine.failures import (
     UPSTREAM_FAILURES,
     Unavailable,
     UpstreamFailure,
@@ -61,16 +67,10 @@ from bidirkv.router.datapath.failures import (
     rejected,
     unavailable,
 )
-from bidirkv.router.datapath.health import PREFILL_ONLY, Health, serving_mode
-from bidirkv.router.datapath.legs import Legs
-from bidirkv.router.datapath.modes import Plan
-from bidirkv.router.datapath.placing import Placing
-from bidirkv.router.datapath.replies import json_response
-from bidirkv.router.datapath.sessions import Clients
-from bidirkv.router.datapath.tracing import Trace
-from bidirkv.router.datapath.turn import Turn, trace_attributes
 from bidirkv.router.pool.backends import DECODE, PREFILL, Backend
 from bidirkv.router.pool.selection import Tries
+from bidirkv.router.request.replies import json_response
+from bidirkv.router.tracing.spans import Trace
 
 log = logging.getLogger("bidirkv.router")
 

@@ -8,12 +8,13 @@ import asyncio
 import logging
 
 from bidirkv.router.codec import loads
-from bidirkv.router.datapath.bodies import model_len
-from bidirkv.router.datapath.context import Context, quietly
-from bidirkv.router.datapath.failures import UPSTREAM_FAILURES, classify
+from bidirkv.router.datapath.context import Context
 from bidirkv.router.datapath.modes import modes_of
-from bidirkv.router.datapath.sessions import Clients
+from bidirkv.router.engine.bodies import model_len
+from bidirkv.router.engine.clients import Clients
+from bidirkv.router.engine.failures import UPSTREAM_FAILURES, classify
 from bidirkv.router.pool.backends import DECODE, Backend
+from bidirkv.router.store.base import quietly
 
 log = logging.getLogger("bidirkv.router")
 

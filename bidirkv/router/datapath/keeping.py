@@ -8,15 +8,15 @@ import logging
 from typing import Any
 
 from bidirkv.router.codec import dumps_kept
-from bidirkv.router.datapath.bodies import handle_blocks
-from bidirkv.router.datapath.context import Context, quietly
-from bidirkv.router.datapath.sse import MessageCollector
+from bidirkv.router.datapath.context import Context
 from bidirkv.router.datapath.turn import Turn
+from bidirkv.router.engine.bodies import handle_blocks
+from bidirkv.router.engine.sse import MessageCollector
 from bidirkv.router.pool.backends import Backend
 from bidirkv.router.pool.placement import message_chars
 from bidirkv.router.request.identity import LookupKeys, accounting_tenant
 from bidirkv.router.request.validation import CHAT
-from bidirkv.router.store.base import Entry, Kept, StoreUnavailable
+from bidirkv.router.store.base import Entry, Kept, StoreUnavailable, quietly
 from bidirkv.wire import VERSION_KEY, version_problem
 
 log = logging.getLogger("bidirkv.router")

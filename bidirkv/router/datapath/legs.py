@@ -25,28 +25,28 @@ from typing import Any, NamedTuple
 from aiohttp import web
 
 from bidirkv.router.codec import loads
-from bidirkv.router.datapath.bodies import (
+from bidirkv.router.datapath.context import Context
+from bidirkv.router.datapath.health import Health
+from bidirkv.router.datapath.relay import Relay
+from bidirkv.router.datapath.turn import Turn
+from bidirkv.router.engine.bodies import (
     LOCAL_PARAMS,
     PATHS,
     decode_payload,
     prefill_payload,
 )
-from bidirkv.router.datapath.context import Context
-from bidirkv.router.datapath.engineconn import Response
-from bidirkv.router.datapath.failures import (
+from bidirkv.router.engine.clients import Clients
+from bidirkv.router.engine.connection import Response
+from bidirkv.router.engine.failures import (
     UPSTREAM_FAILURES,
     UpstreamFailure,
     classify,
     rejected,
 )
-from bidirkv.router.datapath.health import Health
-from bidirkv.router.datapath.relay import Relay
-from bidirkv.router.datapath.sessions import Clients
-from bidirkv.router.datapath.sse import PARAMS
-from bidirkv.router.datapath.tracing import Leg
-from bidirkv.router.datapath.turn import Turn
+from bidirkv.router.engine.sse import PARAMS
 from bidirkv.router.pool.backends import DECODE, PREFILL, Backend
 from bidirkv.router.pool.placement import EXTEND
+from bidirkv.router.tracing.spans import Leg
 
 
 class ReuseReport(NamedTuple):
@@ -190,7 +190,7 @@ class Legs:
         ctx = self.ctx
         keeps = turn.plan.keeps
         p_params = p_body.get(PARAMS)
-        # Built as the request goes out (sessions.py), as the prefill leg's body is.
+        # Built as the request goes out (engine/clients.py), as the prefill leg's body is.
         payload = functools.partial(
             decode_payload, ctx.handle_key if keeps else None, turn.body, p_params,
             ctx.residency.owner if keeps else None, turn.tenant if keeps else None, turn.gap)

@@ -13,8 +13,7 @@ from aiohttp import web
 
 from bidirkv.router.config import RouterConfig
 from bidirkv.router.datapath.admission import Intake
-from bidirkv.router.datapath.bodies import PATHS
-from bidirkv.router.datapath.context import Context, quietly, timeouts_of
+from bidirkv.router.datapath.context import Context, timeouts_of
 from bidirkv.router.datapath.conversations import Conversations
 from bidirkv.router.datapath.flow import MODELS, Flow, Runner
 from bidirkv.router.datapath.health import Health
@@ -22,12 +21,14 @@ from bidirkv.router.datapath.keeping import Keeping
 from bidirkv.router.datapath.legs import Legs
 from bidirkv.router.datapath.placing import Placing
 from bidirkv.router.datapath.relay import Relay
-from bidirkv.router.datapath.sessions import Clients
-from bidirkv.router.datapath.tracing import Untraced, replace, traced
 from bidirkv.router.datapath.upkeep import Upkeep
+from bidirkv.router.engine.bodies import PATHS
+from bidirkv.router.engine.clients import Clients
 from bidirkv.router.metrics import Metrics
 from bidirkv.router.pool.backends import DECODE
 from bidirkv.router.pool.residency import SHUTDOWN_FLUSH_S
+from bidirkv.router.store.base import quietly
+from bidirkv.router.tracing.spans import Untraced, replace, traced
 
 log = logging.getLogger("bidirkv.router")
 

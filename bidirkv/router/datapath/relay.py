@@ -10,20 +10,31 @@ import time
 from aiohttp import web
 
 from bidirkv.router.codec import dumps, loads
-from bidirkv.router.datapath.bodies import PARAMS_MARKER
 from bidirkv.router.datapath.context import Context
-from bidirkv.router.datapath.engineconn import Response
-from bidirkv.router.datapath.failures import UPSTREAM_FAILURES, classify
 from bidirkv.router.datapath.health import Health
 from bidirkv.router.datapath.keeping import Keeping
-from bidirkv.router.datapath.replies import json_response, placement_header
-from bidirkv.router.datapath.sse import DONE, PARAMS, MessageCollector, SSEFilter, error_event
 from bidirkv.router.datapath.turn import Turn
+from bidirkv.router.engine.bodies import PARAMS_MARKER
+from bidirkv.router.engine.connection import Response
+from bidirkv.router.engine.failures import UPSTREAM_FAILURES, classify
+from bidirkv.router.engine.sse import DONE, PARAMS, MessageCollector, SSEFilter, error_event
 from bidirkv.router.pool.backends import DECODE, Backend
-from bidirkv.router.pool.placement import EXTEND
+from bidirkv.router.pool.placement import EXTEND, Decision
+from bidirkv.router.request.replies import json_response
 from bidirkv.router.request.validation import CHAT
 
 log = logging.getLogger("bidirkv.router")
+
+PLACEMENT_HEADER = "X-Bidirkv-Placement"
+
+
+def placement_header(d: Decision | None, shown: bool) -> dict[str, str]:
+    """`decision; reason=...` for the client (benchmarks read it), when one was made and
+    the config shows it (`placementHeader`): it tells whoever sent the request whether
+    its exact history is stored and how busy decode is, so it is off unless asked for."""
+    if d is None or not shown:
+        return {}
+    return {PLACEMENT_HEADER: f"{d.path}; reason={d.reason}"}
 
 
 def _collector(turn: Turn, keeps: bool) -> MessageCollector | None:

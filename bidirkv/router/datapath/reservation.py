@@ -17,9 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bidirkv.router.datapath.context import quietly
 from bidirkv.router.pool.placement import ON_DECODE, Decision
-from bidirkv.router.store.base import Entry, Store, StoreUnavailable
+from bidirkv.router.store.base import Entry, Store, StoreUnavailable, quietly
 
 CONSUMED = "consumed"
 DISCARDED = "discarded"

@@ -19,9 +19,9 @@ from typing import Any
 
 from bidirkv.router.datapath.modes import UNPLANNED, Modes
 from bidirkv.router.datapath.reservation import Reservation
-from bidirkv.router.datapath.tracing import UNTRACED, Trace
 from bidirkv.router.pool.placement import Decision
 from bidirkv.router.request.identity import ChatHistory
+from bidirkv.router.tracing.spans import UNTRACED, Trace
 
 
 class Turn:
@@ -45,7 +45,7 @@ class Turn:
         self.auth = auth
         self.tenant = b""
         self.t0 = t0
-        # Its spans (tracing.py): the request's, under which each leg starts its own.
+        # Its spans (tracing/spans.py): the request's, under which each leg starts its own.
         self.trace = trace
         self.modes = modes
         # The prompt's length, when a placement will weigh it (a pass over the body).

@@ -8,12 +8,12 @@ import asyncio
 import contextlib
 import logging
 
-from bidirkv.router.datapath.context import Context, quietly
+from bidirkv.router.datapath.context import Context
 from bidirkv.router.datapath.health import Health
 from bidirkv.router.datapath.modes import modes_of
-from bidirkv.router.datapath.sessions import Clients
+from bidirkv.router.engine.clients import Clients
 from bidirkv.router.pool.drain import PrefillReports, mark_draining
-from bidirkv.router.store.base import StoreUnavailable
+from bidirkv.router.store.base import StoreUnavailable, quietly
 
 log = logging.getLogger("bidirkv.router")
 

@@ -18,9 +18,9 @@ from aiohttp import web
 
 from bidirkv.router.config import ConfigError, RouterConfig, load_config
 from bidirkv.router.datapath.proxy import Router
-from bidirkv.router.datapath.tracing import describe
 from bidirkv.router.server.reload import ConfigWatcher
 from bidirkv.router.server.routes import ROUTER, add_metrics_routes, add_routes, json_errors
+from bidirkv.router.tracing.spans import describe
 
 log = logging.getLogger("bidirkv.router")
 

@@ -15,10 +15,10 @@ from bidirkv.router.codec import dumps, dumps_kept, loads
 from bidirkv.router.datapath.admission import logged
 from bidirkv.router.datapath.health import UNAVAILABLE, serving_mode
 from bidirkv.router.datapath.proxy import Router
-from bidirkv.router.datapath.replies import json_error, json_response
-from bidirkv.router.datapath.tracing import traced
+from bidirkv.router.request.replies import json_error, json_response
 from bidirkv.router.request.validation import CHAT, COMPLETIONS, MAX_CONVERSATION_ID
 from bidirkv.router.store.base import Kept, StoreUnavailable
+from bidirkv.router.tracing.spans import traced
 from bidirkv.wire import COUNTS_KEY
 
 log = logging.getLogger("bidirkv.router")

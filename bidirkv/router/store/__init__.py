@@ -3,5 +3,5 @@ in-process store (`memory.py`) and the shared store (`shared.py`, its Lua in
 `scripts.py`), behind one async interface (`base.Store`).
 
 Imports the router's leaf modules (`codec`, `config`) only; never `request`, `pool`,
-`datapath` or `server`.
+`engine`, `datapath` or `server`.
 """

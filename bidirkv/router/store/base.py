@@ -142,6 +142,14 @@ class StoreUnavailable(Exception):
     """The shared store did not answer; the caller serves without reuse."""
 
 
+async def quietly(coro: Any) -> Any:
+    """A store call whose failure costs only reuse (the store counts the error)."""
+    try:
+        return await coro
+    except StoreUnavailable:
+        return None
+
+
 class Store(Protocol):
     owner: str | None
 

@@ -1,5 +1,5 @@
 """One connection to an engine (`Connection`) and the answer read from it (`Response`), for
-the legs' HTTP/1.1 client (enginehttp.py: the pool, the request written, when a connection
+the legs' HTTP/1.1 client (http.py: the pool, the request written, when a connection
 goes back to its pool). Each read is parsed in one pass: the head (HEAD_LIMIT) and a
 chunk-size or trailer line (LINE_LIMIT) are bounded, a chunk size is hex digits, a chunk
 ends with CRLF; the body ends by Content-Length, with the last chunk, or at the close. A

@@ -54,7 +54,7 @@ from opentelemetry.trace import (
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from bidirkv.router.config import ConfigError, Tracing
-from bidirkv.router.datapath.sampling import bounded, make_provider
+from bidirkv.router.tracing.sampling import bounded, make_provider
 
 log = logging.getLogger("bidirkv.router")
 

@@ -8,8 +8,8 @@ from typing import Any
 
 from bidirkv.proof import make_proof
 from bidirkv.router.codec import dumps
-from bidirkv.router.datapath.replies import JSON_TYPE
-from bidirkv.router.datapath.sse import PARAMS
+from bidirkv.router.engine.sse import PARAMS
+from bidirkv.router.request.replies import JSON_TYPE
 from bidirkv.router.request.validation import CHAT
 from bidirkv.wire import (
     COUNTS_KEY,

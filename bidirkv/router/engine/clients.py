@@ -19,7 +19,7 @@ an ordinary prefill failure (`bidirkv/router/datapath/flow.py`).
 The decode leg is not retried here: it carries a single-use proof and reads P's
 blocks, so it keeps its own retry on another replica with a fresh prefill.
 
-`Clients` holds the clients: the legs' own (enginehttp.py) for the two legs, and an
+`Clients` holds the clients: the legs' own (http.py) for the two legs, and an
 aiohttp session for everything else (health probes, /v1/models, residency calls); the
 other parts of the router post through it.
 """
@@ -34,18 +34,18 @@ from typing import Any
 import aiohttp
 
 from bidirkv.router.codec import loads
-from bidirkv.router.datapath.bodies import upstream_headers
-from bidirkv.router.datapath.engineconn import Response
-from bidirkv.router.datapath.enginehttp import KEEPALIVE_S, EngineHTTP
-from bidirkv.router.datapath.failures import (
+from bidirkv.router.engine.bodies import upstream_headers
+from bidirkv.router.engine.connection import Response
+from bidirkv.router.engine.failures import (
     UPSTREAM_FAILURES,
     UpstreamFailure,
     classify,
     stale_connection,
 )
-from bidirkv.router.datapath.tracing import UNTRACED, Leg
+from bidirkv.router.engine.http import KEEPALIVE_S, EngineHTTP
 from bidirkv.router.metrics import Metrics
 from bidirkv.router.pool.backends import Backend
+from bidirkv.router.tracing.spans import UNTRACED, Leg
 
 log = logging.getLogger("bidirkv.router")
 

@@ -1,5 +1,5 @@
 """The router's TracerProvider: who decides sampling, and how long a span's strings may be
-(bidirkv/router/datapath/tracing.py records the spans)."""
+(bidirkv/router/tracing/spans.py records the spans)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.sampling import (
 from opentelemetry.trace import get_current_span
 
 from bidirkv.router.config import Tracing
-from bidirkv.router.datapath.spanfile import SpanFileExporter
+from bidirkv.router.tracing.spanfile import SpanFileExporter
 
 # Longest string attribute value kept, in characters: a model name or an id is far
 # shorter, and 2,000,000 characters from a client must not become 2 MB per span queued.

@@ -4,7 +4,7 @@ The legs need little of HTTP: one POST with a JSON body, an answer read whole (p
 or relayed as it streams (decode), kept-alive connections. A general client does much
 more on every request (header defaults, cookies, tracing hooks, timeout objects), and on
 a router that sends two legs a turn that was a third of its CPU. This module is the
-client's pool and the request it writes; engineconn.py carries the exchange on one
+client's pool and the request it writes; connection.py carries the exchange on one
 connection and reads the answer (`Response`):
 
 - one `transport.write` a request, head and body;
@@ -17,7 +17,7 @@ connection and reads the answer (`Response`):
   each wait for the next bytes and, when asked, the first body bytes (connect included):
   deadlines of the connection's one timer, not a timeout object per request.
 
-Health probes and the router's other calls keep the general client (sessions.py).
+Health probes and the router's other calls keep the general client (clients.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import ssl
 from typing import Any
 from urllib.parse import urlsplit
 
-from bidirkv.router.datapath.engineconn import (
+from bidirkv.router.engine.connection import (
     ConnectError,
     Connection,
     ConnectTimeout,
@@ -70,7 +70,7 @@ def request_head(target: Target, path: str, headers: dict[str, str], length: int
 
 class EngineHTTP:
     """POSTs to engines over kept-alive connections, one pool per engine. A response
-    read whole puts its connection back on its engine's idle list itself (engineconn.py);
+    read whole puts its connection back on its engine's idle list itself (connection.py);
     the sweeper, scheduled while any connection is open, closes those idle too long."""
 
     def __init__(self) -> None:

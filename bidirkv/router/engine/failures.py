@@ -1,5 +1,5 @@
 """How a leg fails and what the client is told: the upstream failure kinds, how a client
-error reads (the legs' own client, engineconn.py, or aiohttp's for probes and the rest),
+error reads (the legs' own client, connection.py, or aiohttp's for probes and the rest),
 and the answers a failed or impossible leg gives."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ import math
 import aiohttp
 from aiohttp import web
 
-from bidirkv.router.datapath.engineconn import (
+from bidirkv.router.engine.connection import (
     ConnectError,
     ConnectTimeout,
     Disconnected,
     EngineHTTPError,
     ProtocolError,
 )
-from bidirkv.router.datapath.replies import json_error, json_response
 from bidirkv.router.pool.backends import Backend
+from bidirkv.router.request.replies import json_error, json_response
 from bidirkv.router.request.validation import error_body
 
 
