@@ -180,7 +180,7 @@ class Spec(Protocol):
 
 
 @dataclass(frozen=True)
-class Placement:
+class Listen:
     """Where a server listens and how peers reach it. In a pod: every address, the engine
     port and, for NIXL's side channel, the pod IP (downward API); the local stack gives
     each process the loopback address and ports of its own."""
@@ -191,7 +191,7 @@ class Placement:
     side_channel_port: int | None = None  # None: spec.kvTransfer.sideChannelPort
 
 
-POD = Placement()
+POD = Listen()
 
 
 class RoleConfigError(ValueError):
@@ -319,7 +319,7 @@ def otlp_headers_env(spec: Spec) -> list[dict[str, Any]]:
 
 
 def build_role_config(spec: Spec, role: str,
-                      placement: Placement = POD) -> RoleConfig:
+                      listen: Listen = POD) -> RoleConfig:
     if role not in ROLES:
         raise ValueError(f"role {role!r}: must be one of {', '.join(ROLES)}")
     errors = extra_args_errors(spec)
@@ -330,8 +330,8 @@ def build_role_config(spec: Spec, role: str,
     args = [
         "--model", spec.model.name,
         "--served-model-name", spec.model.served_name or spec.model.name,
-        "--host", placement.bind_host,
-        "--port", str(placement.http_port),
+        "--host", listen.bind_host,
+        "--port", str(listen.http_port),
         "--tensor-parallel-size", str(role_spec.tensor_parallel_size),
         "--dtype", spec.model.dtype,
     ]
@@ -348,9 +348,9 @@ def build_role_config(spec: Spec, role: str,
     # Role arguments come last: vLLM takes the last value of a repeated flag.
     args += [*spec.engine.extra_args, *role_spec.extra_args]
 
-    nixl_port = placement.side_channel_port or spec.kv_transfer.side_channel_port
+    nixl_port = listen.side_channel_port or spec.kv_transfer.side_channel_port
     env = [
-        _env("VLLM_NIXL_SIDE_CHANNEL_HOST", placement.side_channel_host or POD_IP),
+        _env("VLLM_NIXL_SIDE_CHANNEL_HOST", listen.side_channel_host or POD_IP),
         _env("VLLM_NIXL_SIDE_CHANNEL_PORT", str(nixl_port)),
         _env("BIDIRKV_ROLE", role),
         # Endpoint plugins load only when named here; the general plugin is named too, as
@@ -388,7 +388,7 @@ def build_role_config(spec: Spec, role: str,
         args=args,
         env=env,
         kv_transfer_config=kvt,
-        ports={"http": placement.http_port, "nixl": nixl_port},
+        ports={"http": listen.http_port, "nixl": nixl_port},
     )
 
 

@@ -17,7 +17,7 @@ from bidirkv.connector.patches import cpu as patch_cpu
 from bidirkv.connector.patches import idle as patch_idle
 from bidirkv.connector.patches.guarded import unwrap, when_imported, wrap
 from bidirkv.connector.settings import Settings
-from bidirkv.connector.targets import MARK, Skip, Target, vllm_supported
+from bidirkv.connector.targets import MARK, PatchSite, Skip, vllm_supported
 
 
 def test_version_guard():
@@ -116,9 +116,9 @@ def test_a_required_patch_that_cannot_apply_stops_the_process():
 def test_every_patch_target_resolves_in_the_installed_vllm():
     """Targets and parameters against the installed vLLM, without starting a server."""
     pytest.importorskip("vllm")
-    from bidirkv.connector.targets import target_problems
+    from bidirkv.connector.targets import site_problems
 
-    assert target_problems(plugin.REQUIRED_TARGETS + plugin.OPTIONAL_TARGETS
+    assert site_problems(plugin.REQUIRED_TARGETS + plugin.OPTIONAL_TARGETS
                            + plugin.CONNECTOR_TARGETS) == []
 
 
@@ -306,7 +306,7 @@ def test_a_sleeping_worker_is_woken_by_every_message(tmp_path):
 
 def test_the_worker_keeps_its_busy_wait_where_notifications_may_be_lost(monkeypatch):
     monkeypatch.setattr(patch_idle, "NOTIFY_TARGET",
-                        Target(patch_idle.NOTIFY_MODULE, "SpinCondition.gone"))
+                        PatchSite(patch_idle.NOTIFY_MODULE, "SpinCondition.gone"))
     with pytest.raises(Skip, match="keeps vLLM's busy wait"):
         patch_idle.install_worker(20)
 

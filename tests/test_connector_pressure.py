@@ -13,7 +13,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from bidirkv.connector.core.residency import Residency  # noqa: E402
 from bidirkv.connector.patches.residency import TARGETS, blocks_short  # noqa: E402
-from bidirkv.connector.targets import target_problems  # noqa: E402
+from bidirkv.connector.targets import site_problems  # noqa: E402
 
 BLOCK = 16
 
@@ -64,4 +64,4 @@ def test_without_prefix_caching_the_whole_prompt_counts():
 
 
 def test_the_lookup_the_check_relies_on_is_in_the_installed_vllm():
-    assert target_problems(TARGETS) == []
+    assert site_problems(TARGETS) == []

@@ -88,12 +88,12 @@ def test_a_missing_patch_target_refuses_to_start(minimal, capsys, monkeypatch):
     """A vLLM whose internals moved: the launcher names the version and the target."""
     pytest.importorskip("vllm")
     from bidirkv.connector import launcher, plugin
-    from bidirkv.connector.targets import Target
+    from bidirkv.connector.targets import PatchSite
 
     monkeypatch.setattr(plugin, "REQUIRED_TARGETS", [
         *plugin.REQUIRED_TARGETS,
-        Target("vllm.v1.core.sched.scheduler", "Scheduler.gone_in_this_release"),
-        Target("vllm.v1.core.sched.scheduler", "Scheduler.schedule", ("self", "other")),
+        PatchSite("vllm.v1.core.sched.scheduler", "Scheduler.gone_in_this_release"),
+        PatchSite("vllm.v1.core.sched.scheduler", "Scheduler.schedule", ("self", "other")),
     ])
     errs = launcher.patch_errors()
     assert len(errs) == 2, errs

@@ -245,3 +245,36 @@ def test_a_turns_modes_are_read_where_it_is_built_and_where_it_is_placed():
                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                and node.func.id == "modes_of"}
     assert callers == {"admission.py", "health.py", "upkeep.py"}
+
+
+def reuse_writers() -> dict[str, list[str]]:
+    """Each module of the data path that assigns an attribute named `reuse` (a turn's
+    reuse outcome) -> what it assigns, as written."""
+    out: dict[str, list[str]] = {}
+    for p in PARTS:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Assign):
+                for t in node.targets:
+                    for e in t.elts if isinstance(t, ast.Tuple) else [t]:
+                        if isinstance(e, ast.Attribute) and e.attr == "reuse":
+                            out.setdefault(p.name, []).append(ast.unparse(node.value))
+    return out
+
+
+def test_the_reuse_outcome_is_an_enum_written_in_one_module():
+    """reservation.py writes a turn's reuse outcome, always a `ReuseOutcome`; its values
+    are the labels the metric, the span and the log have always carried."""
+    from bidirkv.router.metrics import REUSE_OUTCOMES, Metrics, ReuseOutcome
+
+    writers = reuse_writers()
+    assert set(writers) == {"reservation.py"}
+    assert sorted(writers["reservation.py"]) == [
+        "(entry, LOOKED_UP[status])", "ReuseOutcome.DROPPED", "ReuseOutcome.EXTENDED",
+        "ReuseOutcome.OFF", "ReuseOutcome.VERIFIED_PARTIAL"]
+    assert [o.value for o in ReuseOutcome] == ["hit", "miss", "expired", "verified-partial",
+                                               "dropped", "off", "extended"]
+    assert REUSE_OUTCOMES == tuple(ReuseOutcome)
+    metrics = Metrics()
+    metrics.reuse_outcome(ReuseOutcome.VERIFIED_PARTIAL)
+    assert b'bidirkv_router_reuse_total{outcome="verified-partial"} 1.0' in \
+        metrics.exposition()[0]

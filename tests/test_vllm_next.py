@@ -20,7 +20,7 @@ import pytest
 from bidirkv.connector import plugin
 from bidirkv.connector.core.handles import HANDLE_KEYS
 from bidirkv.connector.patches import stream
-from bidirkv.connector.targets import Target, vllm_supported
+from bidirkv.connector.targets import PatchSite, vllm_supported
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NEXT = "0.33.0"
@@ -152,7 +152,7 @@ def installed() -> Source:
     pytest.skip("vLLM is not installed (`make engine`)")
 
 
-def target_problem(src: Source, t: Target) -> str | None:
+def site_problem(src: Source, t: PatchSite) -> str | None:
     node = src.find(t.module, t.qualname)
     if node is None:
         return f"{t}: not found"
@@ -173,19 +173,19 @@ def test_the_wheel_is_the_release_it_names():
 
 @pytest.mark.parametrize("target", TARGETS, ids=str)
 def test_every_patch_target_is_there_with_its_parameters(target):
-    assert target_problem(next_release(), target) is None
+    assert site_problem(next_release(), target) is None
 
 
 def test_the_reader_agrees_with_the_launcher_on_the_installed_release():
     """The same source reading passes on 0.32, whose targets the launcher checks live."""
-    assert [p for t in TARGETS if (p := target_problem(installed(), t))] == []
+    assert [p for t in TARGETS if (p := site_problem(installed(), t))] == []
 
 
 def test_the_check_would_see_a_missing_target_and_a_changed_signature():
     src = next_release()
-    assert "not found" in target_problem(src, Target(TARGETS[0].module, "Nope.method"))
+    assert "not found" in site_problem(src, PatchSite(TARGETS[0].module, "Nope.method"))
     t = next(t for t in TARGETS if t.params)
-    assert "parameters" in target_problem(src, Target(t.module, t.qualname, ("nope",)))
+    assert "parameters" in site_problem(src, PatchSite(t.module, t.qualname, ("nope",)))
 
 
 @pytest.mark.parametrize(("path", "attr"), ATTRIBUTES, ids=lambda v: str(v).rsplit("/", 1)[-1])

@@ -138,12 +138,12 @@ def patch_errors() -> list[str]:
     """Every target the installed vLLM lacks or changed, patched or overridden by the
     connector's classes (imports vLLM)."""
     from bidirkv.connector.plugin import CONNECTOR_TARGETS, REQUIRED_TARGETS, _version
-    from bidirkv.connector.targets import target_problems
+    from bidirkv.connector.targets import site_problems
 
     return [f"vLLM {_version()}: cannot patch {p}; this image's vLLM does not fit the "
-            "bidir-kv plugin" for p in target_problems(REQUIRED_TARGETS)] + [
+            "bidir-kv plugin" for p in site_problems(REQUIRED_TARGETS)] + [
         f"vLLM {_version()}: bidir-kv's NIXL connector relies on {p}; this image's vLLM "
-        "does not fit it" for p in target_problems(CONNECTOR_TARGETS)]
+        "does not fit it" for p in site_problems(CONNECTOR_TARGETS)]
 
 
 def platform_error() -> str | None:

@@ -29,18 +29,18 @@ from bidirkv.connector.patches import residency as patch_residency
 from bidirkv.connector.patches import stream as patch_stream
 from bidirkv.connector.patches.guarded import when_imported
 from bidirkv.connector.settings import Resolved, Settings
-from bidirkv.connector.targets import Skip, Target, vllm_supported
+from bidirkv.connector.targets import PatchSite, Skip, vllm_supported
 
 log = logging.getLogger("vllm.bidirkv")
 
 NAME = "bidirkv"
 ENTRY_POINT = "bidirkv.connector.plugin:register"
 # Patched globally: what vLLM gives no hook for (docs/protocol.md, section 5).
-REQUIRED_TARGETS: list[Target] = [*patch_connector.TARGETS, *patch_stream.TARGET_LIST,
+REQUIRED_TARGETS: list[PatchSite] = [*patch_connector.TARGETS, *patch_stream.TARGET_LIST,
                                   *patch_residency.TARGETS]
-OPTIONAL_TARGETS: list[Target] = [*patch_cpu.TARGETS, *patch_idle.TARGETS]
+OPTIONAL_TARGETS: list[PatchSite] = [*patch_cpu.TARGETS, *patch_idle.TARGETS]
 # Overridden or called by bidir-kv's NIXL connector classes (nixl/), loaded by vLLM.
-CONNECTOR_TARGETS: list[Target] = list(nixl_targets.TARGETS)
+CONNECTOR_TARGETS: list[PatchSite] = list(nixl_targets.TARGETS)
 _registered = False
 applied: list[str] = []
 

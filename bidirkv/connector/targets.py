@@ -1,9 +1,9 @@
 """What of vLLM the connector relies on, and the check that every piece is there.
 
 Every global patch (patches/) and every override of bidir-kv's NIXL classes (nixl/)
-names the vLLM attributes it replaces or calls, with their parameters (`Target`), and the
+names the vLLM attributes it replaces or calls, with their parameters (`PatchSite`), and the
 release line they were read against. The launcher checks all of them before vLLM starts
-and refuses to start when one is missing or changed (`target_problems`); inside vLLM a
+and refuses to start when one is missing or changed (`site_problems`); inside vLLM a
 patch that cannot apply stops the process (plugin.py): without them reuse would run on
 vLLM's trust, unverified and unauthenticated (fail closed). No vLLM import at module level.
 """
@@ -29,7 +29,7 @@ def vllm_supported(version: str) -> bool:
 
 
 @dataclass(frozen=True)
-class Target:
+class PatchSite:
     """`module:qualname`, and the parameter names a patch relies on (None: not callable,
     or any signature)."""
 
@@ -41,7 +41,7 @@ class Target:
         return f"{self.module}.{self.qualname}"
 
 
-def target_problem(t: Target) -> str | None:
+def site_problem(t: PatchSite) -> str | None:
     """Why this target cannot be patched as written (None: it can)."""
     try:
         _, _, obj = resolve(t.module, t.qualname)
@@ -58,8 +58,8 @@ def target_problem(t: Target) -> str | None:
     return None
 
 
-def target_problems(targets: list[Target]) -> list[str]:
-    return [p for t in targets if (p := target_problem(t)) is not None]
+def site_problems(targets: list[PatchSite]) -> list[str]:
+    return [p for t in targets if (p := site_problem(t)) is not None]
 
 
 def resolve(module: str, qualname: str) -> tuple[Any, str, Any]:

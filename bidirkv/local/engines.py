@@ -1,7 +1,7 @@
 """The engine containers the operator renders, as local processes.
 
 The container's command, args and env come from the same render as a cluster's pods,
-given a local placement (render's own parameter): the loopback address and each
+given where each server listens here (render's own parameter): the loopback address and each
 server's own HTTP and NIXL side-channel ports, since all share one host. What a pod
 gets from Kubernetes at run time (a Secret) is mapped here.
 """
@@ -18,7 +18,7 @@ from typing import Any
 from bidirkv.operator.api.spec import DisaggregatedInferenceSpec
 from bidirkv.operator.render.children import Owner, engine_statefulset, router_config
 from bidirkv.operator.render.handlekey import CURRENT, new_key, secret_name
-from bidirkv.roleconfig import POD, Placement
+from bidirkv.roleconfig import POD, Listen
 
 LOOPBACK = "127.0.0.1"
 LOCAL_OWNER = Owner(name="local", namespace="local", uid="local")
@@ -41,16 +41,16 @@ class LocalPorts:
     nixl: int
 
 
-def placement(ports: LocalPorts) -> Placement:
-    return Placement(bind_host=LOOPBACK, http_port=ports.http, side_channel_host=LOOPBACK,
-                     side_channel_port=ports.nixl)
+def listen(ports: LocalPorts) -> Listen:
+    return Listen(bind_host=LOOPBACK, http_port=ports.http, side_channel_host=LOOPBACK,
+                  side_channel_port=ports.nixl)
 
 
 def rendered_container(spec: DisaggregatedInferenceSpec, role: str,
                        ports: LocalPorts | None = None) -> dict[str, Any]:
     """The engine container as rendered for a pod, or (with `ports`) for this machine."""
     sts = engine_statefulset(LOCAL_OWNER, spec, role,
-                             placement(ports) if ports is not None else POD)
+                             listen(ports) if ports is not None else POD)
     return sts["spec"]["template"]["spec"]["containers"][0]
 
 

@@ -31,7 +31,7 @@ from bidirkv.local.engines import (
 )
 from bidirkv.local.engines import bidirkv_command as _bidirkv_command
 from bidirkv.operator.api.spec import KIND, DisaggregatedInferenceSpec, SpecError, parse_spec
-from bidirkv.operator.render.children import RouterPlacement, router_deployment
+from bidirkv.operator.render.children import RouterListen, router_deployment
 
 ROLES = ("prefill", "decode")
 # Inherited variables of these namespaces would change the engines behind the spec's
@@ -147,7 +147,7 @@ def router_process(config_path: pathlib.Path, port: int, spec: DisaggregatedInfe
                    secrets: LocalSecrets) -> tuple[list[str], dict[str, str]]:
     """The router container rendered for this machine (its config file, the loopback
     address, its own port) as a command and env."""
-    where = RouterPlacement(config_path=str(config_path), bind_host=LOOPBACK, port=port,
+    where = RouterListen(config_path=str(config_path), bind_host=LOOPBACK, port=port,
                             metrics_port=None)
     c = router_deployment(LOCAL_OWNER, spec, where)["spec"]["template"]["spec"]["containers"][0]
     command = list(c["command"])

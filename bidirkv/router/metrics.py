@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -16,8 +17,22 @@ REQUEST_OUTCOMES = (
     "ok", "client_error", "upstream_client_error", "unavailable", "upstream_error",
     "timeout", "stream_error", "cancelled",
 )
-REUSE_OUTCOMES = ("hit", "miss", "expired", "verified-partial", "dropped", "off",
-                  "extended")
+
+
+class ReuseOutcome(StrEnum):
+    """What became of a turn's handle (datapath/reservation.py writes it, alone): the
+    metric's label, the span's attribute and the log's word, as they were as strings."""
+
+    HIT = "hit"
+    MISS = "miss"
+    EXPIRED = "expired"
+    VERIFIED_PARTIAL = "verified-partial"
+    DROPPED = "dropped"
+    OFF = "off"
+    EXTENDED = "extended"
+
+
+REUSE_OUTCOMES = tuple(ReuseOutcome)
 
 
 class Metrics:
@@ -156,7 +171,7 @@ class Metrics:
             child = self._evicted[reason] = self.evictions.labels(reason)
         child.inc(n)
 
-    def reuse_outcome(self, outcome: str) -> None:
+    def reuse_outcome(self, outcome: ReuseOutcome) -> None:
         self._reuse[outcome].inc()
 
     def observe_ttft(self, route: str, stream: bool, seconds: float) -> None:

@@ -5,7 +5,7 @@ and against the next release's wheel (tests/test_vllm_next.py). No vLLM import h
 
 from __future__ import annotations
 
-from bidirkv.connector.targets import Target
+from bidirkv.connector.targets import PatchSite
 from bidirkv.roleconfig import KV_CONNECTOR, KV_CONNECTOR_MODULE
 
 NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
@@ -22,40 +22,40 @@ MODULE_PATH = KV_CONNECTOR_MODULE
 
 TARGETS = [
     # The connector: our __init__ is NixlPullConnector's with our scheduler and worker.
-    Target(CONNECTOR, "NixlPullConnector.__init__",
+    PatchSite(CONNECTOR, "NixlPullConnector.__init__",
            ("self", "vllm_config", "role", "kv_cache_config")),
-    Target(CONNECTOR, "NixlBaseConnector.__init__",
+    PatchSite(CONNECTOR, "NixlBaseConnector.__init__",
            ("self", "vllm_config", "role", "kv_cache_config")),
-    Target(CONNECTOR, "NixlBaseConnector.on_new_request", ("self", "request")),
-    Target(CONNECTOR, "NixlBaseConnector.get_num_new_matched_tokens",
+    PatchSite(CONNECTOR, "NixlBaseConnector.on_new_request", ("self", "request")),
+    PatchSite(CONNECTOR, "NixlBaseConnector.get_num_new_matched_tokens",
            ("self", "request", "num_computed_tokens")),
-    Target(CONNECTOR, "NixlBaseConnector.update_state_after_alloc",
+    PatchSite(CONNECTOR, "NixlBaseConnector.update_state_after_alloc",
            ("self", "request", "blocks", "num_external_tokens")),
-    Target(CONNECTOR, "NixlBaseConnector.build_connector_meta", ("self", "scheduler_output")),
-    Target(CONNECTOR, "NixlBaseConnector.update_connector_output",
+    PatchSite(CONNECTOR, "NixlBaseConnector.build_connector_meta", ("self", "scheduler_output")),
+    PatchSite(CONNECTOR, "NixlBaseConnector.update_connector_output",
            ("self", "connector_output")),
-    Target(CONNECTOR, "NixlBaseConnector.request_finished", ("self", "request", "block_ids")),
-    Target(CONNECTOR, "NixlBaseConnector.request_finished_all_groups",
+    PatchSite(CONNECTOR, "NixlBaseConnector.request_finished", ("self", "request", "block_ids")),
+    PatchSite(CONNECTOR, "NixlBaseConnector.request_finished_all_groups",
            ("self", "request", "block_ids")),
-    Target(CONNECTOR, "NixlBaseConnector.get_kv_connector_stats", ("self",)),
-    Target(CONNECTOR, "NixlBaseConnector.build_kv_connector_stats", ("data",)),
-    Target(CONNECTOR, "NixlBaseConnector.build_prom_metrics",
+    PatchSite(CONNECTOR, "NixlBaseConnector.get_kv_connector_stats", ("self",)),
+    PatchSite(CONNECTOR, "NixlBaseConnector.build_kv_connector_stats", ("data",)),
+    PatchSite(CONNECTOR, "NixlBaseConnector.build_prom_metrics",
            ("vllm_config", "metric_types", "labelnames", "per_engine_labelvalues")),
     # The scheduler: built as vLLM builds its own; its side channel also answers grants.
-    Target(PULL_SCHEDULER, "NixlPullConnectorScheduler.__init__",
+    PatchSite(PULL_SCHEDULER, "NixlPullConnectorScheduler.__init__",
            ("self", "vllm_config", "engine_id", "kv_cache_config")),
-    Target(BASE_SCHEDULER, "NixlBaseConnectorScheduler._nixl_handshake_listener",
+    PatchSite(BASE_SCHEDULER, "NixlBaseConnectorScheduler._nixl_handshake_listener",
            ("encoded_data", "ready_event", "stop_event", "host", "port")),
     # The worker: asks for a grant before it reads decode's retained blocks.
-    Target(PULL_WORKER, "NixlPullConnectorWorker.__init__",
+    PatchSite(PULL_WORKER, "NixlPullConnectorWorker.__init__",
            ("self", "vllm_config", "engine_id", "kv_cache_config")),
-    Target(PULL_WORKER, "NixlPullConnectorWorker._read_blocks_for_req",
+    PatchSite(PULL_WORKER, "NixlPullConnectorWorker._read_blocks_for_req",
            ("self", "req_id", "meta")),
-    Target(PULL_WORKER, "NixlPullConnectorWorker._handle_failed_transfer",
+    PatchSite(PULL_WORKER, "NixlPullConnectorWorker._handle_failed_transfer",
            ("self", "req_id", "handle", "failed_req_ids", "record_failed_transfer")),
     # The stats: NIXL's, with bidir-kv's counters beside them.
-    Target(STATS, "NixlKVConnectorStats.reset", ("self",)),
-    Target(STATS, "NixlPromMetrics.__init__",
+    PatchSite(STATS, "NixlKVConnectorStats.reset", ("self",)),
+    PatchSite(STATS, "NixlPromMetrics.__init__",
            ("self", "vllm_config", "metric_types", "labelnames", "per_engine_labelvalues")),
-    Target(STATS, "NixlPromMetrics.observe", ("self", "transfer_stats_data", "engine_idx")),
+    PatchSite(STATS, "NixlPromMetrics.observe", ("self", "transfer_stats_data", "engine_idx")),
 ]

@@ -14,10 +14,10 @@ import functools
 
 from bidirkv.connector.nixl.targets import CONNECTOR, MODULE_PATH, NAME
 from bidirkv.connector.patches.guarded import wrap
-from bidirkv.connector.targets import Target
+from bidirkv.connector.targets import PatchSite
 
 QUALNAME = "NixlBaseConnector.__init__"
-TARGETS = [Target(CONNECTOR, QUALNAME, ("self", "vllm_config", "role", "kv_cache_config"))]
+TARGETS = [PatchSite(CONNECTOR, QUALNAME, ("self", "vllm_config", "role", "kv_cache_config"))]
 
 
 class ForeignConnector(RuntimeError):

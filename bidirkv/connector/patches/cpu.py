@@ -32,7 +32,7 @@ import sys
 
 from bidirkv.connector.patches.guarded import wrap
 from bidirkv.connector.settings import Resolved
-from bidirkv.connector.targets import MARK, Skip, Target, resolve
+from bidirkv.connector.targets import MARK, PatchSite, Skip, resolve
 
 log = logging.getLogger("vllm.bidirkv")
 
@@ -96,9 +96,9 @@ def _pin_engine_core(orig, cores: frozenset[int]):
     return _init_executor
 
 
-TARGETS = [Target(MODULE, "nixl_agent_config"),
-           Target(MODULE, "NixlWrapper"),
-           Target(ENGINE_MODULE, "MultiprocExecutor._init_executor")]
+TARGETS = [PatchSite(MODULE, "nixl_agent_config"),
+           PatchSite(MODULE, "NixlWrapper"),
+           PatchSite(ENGINE_MODULE, "MultiprocExecutor._init_executor")]
 
 
 def install_engine_core(settings: Resolved) -> list[str]:

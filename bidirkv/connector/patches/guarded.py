@@ -1,5 +1,5 @@
 """Guarded monkeypatching of vLLM internals: a patch waits for its module, applies once,
-and can be undone (tests). What a patch may name is a `Target` (connector/targets.py)."""
+and can be undone (tests). What a patch may name is a `PatchSite` (connector/targets.py)."""
 
 from __future__ import annotations
 

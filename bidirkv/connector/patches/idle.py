@@ -39,7 +39,7 @@ import time
 
 from bidirkv.connector.core.residency import HELD, current
 from bidirkv.connector.patches.guarded import wrap
-from bidirkv.connector.targets import Skip, Target, target_problem
+from bidirkv.connector.targets import PatchSite, Skip, site_problem
 
 MODULE = "vllm.v1.engine.core"
 WORKER_MODULE = "vllm.v1.executor.multiproc_executor"
@@ -159,10 +159,10 @@ def _spin_condition_init(orig):
     return _init
 
 
-NOTIFY_TARGET = Target(NOTIFY_MODULE, "SpinCondition.__init__",
+NOTIFY_TARGET = PatchSite(NOTIFY_MODULE, "SpinCondition.__init__",
                        ("self", "is_reader", "context", "notify_address"))
-TARGETS = [Target(MODULE, "EngineCoreProc._process_engine_step", ("self",)),
-           Target(WORKER_MODULE, "WorkerProc._execute_worker_rpc", ("self", "rpc_request")),
+TARGETS = [PatchSite(MODULE, "EngineCoreProc._process_engine_step", ("self",)),
+           PatchSite(WORKER_MODULE, "WorkerProc._execute_worker_rpc", ("self", "rpc_request")),
            NOTIFY_TARGET]
 
 
@@ -189,7 +189,7 @@ def install_worker(poll_ms: int) -> list[str]:
     engine core's notifications cannot be lost (install_notify)."""
     if poll_ms <= 0:
         return []
-    if (problem := target_problem(NOTIFY_TARGET)) is not None:
+    if (problem := site_problem(NOTIFY_TARGET)) is not None:
         raise Skip(f"the worker keeps vLLM's busy wait: {problem}")
     wrap(WORKER_MODULE, "WorkerProc._execute_worker_rpc", _execute_worker_rpc)
     return ["worker-sleeps-after-empty-step"]

@@ -25,7 +25,7 @@ from bidirkv.connector.core import workingset
 from bidirkv.connector.core.notes import exchange
 from bidirkv.connector.core.residency import Residency, blocks_wanted, current
 from bidirkv.connector.patches.guarded import wrap
-from bidirkv.connector.targets import Target, resolve
+from bidirkv.connector.targets import PatchSite, resolve
 from bidirkv.wire import RECALL_FIELD, RESIDENCY_KEEP_FIELD
 
 log = logging.getLogger("vllm.bidirkv")
@@ -133,16 +133,16 @@ def residency_utility(engine: Any, body: dict) -> dict:
 
 
 TARGETS = [
-    Target(SCHEDULER, "Scheduler.schedule", ("self",)),
+    PatchSite(SCHEDULER, "Scheduler.schedule", ("self",)),
     # The pressure check's prefix-cache lookup (shared_blocks).
-    Target("vllm.v1.core.kv_cache_manager", "KVCacheManager.prefix_cache_lookup_enabled",
+    PatchSite("vllm.v1.core.kv_cache_manager", "KVCacheManager.prefix_cache_lookup_enabled",
            ("self", "request")),
-    Target("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.find_longest_cache_hit",
+    PatchSite("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.find_longest_cache_hit",
            ("self", "block_hashes", "max_cache_hit_length")),
-    Target("vllm.v1.core.kv_cache_utils", "KVCacheBlock.ref_cnt"),
-    Target("vllm.v1.core.kv_cache_utils", "KVCacheBlock.is_null"),
+    PatchSite("vllm.v1.core.kv_cache_utils", "KVCacheBlock.ref_cnt"),
+    PatchSite("vllm.v1.core.kv_cache_utils", "KVCacheBlock.is_null"),
     # Utility calls are looked up by name on the engine (EngineCore.bidirkv_residency).
-    Target(ENGINE, "EngineCoreProc._handle_client_request", ("self", "request_type", "request")),
+    PatchSite(ENGINE, "EngineCoreProc._handle_client_request", ("self", "request_type", "request")),
 ]
 
 

@@ -16,7 +16,7 @@ from bidirkv.connector.core.streamparams import (
     wrap_stream_generator,
 )
 from bidirkv.connector.patches.guarded import wrap
-from bidirkv.connector.targets import MARK, Skip, Target, resolve
+from bidirkv.connector.targets import MARK, PatchSite, Skip, resolve
 
 log = logging.getLogger("vllm.bidirkv")
 
@@ -37,7 +37,7 @@ MODELS = {
 
 
 # The generators' signatures are checked by wrap_stream_generator itself.
-TARGET_LIST = [Target(module, qualname) for module, (qualname, _) in TARGETS.items()]
+TARGET_LIST = [PatchSite(module, qualname) for module, (qualname, _) in TARGETS.items()]
 
 
 def streams_params_itself(module: str) -> bool:

@@ -27,7 +27,7 @@ from bidirkv.operator.api.network import (
 )
 from bidirkv.operator.api.router import RouterSpec, ServiceType
 from bidirkv.operator.api.status import DisaggregatedInferenceStatus
-from bidirkv.operator.api.transfer import Backend, EfaSpec, KvTransferSpec
+from bidirkv.operator.api.transfer import EfaSpec, KvTransferSpec, NixlBackend
 
 __all__ = [
     "CEL_RULES", "DisaggregatedInferenceSpec", "DisaggregatedInferenceStatus", "PolicyPeer",
@@ -192,7 +192,7 @@ def cross_field_errors(spec: DisaggregatedInferenceSpec) -> list[str]:
                 name = "metricsFrom" if field == "metrics_from" else "routerFrom"
                 errors.append(f"spec.networkPolicy.{name}[{i}]: needs namespaceSelector or "
                               "podSelector (an empty entry would admit everyone)")
-    if spec.efa.enabled and spec.kv_transfer.backend != Backend.LIBFABRIC.value:
+    if spec.efa.enabled and spec.kv_transfer.backend != NixlBackend.LIBFABRIC.value:
         errors.append(
             f"spec.kvTransfer.backend: {spec.kv_transfer.backend!r} must be 'LIBFABRIC' when "
             "efa.enabled is true"

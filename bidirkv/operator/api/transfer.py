@@ -10,7 +10,7 @@ from bidirkv.knobs import KvKnobs
 from bidirkv.operator.api.base import Quantity, _Model
 
 
-class Backend(StrEnum):
+class NixlBackend(StrEnum):
     UCX = "UCX"
     LIBFABRIC = "LIBFABRIC"
 
@@ -29,8 +29,8 @@ class KvTransferSpec(KvKnobs, _Model):
     """The knobs decode's retained KV shares with the router (bidirkv/knobs.py), and what
     only the engines' kv-transfer config holds."""
 
-    backend: Backend = Field(
-        default=Backend.UCX,
+    backend: NixlBackend = Field(
+        default=NixlBackend.UCX,
         description="NIXL backend (vLLM `kv_connector_extra_config.backends`): UCX, or "
         "LIBFABRIC on EFA (UCX over EFA silently falls back to TCP).",
     )

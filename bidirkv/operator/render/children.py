@@ -38,7 +38,7 @@ from bidirkv.operator.render.netpol import network_policies
 from bidirkv.operator.render.router import (  # noqa: F401 - re-exported
     ROUTER_CONTAINER_PORT,
     ROUTER_METRICS_PORT,
-    RouterPlacement,
+    RouterListen,
     router_config,
     router_configmap,
     router_deployment,

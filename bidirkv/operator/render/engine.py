@@ -21,7 +21,7 @@ from bidirkv.operator.render.naming import (
 from bidirkv.roleconfig import (
     ENGINE_PORT,
     POD,
-    Placement,
+    Listen,
     RoleConfigError,
     build_role_config,
     kv_fingerprint,
@@ -148,11 +148,11 @@ def engine_security_context(efa: bool) -> dict[str, Any]:
 
 
 def engine_pod_template(
-    owner: Owner, spec: api.DisaggregatedInferenceSpec, role: str, placement: Placement = POD
+    owner: Owner, spec: api.DisaggregatedInferenceSpec, role: str, listen: Listen = POD
 ) -> dict[str, Any]:
     role_spec = getattr(spec, role)
     try:
-        rc = build_role_config(spec, role, placement)
+        rc = build_role_config(spec, role, listen)
     except RoleConfigError as exc:
         raise api.SpecError(str(exc)) from None
     cache = role_spec.model_cache or spec.engine.model_cache
@@ -204,7 +204,7 @@ def engine_pod_template(
 
 
 def engine_statefulset(
-    owner: Owner, spec: api.DisaggregatedInferenceSpec, role: str, placement: Placement = POD
+    owner: Owner, spec: api.DisaggregatedInferenceSpec, role: str, listen: Listen = POD
 ) -> dict[str, Any]:
     replicas = getattr(spec, role).fixed_replicas()
     return {
@@ -221,7 +221,7 @@ def engine_statefulset(
             # Updates are not affected by Parallel: one pod at a time, each drained.
             "updateStrategy": UPDATE_STRATEGY,
             "selector": {"matchLabels": selector_labels(owner, role)},
-            "template": engine_pod_template(owner, spec, role, placement),
+            "template": engine_pod_template(owner, spec, role, listen),
         },
     }
 

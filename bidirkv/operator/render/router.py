@@ -117,7 +117,7 @@ def _store_password_env(spec: api.DisaggregatedInferenceSpec) -> list[dict[str, 
 
 
 @dataclass(frozen=True)
-class RouterPlacement:
+class RouterListen:
     """Where the router reads its config and listens (the local stack gives its own)."""
 
     config_path: str = f"{ROUTER_CONFIG_DIR}/{ROUTER_CONFIG_KEY}"
@@ -128,18 +128,18 @@ class RouterPlacement:
 
 
 def router_deployment(owner: Owner, spec: api.DisaggregatedInferenceSpec,
-                      placement: RouterPlacement = RouterPlacement()) -> dict[str, Any]:
+                      listen: RouterListen = RouterListen()) -> dict[str, Any]:
     container = {
         "name": "router",
         "image": spec.router.image,
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["bidir-kv", "router"],
         "args": [
-            "--config", placement.config_path,
-            "--host", placement.bind_host,
-            "--port", str(placement.port),
+            "--config", listen.config_path,
+            "--host", listen.bind_host,
+            "--port", str(listen.port),
         ],
-        "ports": [{"name": "http", "containerPort": placement.port, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": listen.port, "protocol": "TCP"}],
         # The key signs the router's proof on decode legs (bidirkv/proof.py).
         "env": key_env(owner) + _store_password_env(spec) + otlp_headers_env(spec),
         "readinessProbe": http_probe("/ready", 5, 2, 3),
@@ -157,9 +157,9 @@ def router_deployment(owner: Owner, spec: api.DisaggregatedInferenceSpec,
         },
         "volumeMounts": [{"name": "config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True}],
     }
-    if placement.metrics_port is not None:
-        container["args"] += ["--metrics-port", str(placement.metrics_port)]
-        container["ports"].append({"name": "metrics", "containerPort": placement.metrics_port,
+    if listen.metrics_port is not None:
+        container["args"] += ["--metrics-port", str(listen.metrics_port)]
+        container["ports"].append({"name": "metrics", "containerPort": listen.metrics_port,
                                    "protocol": "TCP"})
     return {
         "apiVersion": "apps/v1",

@@ -10,12 +10,10 @@ value of its own puts it on its Turn.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
 from bidirkv.router.config import RouterConfig
+from bidirkv.router.engine.clients import client_timeouts
 from bidirkv.router.metrics import Metrics
 from bidirkv.router.pool.backends import DECODE, PREFILL, Backend, Pool
 from bidirkv.router.pool.notes import note_key
@@ -29,38 +27,14 @@ from bidirkv.router.store.shared import make_store, store_mode
 from bidirkv.router.tracing.spans import Traces
 
 
-@dataclass(frozen=True)
-class Timeouts:
-    """The client timeouts of one config (a reload swaps the whole set; a request in
-    flight keeps the one it started with). The legs' client (engine/http.py) reads
-    `prefill` and `decode` as bounds on the connect (sock_connect), the whole exchange
-    (total) and each wait for bytes (sock_read); aiohttp's session takes `probe`, and
-    `prefill` for a client's GET /v1/models (flow.py)."""
-
-    prefill: aiohttp.ClientTimeout
-    decode: aiohttp.ClientTimeout
-    probe: aiohttp.ClientTimeout
-
-
-def timeouts_of(cfg: RouterConfig) -> Timeouts:
-    t = cfg.timeouts
-    probe = max(1.0, min(5.0, cfg.health_check_interval_seconds))
-    return Timeouts(
-        prefill=aiohttp.ClientTimeout(total=t.prefill_seconds, sock_connect=t.connect_seconds),
-        decode=aiohttp.ClientTimeout(total=None, sock_connect=t.connect_seconds,
-                                     sock_read=t.decode_seconds),
-        probe=aiohttp.ClientTimeout(total=probe, sock_connect=t.connect_seconds),
-    )
-
-
 class Context:
-    """The router's shared state. `cfg` and `timeouts` are replaced whole by a reload;
+    """The router's shared state. `cfg` and `client_timeouts` are replaced whole by a reload;
     `max_model_len` is learned by the health loop and read at admission."""
 
     def __init__(self, cfg: RouterConfig, metrics: Metrics | None = None,
                  handle_key: bytes | None = None, store_password: str | None = None) -> None:
         self.cfg = cfg
-        self.timeouts = timeouts_of(cfg)
+        self.client_timeouts = client_timeouts(cfg)
         # The resource's handle key: signs the proof that a leg comes from this router.
         self.handle_key = handle_key
         # Lookup keys every replica holding this handle key computes alike (identity.py).
@@ -73,7 +47,7 @@ class Context:
         self.costs = CostModel()
         self.prefill = Pool(PREFILL, cfg.prefill)
         self.decode = Pool(DECODE, cfg.decode)
-        self.residency = ResidencyClient(cfg.owner_lease_seconds, self.timeouts.probe,
+        self.residency = ResidencyClient(cfg.owner_lease_seconds, self.client_timeouts.probe,
                                          on_result=self._on_residency_call,
                                          handle_key=handle_key)
         # The request spans and their exporters (tracing/spans.py); a reload may replace them.

@@ -14,7 +14,7 @@ from bidirkv.router.datapath.turn import Turn
 from bidirkv.router.engine.bodies import salt
 from bidirkv.router.request.identity import Tenants, accounting_tenant
 from bidirkv.router.request.validation import CHAT
-from bidirkv.router.store.base import EXPIRED, HIT, MISS, StoreUnavailable
+from bidirkv.router.store.base import MISS, StoreUnavailable
 
 
 class Conversations:
@@ -68,7 +68,7 @@ class Conversations:
                 turn.conv = "auto:" + (entry.key.hex()[:10] if entry is not None else "new")
         except StoreUnavailable:
             status, entry = MISS, None  # served without reuse (counted)
-        turn.handle.took(entry, {HIT: "hit", MISS: "miss", EXPIRED: "expired"}[status])
+        turn.handle.took(entry, status)
         if entry is not None:
             turn.holder_url = entry.decode_url
             if entry.kept_at > 0:

@@ -303,7 +303,7 @@ class Runner:
             span = trace.leg("models", d.url, MODELS, "GET")
             try:
                 async with self.clients.pooled.get(
-                        d.url + MODELS, timeout=ctx.timeouts.prefill,
+                        d.url + MODELS, timeout=ctx.client_timeouts.prefill,
                         headers=upstream_headers(uuid.uuid4().hex,
                                                  request.headers.get("Authorization"),
                                                  span.headers)) as r:

@@ -72,7 +72,7 @@ class Health:
     async def _probe(self, b: Backend) -> None:
         try:
             async with self.clients.pooled.get(b.url + "/health",
-                                               timeout=self.ctx.timeouts.probe) as r:
+                                               timeout=self.ctx.client_timeouts.probe) as r:
                 await r.read()
                 ok, why = r.status == 200, f"health status {r.status}"
         except UPSTREAM_FAILURES as exc:
@@ -93,7 +93,7 @@ class Health:
         for b in ctx.prefill.healthy():
             try:
                 async with self.clients.pooled.get(b.url + "/v1/models",
-                                                   timeout=ctx.timeouts.probe) as r:
+                                                   timeout=ctx.client_timeouts.probe) as r:
                     data = loads(await r.read()) if r.status == 200 else None
             except (*UPSTREAM_FAILURES, ValueError):
                 continue

@@ -127,7 +127,7 @@ class Legs:
         turn.asked_prefill = True
         try:
             data = await self.clients.post_prefill(p, PATHS[turn.kind], payload, rid,
-                                                   turn.auth, ctx.timeouts.prefill, span)
+                                                   turn.auth, ctx.client_timeouts.prefill, span)
         except asyncio.CancelledError:
             span.end("cancelled")
             if entry is not None:
@@ -230,7 +230,7 @@ class Legs:
             try:
                 # The first-byte bound is the client's (a TimeoutError, as any timeout).
                 resp = await self.clients.post(d, PATHS[turn.kind], payload, rid, turn.auth,
-                                               self.ctx.timeouts.decode,
+                                               self.ctx.client_timeouts.decode,
                                                retry_stale=leg not in (DECODE, EXTEND),
                                                span=span, first_byte_s=first_byte_s)
                 status = resp.status

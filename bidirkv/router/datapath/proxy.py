@@ -13,7 +13,7 @@ from aiohttp import web
 
 from bidirkv.router.config import RouterConfig
 from bidirkv.router.datapath.admission import Intake
-from bidirkv.router.datapath.context import Context, timeouts_of
+from bidirkv.router.datapath.context import Context
 from bidirkv.router.datapath.conversations import Conversations
 from bidirkv.router.datapath.flow import MODELS, Flow, Runner
 from bidirkv.router.datapath.health import Health
@@ -23,7 +23,7 @@ from bidirkv.router.datapath.placing import Placing
 from bidirkv.router.datapath.relay import Relay
 from bidirkv.router.datapath.upkeep import Upkeep
 from bidirkv.router.engine.bodies import PATHS
-from bidirkv.router.engine.clients import Clients
+from bidirkv.router.engine.clients import Clients, client_timeouts
 from bidirkv.router.metrics import Metrics
 from bidirkv.router.pool.backends import DECODE
 from bidirkv.router.pool.residency import SHUTDOWN_FLUSH_S
@@ -77,9 +77,9 @@ class Router:
         ctx.traces = replace(ctx.traces, cfg.tracing)
         ctx.store.configure(cfg.handle_ttl_seconds, cfg.max_conversations,
                             cfg.max_conversations_per_tenant)
-        ctx.timeouts = timeouts_of(cfg)
+        ctx.client_timeouts = client_timeouts(cfg)
         ctx.residency.lease_seconds = cfg.owner_lease_seconds
-        ctx.residency.timeout = ctx.timeouts.probe
+        ctx.residency.timeout = ctx.client_timeouts.probe
         changed = False
         for pool, urls in ((ctx.prefill, cfg.prefill), (ctx.decode, cfg.decode)):
             added, removed = pool.reconcile(urls)

@@ -29,11 +29,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from bidirkv.router.codec import loads
+from bidirkv.router.config import RouterConfig
 from bidirkv.router.engine.bodies import upstream_headers
 from bidirkv.router.engine.connection import Response
 from bidirkv.router.engine.failures import (
@@ -50,6 +52,30 @@ from bidirkv.router.tracing.spans import UNTRACED, Leg
 log = logging.getLogger("bidirkv.router")
 
 STALE_RETRY = "prefill_stale_connection"
+
+
+@dataclass(frozen=True)
+class ClientTimeouts:
+    """The client timeouts of one config (a reload swaps the whole set; a request in
+    flight keeps the one it started with). The legs' client (http.py) reads
+    `prefill` and `decode` as bounds on the connect (sock_connect), the whole exchange
+    (total) and each wait for bytes (sock_read); aiohttp's session takes `probe`, and
+    `prefill` for a client's GET /v1/models (datapath/flow.py)."""
+
+    prefill: aiohttp.ClientTimeout
+    decode: aiohttp.ClientTimeout
+    probe: aiohttp.ClientTimeout
+
+
+def client_timeouts(cfg: RouterConfig) -> ClientTimeouts:
+    t = cfg.timeouts
+    probe = max(1.0, min(5.0, cfg.health_check_interval_seconds))
+    return ClientTimeouts(
+        prefill=aiohttp.ClientTimeout(total=t.prefill_seconds, sock_connect=t.connect_seconds),
+        decode=aiohttp.ClientTimeout(total=None, sock_connect=t.connect_seconds,
+                                     sock_read=t.decode_seconds),
+        probe=aiohttp.ClientTimeout(total=probe, sock_connect=t.connect_seconds),
+    )
 
 
 def open_session() -> aiohttp.ClientSession:
