@@ -168,7 +168,7 @@ class Runner:
         if entry is not None:
             handle.extending()  # counted at the first byte
         try:
-            resp = await self.legs.extend_leg(request, turn, d, turn.rid,
+            resp = await self.legs.decode_leg(request, turn, d, turn.rid, None,
                                               entry.num_tokens if entry is not None else None)
         except BaseException as exc:
             if entry is not None:
@@ -214,7 +214,7 @@ class Runner:
                     return rejected(f), "upstream_client_error"
                 return failure_response(f, rid), outcome_of(f)
             try:
-                return await self.legs.decode_leg(request, turn, p, p_body, d, rid)
+                return await self.legs.decode_leg(request, turn, d, rid, p_body)
             except UpstreamFailure as f:
                 decodes.tried.append(d)
                 last = f

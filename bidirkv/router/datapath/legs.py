@@ -157,12 +157,6 @@ class Legs:
             if alone:
                 costs.observe_prefill(seconds * 1000, work.computed, work.read)
 
-    def _trace_reuse(self, span: Leg, turn: Turn, report: ReuseReport | None) -> None:
-        if report is not None:
-            span.set("bidirkv.kv.reused_tokens", report.reused_tokens)
-            span.set("bidirkv.kv.reuse_source", report.source)
-        span.set("gen_ai.usage.input_tokens", turn.prompt_tokens)
-
     async def _prefill_answered(self, turn: Turn, span: Leg, data: dict[str, Any],
                                 took: float, alone: bool) -> None:
         """P's answer, read once: what it says of the prompt learnt and traced, the leg's
@@ -172,8 +166,10 @@ class Legs:
         report, work = prefill_answer(data)
         try:
             self._learn_prefill(turn, work, took, alone)
-            if span.recording:
-                self._trace_reuse(span, turn, report)
+            if span.recording and report is not None:
+                span.set("bidirkv.kv.reused_tokens", report.reused_tokens)
+                span.set("bidirkv.kv.reuse_source", report.source)
+            span.set("gen_ai.usage.input_tokens", turn.prompt_tokens)
         finally:
             span.end("ok", 200)
         entry = turn.handle.held
@@ -184,32 +180,27 @@ class Legs:
             if report is not None and report.reused_tokens:
                 ctx.metrics.reused(report.source, report.reused_tokens)
 
-    async def decode_leg(self, request: web.Request, turn: Turn, p: Backend,
-                         p_body: dict[str, Any], d: Backend, rid: str
+    async def decode_leg(self, request: web.Request, turn: Turn, d: Backend, rid: str,
+                         p_body: dict[str, Any] | None = None, held_tokens: int | None = None
                          ) -> tuple[web.StreamResponse, str]:
+        """The decode leg after P's answer (`p_body`); without one, the whole turn on one
+        decode replica (extend): the one holding the conversation prefills the new tokens
+        on top of the KV it kept (its prefix cache, `held_tokens`), another the whole
+        prompt. Either keeps the blocks and hands out the next handle (when the plan keeps
+        it). UpstreamFailure before the client got a byte."""
         ctx = self.ctx
         keeps = turn.plan.keeps
-        p_params = p_body.get(PARAMS)
+        p_params = LOCAL_PARAMS if p_body is None else p_body.get(PARAMS)
         # Built as the request goes out (engine/clients.py), as the prefill leg's body is.
         payload = functools.partial(
             decode_payload, ctx.handle_key if keeps else None, turn.body, p_params,
             ctx.residency.owner if keeps else None, turn.tenant if keeps else None, turn.gap)
+        if p_body is None:
+            return await self.generate(request, turn, d, payload, rid, EXTEND, held_tokens)
         # The KV D reads from P: P's prompt, as its params say.
         offered = p_params.get("remote_num_tokens") if isinstance(p_params, dict) else None
         return await self.generate(request, turn, d, payload, rid, DECODE,
                                    offered if isinstance(offered, int) else None)
-
-    async def extend_leg(self, request: web.Request, turn: Turn, d: Backend, rid: str,
-                         held_tokens: int | None = None) -> tuple[web.StreamResponse, str]:
-        """The whole turn on one decode replica: the one holding the conversation prefills
-        the new tokens on top of the KV it kept (its prefix cache), another the whole
-        prompt; either keeps the blocks and hands out the next handle. UpstreamFailure
-        before the client got a byte."""
-        ctx = self.ctx
-        payload = functools.partial(decode_payload, ctx.handle_key, turn.body,
-                                    LOCAL_PARAMS, ctx.residency.owner, turn.tenant,
-                                    turn.gap)
-        return await self.generate(request, turn, d, payload, rid, EXTEND, held_tokens)
 
     async def generate(self, request: web.Request, turn: Turn, d: Backend,
                        payload: bytes | Callable[[], bytes], rid: str, leg: str,
