@@ -35,6 +35,20 @@ class ReuseOutcome(StrEnum):
 REUSE_OUTCOMES = tuple(ReuseOutcome)
 
 
+class Children(dict[Any, Any]):
+    """A metric's children by their label values (a tuple, or the one value), each bound
+    on first use."""
+
+    def __init__(self, metric: Any) -> None:
+        super().__init__()
+        self.metric = metric
+
+    def __missing__(self, key: Any) -> Any:
+        child = self[key] = self.metric.labels(*key) if isinstance(key, tuple) \
+            else self.metric.labels(key)
+        return child
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
@@ -138,54 +152,36 @@ class Metrics:
             p + "config_reloads", "Config file reloads by result.", ["result"], registry=r,
         )
         # Bound children, so the hot path does no label lookups.
-        self._req = {}
+        self._req = Children(self.requests)
+        self._reuse = Children(self.reuse)
         # Created up front so every outcome is exported (at zero) from the start.
-        self._reuse = {o: self.reuse.labels(o) for o in REUSE_OUTCOMES}
-        self._ttft = {}
-        self._leg = {}
-        self._placed = {}
-        self._reused = {}
-        self._evicted = {}
+        self._reuse.update({o: self.reuse.labels(o) for o in REUSE_OUTCOMES})
+        self._ttft = Children(self.ttft)
+        self._leg = Children(self.leg)
+        self._placed = Children(self.placements)
+        self._reused = Children(self.tokens_reused)
+        self._evicted = Children(self.evictions)
 
     def request(self, route: str, outcome: str) -> None:
-        child = self._req.get((route, outcome))
-        if child is None:
-            child = self._req[(route, outcome)] = self.requests.labels(route, outcome)
-        child.inc()
+        self._req[route, outcome].inc()
 
     def placed(self, path: str, reason: str) -> None:
-        child = self._placed.get((path, reason))
-        if child is None:
-            child = self._placed[(path, reason)] = self.placements.labels(path, reason)
-        child.inc()
+        self._placed[path, reason].inc()
 
     def reused(self, source: str, tokens: int) -> None:
-        child = self._reused.get(source)
-        if child is None:
-            child = self._reused[source] = self.tokens_reused.labels(source)
-        child.inc(tokens)
+        self._reused[source].inc(tokens)
 
     def evicted(self, reason: str, n: int) -> None:
-        child = self._evicted.get(reason)
-        if child is None:
-            child = self._evicted[reason] = self.evictions.labels(reason)
-        child.inc(n)
+        self._evicted[reason].inc(n)
 
     def reuse_outcome(self, outcome: ReuseOutcome) -> None:
         self._reuse[outcome].inc()
 
     def observe_ttft(self, route: str, stream: bool, seconds: float) -> None:
-        child = self._ttft.get((route, stream))
-        if child is None:
-            child = self._ttft[(route, stream)] = self.ttft.labels(
-                route, "true" if stream else "false")
-        child.observe(seconds)
+        self._ttft[route, "true" if stream else "false"].observe(seconds)
 
     def observe_leg(self, leg: str, result: str, seconds: float) -> None:
-        child = self._leg.get((leg, result))
-        if child is None:
-            child = self._leg[(leg, result)] = self.leg.labels(leg, result)
-        child.observe(seconds)
+        self._leg[leg, result].observe(seconds)
 
     def export_residency(self, url: str, replica: Any, pinned: int) -> None:
         self.pinned_blocks.labels(url).set(pinned)

@@ -158,7 +158,6 @@ def logged(client_value: str | None) -> str:
     return shown
 
 
-
 Served = tuple[web.StreamResponse, str]
 
 
@@ -196,8 +195,7 @@ class Slot:
         return self.refused
 
     async def __aenter__(self) -> Slot:
-        refusal = await self._enter()
-        if refusal is not None:
+        if (refusal := await self._enter()) is not None:
             self.refuse(refusal)
         return self
 

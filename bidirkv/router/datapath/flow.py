@@ -23,17 +23,12 @@ Decisions where the protocol is silent:
   check the same credential.
 - A stale kept-alive connection to P is sent again to P itself, on a new connection
   (engine/clients.py says why).
-- Prefill-only: a prefill server is a complete vLLM engine; only its role in the P/D
-  split makes it stop after one token. While every decode replica is out, answering 503
-  would turn a decode outage into a full one, so (with `prefillOnlyFallback`, on by
-  default) the client's body goes to P as it came: no `kv_transfer_params` (P keeps no
-  blocks for anyone and hands out no handle), streamed or not as the client asked,
-  relayed as a decode leg is, and a second P tried if the first fails before a byte.
-  Nothing is stored: there is no decode replica to hold the conversation's KV. The next
-  turn after a decode replica is healthy again (the health loop keeps probing) takes the
-  two legs, without reuse the first time. The mode follows the health the router tracks
-  (health.py's `serving_mode`, the `bidirkv_router_prefill_only_mode` gauge); `/ready`
-  says which mode the router is in and why.
+- Prefill-only: while every decode replica is out, P (a complete vLLM engine; only its
+  role makes it stop after one token) serves the client's body as it came, streamed or
+  not, if `prefillOnlyFallback` (on by default): a 503 would turn a decode outage into a
+  full one. No `kv_transfer_params` (P keeps no blocks, hands out no handle), nothing
+  stored; a second P if the first fails before a byte. The mode follows the health the
+  router tracks (health.py's `serving_mode`); docs/router.md#failures says the rest.
 """
 
 from __future__ import annotations
@@ -59,7 +54,6 @@ from bidirkv.router.engine.bodies import upstream_headers
 from bidirkv.router.engine.clients import Clients
 from bidirkv.router.engine.failures import (
     UPSTREAM_FAILURES,
-    Unavailable,
     UpstreamFailure,
     classify,
     failure_response,
@@ -206,13 +200,13 @@ class Runner:
                 log.warning("decode failed before first byte (%s); retrying on %s rid=%s "
                             "conv=%s", last.detail if last else "", d.url, turn.rid, turn.conv)
             try:
-                p, p_body = await self.prefill(turn, rid)
-            except Unavailable as u:
-                return unavailable(u.role, interval), "unavailable"
+                p_body = await self.prefill(turn, rid)
             except UpstreamFailure as f:
                 if f.client_error:
                     return rejected(f), "upstream_client_error"
                 return failure_response(f, rid), outcome_of(f)
+            if p_body is None:
+                return unavailable(PREFILL, interval), "unavailable"
             try:
                 return await self.legs.decode_leg(request, turn, d, rid, p_body)
             except UpstreamFailure as f:
@@ -223,9 +217,9 @@ class Runner:
                     turn.rid, turn.conv, last.backend.url)
         return failure_response(last, turn.rid), outcome_of(last)
 
-    async def prefill(self, turn: Turn, rid: str) -> tuple[Backend, dict[str, Any]]:
-        """The prefill leg and P's answer, tried twice: without the handle after P failed
-        with it, else on another replica."""
+    async def prefill(self, turn: Turn, rid: str) -> dict[str, Any] | None:
+        """P's answer to the prefill leg, tried twice: without the handle after P failed
+        with it, else on another replica. None: no prefill replica to try."""
         tries = Tries(self.ctx.prefill)
         last: UpstreamFailure | None = None
         for attempt in range(2):
@@ -233,10 +227,10 @@ class Runner:
             if p is None:
                 if last is not None:
                     raise last
-                raise Unavailable(PREFILL)
+                return None
             with_handle = turn.handle.held is not None
             try:
-                return p, await self.legs.prefill_leg(turn, p, rid)
+                return await self.legs.prefill_leg(turn, p, rid)
             except UpstreamFailure as f:
                 last = f
                 await self._prefill_failed(turn, p, f, rid, attempt == 0, tries, with_handle)

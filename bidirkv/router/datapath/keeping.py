@@ -1,6 +1,7 @@
-"""The next handle kept: what decode hands back at the end of a turn's answer, stored for
-its conversation's next turn (or released on decode when nobody will send it); what that
-handle holds of the prompt, and whether a new prompt extends it (placing.py asks)."""
+"""The next handle kept (`store_handle`): what decode hands back at the end of a turn's
+answer, stored for its conversation's next turn (or released on decode when nobody will
+send it); what that handle holds of the prompt, and whether a new prompt extends it
+(placing.py asks)."""
 
 from __future__ import annotations
 
@@ -22,68 +23,61 @@ from bidirkv.wire import VERSION_KEY, version_problem
 log = logging.getLogger("bidirkv.router")
 
 
-class Keeping:
-    """Decode's handle kept for the conversation's next turn."""
-
-    def __init__(self, ctx: Context) -> None:
-        self.ctx = ctx
-
-    async def store_handle(self, turn: Turn, d: Backend, params: dict[str, Any],
-                           collector: MessageCollector | None) -> None:
-        """Keep decode's handle for the turn's conversation, or have D free its blocks."""
-        ctx = self.ctx
-        engine = params.get("remote_engine_id")
-        if not isinstance(engine, str):
-            engine = None
-        if engine is not None and d.engine_id != engine:
-            if d.engine_id is not None:
-                log.warning("decode engine id changed (restart) url=%s", d.url)
-                ctx.spawn(quietly(ctx.store.drop_replica(
-                    d.url, "engine_changed", keep_engine_id=engine)))
-            d.engine_id = engine
-        rid = params.get("remote_request_id")
-        rid = rid if isinstance(rid, str) else None
-        key, prefix_len = None, 0
-        if not turn.plan.keeps or not d.in_pool or not d.healthy:
-            pass
-        elif turn.history is not None and collector is not None:
-            key = turn.history.store_key(collector.message())
-        elif turn.prompt is not None and collector is not None:
-            text = turn.prompt + collector.text
-            key = ctx.keys.completion_key(turn.tenant, text)
-            prefix_len = len(text)
-        elif turn.store_key is not None:
-            key = turn.store_key
-        if key is not None and (problem := version_problem(params.get(VERSION_KEY),
-                                                            "decode's handle")):
-            # No engine of this release would admit it: not worth a store entry.
-            log.warning("%s; not stored url=%s", problem, d.url)
-            ctx.metrics.evicted("wire_version", 1)
-            key = None
-        if key is None:
-            # D retained the blocks for a handle nobody will ever send: free them now.
-            if rid is not None and d.in_pool:
-                ctx.residency.release_ids(d.url, [rid])
-            return
-        n = params.get("remote_num_tokens")
-        n = n if isinstance(n, int) and not isinstance(n, bool) else 0
-        chars = held_chars(turn, collector)
-        prompt_key = _prompt_key(turn, ctx.keys) if turn.plan.keyed else None
-        try:
-            limit = ctx.max_pinned(d.url)
-            share = ctx.cfg.tenant_retention_share
-            kept = Kept(
-                key, dumps_kept(params), d.url, engine, n, tenant=accounting_tenant(turn.tenant),
-                prefix_len=prefix_len, chars=chars, prompt_key=prompt_key, request_id=rid,
-                blocks=handle_blocks(params), max_pinned=limit,
-                gap=turn.gap, replaces=turn.handle.superseded,
-                tenant_max_pinned=int(share * limit) if limit is not None and share < 1
-                else None)
-            await ctx.store.put(kept)
-            ctx.residency.keep(kept, params)  # its note on decode, with the in-process store
-        except StoreUnavailable:
-            if rid is not None:  # not kept anywhere: D frees the blocks now
-                ctx.residency.release_ids(d.url, [rid])
+async def store_handle(ctx: Context, turn: Turn, d: Backend, params: dict[str, Any],
+                       collector: MessageCollector | None) -> None:
+    """Keep decode's handle for the turn's conversation, or have D free its blocks."""
+    engine = params.get("remote_engine_id")
+    if not isinstance(engine, str):
+        engine = None
+    if engine is not None and d.engine_id != engine:
+        if d.engine_id is not None:
+            log.warning("decode engine id changed (restart) url=%s", d.url)
+            ctx.spawn(quietly(ctx.store.drop_replica(
+                d.url, "engine_changed", keep_engine_id=engine)))
+        d.engine_id = engine
+    rid = params.get("remote_request_id")
+    rid = rid if isinstance(rid, str) else None
+    key, prefix_len = None, 0
+    if not turn.plan.keeps or not d.in_pool or not d.healthy:
+        pass
+    elif turn.history is not None and collector is not None:
+        key = turn.history.store_key(collector.message())
+    elif turn.prompt is not None and collector is not None:
+        text = turn.prompt + collector.text
+        key = ctx.keys.completion_key(turn.tenant, text)
+        prefix_len = len(text)
+    elif turn.store_key is not None:
+        key = turn.store_key
+    if key is not None and (problem := version_problem(params.get(VERSION_KEY),
+                                                        "decode's handle")):
+        # No engine of this release would admit it: not worth a store entry.
+        log.warning("%s; not stored url=%s", problem, d.url)
+        ctx.metrics.evicted("wire_version", 1)
+        key = None
+    if key is None:
+        # D retained the blocks for a handle nobody will ever send: free them now.
+        if rid is not None and d.in_pool:
+            ctx.residency.release_ids(d.url, [rid])
+        return
+    n = params.get("remote_num_tokens")
+    n = n if isinstance(n, int) and not isinstance(n, bool) else 0
+    chars = held_chars(turn, collector)
+    prompt_key = _prompt_key(turn, ctx.keys) if turn.plan.keyed else None
+    try:
+        limit = ctx.max_pinned(d.url)
+        share = ctx.cfg.tenant_retention_share
+        kept = Kept(
+            key, dumps_kept(params), d.url, engine, n, tenant=accounting_tenant(turn.tenant),
+            prefix_len=prefix_len, chars=chars, prompt_key=prompt_key, request_id=rid,
+            blocks=handle_blocks(params), max_pinned=limit,
+            gap=turn.gap, replaces=turn.handle.superseded,
+            tenant_max_pinned=int(share * limit) if limit is not None and share < 1
+            else None)
+        await ctx.store.put(kept)
+        ctx.residency.keep(kept, params)  # its note on decode, with the in-process store
+    except StoreUnavailable:
+        if rid is not None:  # not kept anywhere: D frees the blocks now
+            ctx.residency.release_ids(d.url, [rid])
 
 
 def held_chars(turn: Turn, collector: MessageCollector | None) -> int:

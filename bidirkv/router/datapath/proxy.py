@@ -17,7 +17,6 @@ from bidirkv.router.datapath.context import Context
 from bidirkv.router.datapath.conversations import Conversations
 from bidirkv.router.datapath.flow import MODELS, Flow, Runner
 from bidirkv.router.datapath.health import Health
-from bidirkv.router.datapath.keeping import Keeping
 from bidirkv.router.datapath.legs import Legs
 from bidirkv.router.datapath.placing import Placing
 from bidirkv.router.datapath.relay import Relay
@@ -47,7 +46,7 @@ class Router:
         self.conversations = Conversations(ctx)
         self.intake = Intake(ctx)
         placing = Placing(ctx)
-        legs = Legs(ctx, self.clients, self.health, Relay(ctx, self.health, Keeping(ctx)))
+        legs = Legs(ctx, self.clients, self.health, Relay(ctx, self.health))
         self.runner = Runner(ctx, self.clients, self.health, placing, legs)
         self.flow = Flow(ctx, self.intake, self.conversations, placing, self.runner)
 

@@ -1,12 +1,7 @@
-"""Requests whose body is still arriving: how many, in all and from each client address.
-
-A request takes one of the in-flight slots (maxInflightRequests) only once its whole body
-is here. Until then it is one of the requests still reading, bounded in count in all
-(maxReadingRequests) and per client address (maxReadingRequestsPerSource), and in time by
-the upload rate rule and timeouts.bodyReadSeconds (admission.py): connections that send a
-request head and nothing more hold none of the slots complete requests need, and one
-address cannot hold every place among those still reading. A body that came with its
-head is never one of them: nothing of it is waited for.
+"""Requests whose body is still arriving (admission.py says why they are apart): how
+many, in all (maxReadingRequests) and from each client address
+(maxReadingRequestsPerSource), so one address cannot hold every place among them. A body
+that came with its head is never one of them: nothing of it is waited for.
 """
 
 from __future__ import annotations

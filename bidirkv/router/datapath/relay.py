@@ -12,7 +12,7 @@ from aiohttp import web
 from bidirkv.router.codec import dumps, loads
 from bidirkv.router.datapath.context import Context
 from bidirkv.router.datapath.health import Health
-from bidirkv.router.datapath.keeping import Keeping
+from bidirkv.router.datapath.keeping import store_handle
 from bidirkv.router.datapath.turn import Turn
 from bidirkv.router.engine.bodies import PARAMS_MARKER
 from bidirkv.router.engine.connection import Response
@@ -57,10 +57,9 @@ class Relay:
     """An engine's answer to the client; only a decode (or extend) leg's handle is kept,
     P's own params (a request P serves whole) are stripped, never stored."""
 
-    def __init__(self, ctx: Context, health: Health, keeping: Keeping) -> None:
+    def __init__(self, ctx: Context, health: Health) -> None:
         self.ctx = ctx
         self.health = health
-        self.keeping = keeping
 
     async def whole(self, turn: Turn, d: Backend, body: bytes, t: float, leg: str
                     ) -> web.Response:
@@ -76,7 +75,7 @@ class Relay:
                 if collector is not None:
                     collector.feed_response(obj)
                 if isinstance(params, dict) and keeps:
-                    await self.keeping.store_handle(turn, d, params, collector)
+                    await store_handle(self.ctx, turn, d, params, collector)
                 body = dumps(obj)
         now = time.perf_counter()
         self.ctx.metrics.observe_ttft(turn.kind, False, now - turn.t0)
@@ -106,7 +105,7 @@ class Relay:
                 chunk = filt.feed(data) if data else filt.finish()
                 # Stored before the client can see [DONE]: its next turn may come at once.
                 if not stored and filt.params is not None:
-                    await self.keeping.store_handle(turn, d, filt.params, collector)
+                    await store_handle(self.ctx, turn, d, filt.params, collector)
                     stored = True
                 done = done or chunk.endswith(DONE)
                 # The answer's last bytes go with the stream's terminator, in one send,

@@ -100,9 +100,3 @@ def rejected(f: UpstreamFailure) -> web.Response:
     """An engine's 4xx, returned to the client as it came."""
     return json_response(f.status or 400, f.body or error_body(
         f"{f.leg} engine rejected the request: HTTP {f.status}", "invalid_request_error"))
-
-
-class Unavailable(Exception):
-    def __init__(self, role: str) -> None:
-        super().__init__(role)
-        self.role = role

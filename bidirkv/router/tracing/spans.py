@@ -1,36 +1,23 @@
 """Traces: a SERVER span per client request, a CLIENT span per upstream request (each
 leg, each retry), and W3C trace context on every request to prefill and decode.
+docs/observability.md says what each span holds and why the router, not the client,
+decides what is sampled.
 
 What a request gets is decided once, when it arrives (`Traces.request`):
-- An exporter configured (`tracing.otlpEndpoint` and/or `tracing.file`): spans are
-  recorded by this router's own TracerProvider (one per Router, never the global one:
-  several routers share a test process) and exported in batches from the SDK's thread, so
-  no request waits on an export. A client's `traceparent` is continued (its trace id, the
-  router's span its child), but the router alone decides whether it is sampled, at
-  `tracing.sampleRatio` with a draw of its own: a client's sampled flag, or a trace id
-  picked to pass the ratio, would let any client make the router record and export every
-  request it sends. Without one the router starts a trace, sampled at the same ratio;
-  the legs follow the request's decision. Each upstream
-  request carries its own CLIENT span's context, so an engine's spans hang under the leg.
-  An unsampled trace records nothing but still carries its context upstream.
+- An exporter configured: spans are recorded by this router's own TracerProvider (one
+  per Router, never the global one: several routers share a test process) and exported
+  in batches from the SDK's thread. A client's `traceparent` is continued, sampled at
+  `tracing.sampleRatio` by a draw of the router's own; each upstream request carries
+  its own CLIENT span's context. An unsampled trace records nothing but still carries
+  its context upstream.
 - No exporter, and the client sent a valid `traceparent`: the client's context is passed
-  on to both legs unchanged (trace id, parent id, flags, `tracestate`). The router
-  records nothing, so a parent id of its own would name a span no backend ever receives;
-  this way the engines' spans are children of the client's.
+  on to both legs unchanged; a parent id of the router's own would name a span no
+  backend ever receives.
 - No exporter and no `traceparent`: nothing is added upstream, nothing is allocated.
 
-Attributes follow OpenTelemetry's HTTP semantic conventions where they exist
-(http.request.method, http.route, url.path, url.scheme, http.response.status_code,
-server.address, server.port, url.full, error.type, http.request.resend_count; and
-gen_ai.request.model, gen_ai.usage.input_tokens); the router's own are `bidirkv.*`:
-on the request, stream, request_id, conversation (the short hash the logs carry), reuse,
-placement.decision and .reason, serving_mode, outcome; on a leg, leg.attempt (retries),
-leg.result, kv.offered_tokens (the KV the engine is given to start from: D's handle on
-prefill, P's blocks on decode, what the holder keeps on extend) and, on prefill,
-kv.reused_tokens and kv.reuse_source (P's report). No prompt text, handle contents,
-tenant or credential goes into a span. A string a client chose (the model's name) is cut
-to MAX_ATTRIBUTE_CHARS before it reaches the SDK, whose own attribute length limit is set
-to the same: a span's size does not grow with what a client sends.
+No prompt text, handle contents, tenant or credential goes into a span; a string a client
+chose is cut to MAX_ATTRIBUTE_CHARS before it reaches the SDK, whose own limit is the
+same.
 """
 
 from __future__ import annotations
