@@ -73,6 +73,22 @@ async def test_header_conversation_id():
         assert "X-Conversation-Id" not in p2.headers
 
 
+async def test_a_session_id_alone_keys_the_conversation_not_its_history():
+    """As vLLM's multi-turn benchmark client calls: X-Session-ID its only id, and a
+    history that is not the last answer verbatim (it re-renders it) still finds the
+    handle; vLLM's body field does the same and reaches the engines."""
+    async with Cluster() as c:
+        for n, (ids, body) in enumerate(((({"X-Session-ID": "bench-1"}), {}),
+                                         ({}, {"session_id": "agent-7"}))):
+            await c.chat(U1, headers=ids, **body)
+            edited = U1 + [{"role": "assistant", "content": "re-rendered"},
+                           {"role": "user", "content": "x"}]
+            await c.chat(edited, headers=ids, **body)
+            p2 = gens(c.p[0])[2 * n + 1]
+            assert p2.has_handle, ids or body
+            assert p2.body.get("session_id") == body.get("session_id")
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_turn2_without_id_is_identified_from_history(stream):
     async with Cluster() as c:

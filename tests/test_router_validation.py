@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from multidict import CIMultiDict
 
 from bidirkv.router.codec import HAVE_ORJSON
 from bidirkv.router.request import validation
@@ -12,9 +13,11 @@ from bidirkv.router.request.validation import CHAT, COMPLETIONS, ClientError, pa
 MSGS = [{"role": "user", "content": "hi"}]
 
 
-def parse(body, kind=CHAT, header=None):
+def parse(body, kind=CHAT, header=None, headers=None):
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return parse_request(raw, kind, header)
+    if header is not None:
+        headers = {"X-Conversation-Id": header, **(headers or {})}
+    return parse_request(raw, kind, CIMultiDict(headers or {}))
 
 
 @pytest.mark.parametrize(
@@ -68,6 +71,27 @@ def test_cache_salt_up_to_vllms_bound_is_taken():
     with pytest.raises(ClientError) as exc:
         parse({"messages": MSGS, "cache_salt": "s" * 129})
     assert exc.value.param == "cache_salt"
+
+
+def test_session_ids_name_the_conversation_after_bidirkvs_own():
+    """vLLM's `session_id` (kept for the engines) and X-Session-ID, after ours."""
+    sess = {"X-Session-ID": "hs"}
+    assert parse({"messages": MSGS}, headers={"x-session-id": "hs"}).conversation_id == "hs"
+    req = parse({"messages": MSGS, "session_id": "bs"}, headers=sess)
+    assert req.conversation_id == "bs" and req.body["session_id"] == "bs"
+    assert parse({"messages": MSGS, "session_id": "bs"}, header="h").conversation_id == "h"
+    req = parse({"messages": MSGS, "conversation_id": "c", "session_id": "bs"}, CHAT, "h", sess)
+    assert req.conversation_id == "c" and "conversation_id" not in req.body
+    # Every id sent is held to the bound, the one used or not.
+    for body, headers, field in (
+            ({"messages": MSGS, "session_id": "s" * 513}, None, "session_id"),
+            ({"messages": MSGS, "conversation_id": "c"}, {"X-Session-ID": "s" * 513},
+             "X-Session-ID"),
+            ({"messages": MSGS, "session_id": 7}, None, "session_id"),
+            ({"messages": MSGS}, {"X-Session-ID": ""}, "X-Session-ID")):
+        with pytest.raises(ClientError) as exc:
+            parse(body, headers=headers)
+        assert exc.value.status == 400 and exc.value.param == field, field
 
 
 def test_header_id_and_body_precedence():

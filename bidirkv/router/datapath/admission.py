@@ -373,7 +373,7 @@ class Intake:
         if big:
             await asyncio.sleep(0)
         try:
-            req = parse_request(raw, slot.kind, request.headers.get("X-Conversation-Id"),
+            req = parse_request(raw, slot.kind, request.headers,
                                 ctx.max_model_len, cfg.max_json_containers)
         except ClientError as e:
             return slot.refuse(json_error(e.status, e.message, e.type, e.param))

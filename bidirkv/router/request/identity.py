@@ -10,7 +10,8 @@ conversation then misses once). Without a handle key (a router for tests or benc
 the hash key is random per process, and the keys are this process's alone.
 
 Three ways to name a conversation:
-- explicit: `conversation_id` in the body or the `X-Conversation-Id` header;
+- explicit: `conversation_id` in the body or the `X-Conversation-Id` header, else vLLM's
+  `session_id` or `X-Session-ID` (validation.ID_SOURCES);
 - chat history: after a turn, the handle is stored under (tenant, messages sent +
   the assistant message produced); the next turn looks up (tenant, its messages up to
   and including its last assistant message);

@@ -6,6 +6,7 @@ rest); each error names the field, the value and what is allowed, and is a 4xx.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from bidirkv.router.codec import HAVE_ORJSON, dumps, loads
@@ -182,33 +183,45 @@ def _check_cache_salt(salt: Any) -> None:
         raise _too_long("cache_salt", salt, MAX_CACHE_SALT)
 
 
-def _conversation_id(body: dict[str, Any], header: str | None) -> str | None:
-    """The body's `conversation_id` (taken out of it), else the header's."""
-    conversation_id = body.pop("conversation_id", None)
-    if conversation_id is None:
-        conversation_id = header
-        field = "X-Conversation-Id"
-    else:
-        field = "conversation_id"
-    if conversation_id is not None:
-        if not isinstance(conversation_id, str) or not conversation_id:
-            raise _bad(field, conversation_id, "a non-empty string")
-        if len(conversation_id) > MAX_CONVERSATION_ID:
-            raise _too_long(field, conversation_id, MAX_CONVERSATION_ID)
-    return conversation_id
+# Where a request names its conversation, the first present wins: bidir-kv's own names,
+# then the ones vLLM takes and agent clients send (vLLM's typed `session_id` and its
+# `X-Session-ID` header, the only id vLLM's multi-turn benchmark client sends). Each
+# present one is checked, so none an engine sees is over the bound.
+ID_SOURCES = (("body", "conversation_id"), ("header", "X-Conversation-Id"),
+              ("body", "session_id"), ("header", "X-Session-ID"))
 
 
-def parse_request(raw: bytes, kind: str, header_conversation_id: str | None,
+def _conversation_id(body: dict[str, Any], headers: Mapping[str, str] | None) -> str | None:
+    """The conversation's id by ID_SOURCES. `conversation_id` is ours and taken out of the
+    body; `session_id` is vLLM's own field and stays for the engines."""
+    found = None
+    for where, name in ID_SOURCES:
+        if where == "body":
+            value = body.pop(name, None) if name == "conversation_id" else body.get(name)
+        else:
+            value = headers.get(name) if headers is not None else None
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value:
+            raise _bad(name, value, "a non-empty string")
+        if len(value) > MAX_CONVERSATION_ID:
+            raise _too_long(name, value, MAX_CONVERSATION_ID)
+        found = value if found is None else found
+    return found
+
+
+def parse_request(raw: bytes, kind: str, headers: Mapping[str, str] | None,
                   max_model_len: int | None = None,
                   max_containers: int | None = None) -> ParsedRequest:
     """Validate and take apart a client body.
 
     Consumed here and never forwarded upstream: `conversation_id` (ours) and
-    `kv_transfer_params` (only the router may tell engines where KV lives).
+    `kv_transfer_params` (only the router may tell engines where KV lives). `headers`:
+    the request's, for the ids ID_SOURCES names there.
     """
     body = _decoded(raw, max_containers)
     if not isinstance(body, dict):
         raise ClientError(400, f"request body must be a JSON object, got {type(body).__name__}")
     stream = _checked_fields(body, kind, max_model_len)
     body.pop("kv_transfer_params", None)
-    return ParsedRequest(body, stream, _conversation_id(body, header_conversation_id))
+    return ParsedRequest(body, stream, _conversation_id(body, headers))
