@@ -8,30 +8,15 @@ The router calls it on each decode replica (residency.py has the semantics):
         "released": {"router": 3, ...}, "refusals": {...},
         "notes": {"<decode request id>": "<note>"}, "recallNext": 42, "recallMore": false, ...}
 
-It renews the owner's lease (its handles survive only while it calls), frees the blocks of
-handles the router dropped, and reports decode's capacity. `keep` leaves a note beside
-retained requests of the owner and `recall` pages them back (core/notes.py: how a router
-with the in-process store survives its restart). `"drain": true` (sent by the
-launcher on SIGTERM, bidirkv/connector/supervise.py) marks the engine draining: the report
-then says `"draining": true`, and the router places nothing new there.
-
-Only holders of the resource's handle key may call it, and a call is good at the one
-engine it names: each call is signed (`X-Bidirkv-Auth` and `X-Bidirkv-Target`,
-bidirkv/proof.py: an HMAC over the method, the path, the target engine, a time, and the
-body's length and digest), so the key never travels and a captured signature fits one
-body at one engine for a minute (connector/identity.py says which targets name this
-engine). The headers are checked before the body is read, and bodies are read a few at a
-time within a deadline (connector/bodyread.py). vLLM's API key guards only its own
-routes, and the engine port is open to whoever the NetworkPolicy lets scrape metrics.
-What a caller can make decode keep is bounded: owners (core/residency.py MAX_OWNERS), a
-lease's length (this decode's `decoder_kv_blocks_ttl`, as the CRD holds the router to), a
-body's size and its releases; the report is running totals, never a walk of what is
-retained.
-
-Loaded through vLLM's `vllm.endpoint_plugins` entry point, which vLLM loads only when
-`VLLM_PLUGINS` names it (the operator sets `VLLM_PLUGINS=bidirkv` on engine pods). The
-work runs in the engine core as a utility call (`EngineCore.bidirkv_residency`,
-patches/residency.py), between steps, where the scheduler owns the blocks.
+It renews the owner's lease, frees the blocks of handles the router dropped, reports
+decode's capacity, keeps and recalls notes (core/notes.py), and `"drain": true` (from the
+launcher on SIGTERM) marks the engine draining. Each call is signed for the one engine it
+names (bidirkv/proof.py, connector/identity.py), checked before the body is read
+(connector/bodyread.py): vLLM's API key guards only its own routes, and the engine port
+is open to whoever may scrape metrics. What a caller can make decode keep is bounded
+(owners, a lease's length, a body's size); the report is running totals, never a walk.
+The work runs in the engine core between steps (`EngineCore.bidirkv_residency`,
+patches/residency.py), where the scheduler owns the blocks.
 """
 
 import json

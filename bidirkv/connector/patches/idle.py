@@ -1,34 +1,18 @@
 """Stop an engine from spinning while it only holds finished requests' blocks.
 
-With bidirectional transfer every finished request pins its blocks until the peer has
-read them or the TTL ends, and `Scheduler.has_requests()` stays true all that time, so
-`EngineCoreProc.run_busy_loop` (v1/engine/core.py) keeps stepping an empty batch with a
-1 ms sleep: about one core per server, for minutes after a conversation's last turn.
+Retained blocks keep `Scheduler.has_requests()` true, so `EngineCoreProc.run_busy_loop`
+steps an empty batch every 1 ms: about one core per server for minutes after a
+conversation's last turn. `_process_engine_step` is wrapped: after an empty step with
+nothing running or waiting, the loop blocks on its input queue for up to
+BIDIRKV_IDLE_POLL_MS (1 ms while a peer reads its blocks, `peer_transfer_pending`).
 
-`_process_engine_step` is wrapped: after a step that ran no model while nothing is
-running or waiting, the loop blocks on its input queue for up to BIDIRKV_IDLE_POLL_MS
-instead (1 ms while a peer is reading or about to read its blocks, see
-`peer_transfer_pending`). A new request ends the wait at once (it is handled exactly as
-the loop would); otherwise the next empty step still polls NIXL notifications and frees
-expired blocks, only less often.
-
-That alone moves the spin into the worker process: after every message, a worker
-busy-waits 1 s for the next one (`SpinCondition` in vllm/distributed/
-device_communicators/shm_broadcast.py) before it sleeps on a notification, so a step
-every few ms keeps it spinning for good. `WorkerProc._execute_worker_rpc` (v1/executor/
-multiproc_executor.py) is wrapped too: after a step that scheduled nothing, the worker
-goes straight to sleep (the writer notifies on every message, so it wakes at once);
-after a real step it busy-waits as vLLM does, so decoding keeps its latency.
-
-Sleeping right after a message is only safe if no notification is lost, and vLLM's
-writer loses them: its PUB socket keeps one notification in flight (`SNDHWM` 1) and
-libzmq takes back the slot only when a send comes more than ~1 ms after the previous one,
-so a second message within ~1 ms goes unannounced. vLLM never notices (a reader spins for
-1 s after each read); a sleeping worker slept on for SHM_READER_RECHECK_INTERVAL_MS
-(5 s) with the engine waiting on it, e.g. when a request arrived just after an empty
-step. `SpinCondition.__init__` is wrapped so that writers queue their notifications
-(readers keep only the last one: `CONFLATE`), and the worker sleeps only where that patch
-resolves. Only the engine core's writers are changed: the worker is the one that sleeps.
+That alone moves the spin into the worker, which busy-waits 1 s after every message
+(`SpinCondition`, vllm/distributed/device_communicators/shm_broadcast.py): after a step
+that scheduled nothing, `WorkerProc._execute_worker_rpc` sleeps at once instead. That is
+safe only if no notification is lost, and vLLM's writer loses a second one sent within
+~1 ms (PUB `SNDHWM` 1): a sleeping worker then slept on for 5 s. `SpinCondition.__init__`
+is wrapped so the engine core's writers queue their notifications (readers `CONFLATE`).
+docs/protocol.md, section 5, has the rest.
 """
 
 from __future__ import annotations

@@ -1,34 +1,16 @@
 """One turn, top to bottom (`Flow.serve`): admitted, its conversation named, placed, run,
 ended. Running it (`Runner`): each leg tried on the replicas its plan names, in order,
-and what a failure leads to. See docs/protocol.md (sections 1, 2 and 4).
-
-Decisions where the protocol is silent:
-- A handle is reserved at lookup and spent only when P answered (single use). If P fails
-  with a handle, the handle is discarded, not put back: P may have read (and so freed)
-  D's blocks before failing, and a handle that made P fail would make the next turn fail
-  too. The prefill leg is tried once more without it; its own decode leg stores a fresh
-  handle.
-- D failing before the client got a byte is retried once on another decode replica with
-  a fresh prefill leg (no handle: the first one is spent). P's blocks from the first
-  prefill are not reused: the failed D may have read (so freed) them or not, and the
-  router cannot tell. A retry uses `<request id>-retry1` on both its legs, so it never
-  collides with the first attempt's request id inside an engine.
-- A whole turn on decode (its holder extending, or another replica) that fails before a
-  byte takes the two legs, on another replica, without the handle (its holder just
-  failed).
-- A 4xx from an engine is the client's problem and is returned as is. Connection errors
-  and 5xx take the backend out until its next good health check, except a 5xx from P on
-  a reuse turn (the handle, not P, is the likely cause).
-- Upstream `Authorization` is the client's own header, so engines started with --api-key
-  check the same credential.
-- A stale kept-alive connection to P is sent again to P itself, on a new connection
-  (engine/clients.py says why).
-- Prefill-only: while every decode replica is out, P (a complete vLLM engine; only its
-  role makes it stop after one token) serves the client's body as it came, streamed or
-  not, if `prefillOnlyFallback` (on by default): a 503 would turn a decode outage into a
-  full one. No `kv_transfer_params` (P keeps no blocks, hands out no handle), nothing
-  stored; a second P if the first fails before a byte. The mode follows the health the
-  router tracks (health.py's `serving_mode`); docs/router.md#failures says the rest.
+and what a failure leads to. docs/protocol.md (sections 1, 2 and 4) has the failure
+modes; the why of those the protocol leaves open:
+- A handle P failed with is discarded, not put back: P may have read (so freed) D's
+  blocks, and a handle that made P fail would fail the next turn too.
+- D failing before a byte: P's first blocks are not reused (the failed D may have freed
+  them); the retry's legs use `<request id>-retry1`, never colliding inside an engine.
+  A whole turn on decode that fails takes the two legs elsewhere, without the handle.
+- Connection errors and 5xx take a backend out until its next good health check, except
+  a 5xx from P on a reuse turn (the handle, not P, is the likely cause).
+- Upstream `Authorization` is the client's own, so engines with --api-key check it.
+- Prefill-only (`prefillOnlyFallback`): a 503 would turn a decode outage into a full one.
 """
 
 from __future__ import annotations

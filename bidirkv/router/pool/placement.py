@@ -1,34 +1,7 @@
 """Where one turn runs, decided per turn by what it costs (pure functions and a small
-online cost model).
-
-A multi-turn agent's next turn usually adds a few hundred tokens to a history whose KV
-the decode replica that served the last turn still holds. The paths:
-
-    extend      the holder takes the whole request and prefills only the new tokens, on
-                top of that KV (its own prefix cache): no prefill leg, no KV moved
-    decode      a turn with nothing on decode (a first turn) runs whole on the least
-                loaded decode replica when that is estimated sooner: always when both
-                are idle (no second hop), and under load the two servers then share
-                the prompts instead of queueing them all on prefill
-    read_back   prefill reads the holder's retained blocks, prefills the new tokens,
-                decode pulls it all (the bidirectional path)
-    move        as read_back, but another decode replica decodes the turn (and keeps it
-                from then on): the holder is busy, or draining (its pod is leaving)
-    prefill     prefill computes the prompt (no handle, or its own prefix cache); decode
-                pulls it
-
-Every path gives the reuse-off output: the choice changes only where work is done. A
-cap (`maxLocalPrefillTokens`, on estimated tokens: see CHARS_PER_TOKEN_MIN) bounds what
-decode prefills locally, so the requests it is decoding keep their inter-token latency
-(the reason for P/D on GPUs), and a busy decode replica (`decodeBusyRequests` legs in
-flight) is never given a prefill.
-
-Policies: `cost` (the default) compares the estimated time to first token of each path
-from per-token costs learned online (prefill legs, local prefills on decode, reads, and
-the second hop, whose cost grows with the tokens decode pulls); `alwaysDisaggregate` is
-the two-leg path for every turn; and `thresholds`, for teams used to llm-d's or
-Dynamo's deciders: extend when the new tokens are at most `localPrefillTokens`, or
-prefill has `prefillBusyRequests` legs in flight.
+online cost model). The paths (EXTEND, ON_DECODE, READ_BACK, MOVE, PREFILL), the policies
+and the cap are in docs/router.md, Placement; every path gives the reuse-off output: the
+choice changes only where work is done.
 """
 
 from __future__ import annotations
@@ -287,18 +260,12 @@ class Line:
 
 
 class CostModel:
-    """Per-token costs and the prompt's characters per token, learned from what the legs
-    took and what the engines reported. Each starts from a default that its first
-    measurement replaces (the defaults only order the first turns).
+    """Per-token costs and the prompt's characters per token, learned from the legs and
+    the engines' usage; each default is replaced by its first measurement.
 
-    Prefill and decode run the same model on the same kind of machine, so a token
-    prefilled costs the same on either: one cost per token is learned, from prefill's
-    legs and decode's local prefills alike. Learned apart, the two were measured on
-    different work: decode's extends came on long histories (the whole prompt tokenized
-    again, attention over all of it), prefill's own legs on fresh prompts, since a leg
-    that reads back teaches the read. After a multi-turn run a fresh 512-token prompt then
-    looked dearer on an idle decode server than on prefill plus the second hop, and took
-    the two legs (+35 ms at concurrency 1)."""
+    One prefill cost for P and D (same model, same machine): learned apart, D's came from
+    long histories and P's from fresh prompts, and a fresh 512-token prompt took the two
+    legs on an idle decode server (+35 ms at concurrency 1)."""
 
     def __init__(self, costs: Costs | None = None, chars_per_token: float = 4.0) -> None:
         self._costs = costs or Costs()

@@ -1,30 +1,15 @@
 """Who is talking (tenant) and which conversation a request continues (lookup keys).
 
 Every key is a keyed BLAKE2b digest that includes the tenant, so a conversation id
-guessed or replayed by another tenant names a different key: it can never reach another
-tenant's handle (P would reuse KV computed for someone else's tokens). The hash key
-(`LookupKeys`) is derived from the resource's handle key, so every router replica of one
-resource, and a restarted one, computes the same keys in a shared store, while nobody
-without that Secret can compute them offline; rotating the handle key rotates them (each
-conversation then misses once). Without a handle key (a router for tests or benchmarks)
-the hash key is random per process, and the keys are this process's alone.
+guessed or replayed by another tenant can never reach another tenant's handle. The hash
+key (`LookupKeys`) is derived from the resource's handle key: every router replica, and
+a restarted one, computes the same keys, and nobody without that Secret can compute them
+offline. Without a handle key (tests, benchmarks) it is random per process. The same key
+makes each tenant's `cache_salt` and the conversation label of logs and spans.
 
-Three ways to name a conversation:
-- explicit: `conversation_id` in the body or the `X-Conversation-Id` header, else vLLM's
-  `session_id` or `X-Session-ID` (validation.ID_SOURCES);
-- chat history: after a turn, the handle is stored under (tenant, messages sent +
-  the assistant message produced); the next turn looks up (tenant, its messages up to
-  and including its last assistant message);
-- prompt prefix (/v1/completions): stored under (tenant, prompt + completion text); a
-  new prompt matches the longest stored text it starts with.
-
-The same hash key makes each tenant's `cache_salt` (vLLM keys its prefix cache by it) and
-the conversation label of logs and spans: neither can be computed, nor matched across
-tenants, without the key.
-
-Which tenant a request belongs to is `Tenants`: a header the gateway sets
-(`trustedTenantHeader`), else the credential (`tenantHeader`), whose distinct values one
-client address may turn into at most `maxTenantsPerSource` tenants of their own.
+A conversation is named explicitly (validation.ID_SOURCES), by its chat history (the
+messages up to the last assistant one), or by its completion prompt's longest stored
+prefix. `Tenants` says whose a request is (docs/router.md).
 """
 
 from __future__ import annotations
