@@ -1,25 +1,15 @@
 """Decode keeps, beside each retained request, a note its owner left: what that router
-needs to rebuild its handle entry. A router with the in-process store loses its handles
-when it restarts; the new process (same owner id) asks each decode for its notes and
-puts the live ones back (bidirkv/router/pool/recall.py). The notes are opaque here:
-the router signs them with a key derived from the handle key and checks them on the way
-back, so decode needs to trust nothing in them.
+needs to rebuild its handle entry after a restart (bidirkv/router/pool/recall.py). The
+notes are opaque here: the router signs them and checks them on the way back, so decode
+trusts nothing in them.
 
-A note lives only as long as its request is retained and in state held: a read, a
-release or vLLM's TTL drops it (core/residency.py calls `drop`). What a caller can make
-decode keep is bounded: one note per retained request of its own, `MAX_NOTE` characters
-each and `MAX_BYTES` in all; past the total a note is refused (that conversation is
-then only lost by a router restart, as before).
-
-Recall is paged by a cursor: every kept note gets the next sequence number, and a page
-is the caller's notes after a cursor, up to `PAGE_CHARS`. The cursor also serves a
-router that recalls again later: it gets only what was kept since.
-
-A note does not carry what grows with the history (the block ids and the digest record,
-wire.NOTE_LEAVES_OUT): decode issued them and keeps them with the retained request, and
-a page gives them back beside each note (`RECALL_HANDLES_FIELD`). So a note stays a few
-hundred bytes however long the conversation, and a restart keeps conversations of any
-length.
+A note lives only while its request is retained (core/residency.py calls `drop`). A
+caller can make decode keep one note per retained request of its own, `MAX_NOTE`
+characters each and `MAX_BYTES` in all; past the total a note is refused. Recall is paged
+by a cursor (every kept note gets the next sequence number), which also serves a router
+that recalls again later. A note leaves out what grows with the history (block ids,
+digest record: wire.NOTE_LEAVES_OUT), which decode keeps and gives back beside it
+(`RECALL_HANDLES_FIELD`), so it stays a few hundred bytes however long the conversation.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
 """CPU-platform patches of vLLM's NIXL worker and executor (docs/protocol.md, section 5).
 (The model thread's cores are kept by bidir-kv's worker itself: connector/hooks/affinity.py.)
 
-- `NixlBaseConnectorWorker.__init__` creates the NIXL agent (`nixl_agent_config`,
-  `NixlWrapper`) with the progress thread on, and NIXL's Python API gives that thread no
-  wait between polls (`pthrDelay` 0): about one core
-  per idle server. Without any progress thread, though, a peer's one-sided read of this
-  server's blocks completes only when this server next steps: D's read of P's KV waited
-  for P's current prefill step to end (NIXL transfer time at concurrency 4: 22 ms mean
-  against 2.6 ms at concurrency 1). On the CPU platform the thread is kept, sleeping on
-  UCX's event descriptor between events (`nixlAgentConfig` is handed a wait,
-  PROGRESS_WAIT_US, as its timeout): a read completes in ~1.3 ms while the model thread
-  computes, and an idle server spends no CPU on it. Where that cannot be set, the agent is
-  created without the thread, as before.
-- `MultiprocExecutor._init_executor` (v1/executor/multiproc_executor.py), which runs in
-  the engine-core process before it starts its workers: the engine core is not pinned, and it
-  busy-waits (sched_yield, up to 1 s) for its worker's reply during every forward. With
-  two servers on a small host it often ran on the other server's worker core: prefill
-  took up to twice as long and decode's tokens reached clients in bursts (P/D TTFT p50 at
-  concurrency 4 swung between 160 and 350 ms from run to run). On the CPU platform it
-  joins the cores its workers are bound to (VLLM_CPU_OMP_THREADS_BIND), where its waiting
-  costs nothing but its own server's time.
+- `NixlBaseConnectorWorker.__init__`: NIXL's progress thread polls with no wait (about
+  one core per idle server), yet without it a peer's read of this server's blocks
+  completes only when this server next steps (22 ms mean at concurrency 4 against
+  2.6 ms at 1). So the thread is kept, sleeping on UCX's event descriptor
+  (PROGRESS_WAIT_US): a read completes in ~1.3 ms and an idle server spends no CPU.
+  Where that cannot be set, the agent is created without the thread.
+- `MultiprocExecutor._init_executor`: the unpinned engine core busy-waits for its
+  worker's reply every forward, and on a small host often ran on the other server's
+  worker core (P/D TTFT p50 at concurrency 4 swung between 160 and 350 ms). It joins its
+  workers' cores (VLLM_CPU_OMP_THREADS_BIND), where waiting costs only its own server.
 """
 
 from __future__ import annotations

@@ -1,27 +1,15 @@
 """The router's HTTP client sessions, and the one retry a stale kept-alive connection gets.
 
-An engine closes idle keep-alive connections on its own clock (vLLM's server after 5 s
-by default; the router drops its own idle ones after 4 s, so this is rare), and an
-engine that was stalled closes a whole batch of them the moment it runs again. A request
-written to such a connection fails with a disconnect or a reset before any response
-head: the engine is fine, only the connection was not. Taking the engine out for that
-would turn one stall into a health-check interval of errors.
+An engine closes idle keep-alive connections on its own clock, and a stalled one closes
+a batch of them when it runs again: a request written to one fails before any response
+head while the engine is fine, and taking the engine out would turn one stall into a
+health-check interval of errors. So such a POST to P is sent once more to the same P on
+a new (never pooled) connection, with the same X-Request-Id and body, handle included:
+P admits a handle once (`replayed`), so at worst the retry is served without reuse. The
+decode leg carries a single-use proof and keeps its own retry (datapath/flow.py).
 
-So a POST to P that fails that way on a reused connection, before the response head
-arrived, is sent once more to the same P on a new connection (never a pooled one, so the
-retry cannot pick another stale connection). It carries the same X-Request-Id and
-body, as the other prefill retries do. That includes a decode handle: P admits a handle
-once (its replay guard refuses a second use as `replayed`, and D grants no read of
-blocks it freed), so if the first request did reach P the retry is served without
-reuse, and if it did not (the usual case) the handle is not wasted. A second failure is
-an ordinary prefill failure (`bidirkv/router/datapath/flow.py`).
-
-The decode leg is not retried here: it carries a single-use proof and reads P's
-blocks, so it keeps its own retry on another replica with a fresh prefill.
-
-`Clients` holds the clients: the legs' own (http.py) for the two legs, and an
-aiohttp session for everything else (health probes, /v1/models, residency calls); the
-other parts of the router post through it.
+`Clients` holds the legs' own clients (http.py) and an aiohttp session for everything
+else (health probes, /v1/models, residency calls).
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """HTTP/1.1 for the legs: the POSTs the router sends an engine on every turn.
 
-The legs need little of HTTP: one POST with a JSON body, an answer read whole (prefill)
-or relayed as it streams (decode), kept-alive connections. A general client does much
-more on every request (header defaults, cookies, tracing hooks, timeout objects), and on
-a router that sends two legs a turn that was a third of its CPU. This module is the
-client's pool and the request it writes; connection.py carries the exchange on one
-connection and reads the answer (`Response`):
-
-- one `transport.write` a request, head and body;
-- one pool of idle connections per engine: a connection goes back only when its answer
-  arrived whole, HTTP/1.1 without `Connection: close`, and nothing failed; it is closed
-  after KEEPALIVE_S idle, before an engine drops it on its own clock (uvicorn after 5 s).
-  An answer closed early (the client left, a failure, a cancellation) closes its
-  connection;
-- timeouts: the connect, the whole exchange (from the request to the end of its answer),
-  each wait for the next bytes and, when asked, the first body bytes (connect included):
-  deadlines of the connection's one timer, not a timeout object per request.
-
-Health probes and the router's other calls keep the general client (clients.py).
+A general client does much more per request (header defaults, cookies, hooks, timeout
+objects), and on a router that sends two legs a turn that was a third of its CPU. This
+module is the pool and the request it writes (one `transport.write`); connection.py
+carries the exchange and reads the answer (`Response`). A connection goes back to its
+engine's pool only when its answer arrived whole, kept alive and nothing failed, and is
+closed after KEEPALIVE_S idle, before the engine drops it (uvicorn after 5 s). Timeouts
+are deadlines of the connection's one timer. Health probes and the router's other calls
+keep the general client (clients.py).
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
-"""The router's side of decode residency: it owns the handles, so it says what goes.
-
-Decode keeps a conversation's blocks only for the router that holds the handle to them
-(the engines' side is bidirkv/connector/core/residency.py). Per decode replica, this module:
-- queues the request ids of every handle the store drops without P having read it
-  (superseded, LRU, TTL, watermark, an explicit end, a failed or cancelled reuse) and
-  sends them to `POST /bidirkv/residency` at once, in batches, off the request path;
-- renews this router's lease on the same route every health round (decode releases
-  the handles of a router that stops calling for longer than the lease);
-- learns the replica's capacity from the answer, so the store can keep the blocks its
-  handles pin under `retentionWatermark` of it;
-- with the in-process store, sends a note beside each kept handle (notes.py) in the same
-  calls, and hands each replica's first answer to the recall (recall.py), which asks for
-  the notes back after a restart.
+"""The router's side of decode residency: it owns the handles, so it says what goes
+(the engines' side is bidirkv/connector/core/residency.py). Per decode replica, on
+`POST /bidirkv/residency`: the releases of every handle dropped unread, sent at once in
+batches off the request path; the lease, renewed every health round; the replica's
+capacity, learned for `retentionWatermark`; with the in-process store, a note beside each
+kept handle (notes.py) and the first answer handed to the recall (recall.py).
 
 Nothing here waits on a request: a failed call costs only reuse (decode's lease and
-pressure reclaim still free the blocks), and its releases go again with the next call. A
-batch decode refuses (400) does not hold the lease back: the renewal goes alone. A replica
-without the route (404: plugin off) is remembered and left alone. A router that stops
-sends what it still has queued before it exits, within `SHUTDOWN_FLUSH_S` (`close`).
+pressure reclaim still free the blocks) and its releases go with the next call. A batch
+decode refuses (400) does not hold the lease back; a replica without the route (404) is
+left alone; `close` sends what is queued within `SHUTDOWN_FLUSH_S`.
 """
 
 from __future__ import annotations

@@ -1,26 +1,19 @@
 """The handle store as one idea: what it keeps (`Entry`, stored from a `Kept`), what it
-promises (`Store`), and the orders its bounds take entries in.
+promises (`Store`), and the orders its bounds take entries in. `InProcessStore`
+(memory.py) and `RedisStore` (shared.py) keep the same rules, held equal by one table of
+cases run against both (tests/test_router_store.py).
 
-Two implementations keep the same rules, held equal by one table of cases run against
-both (tests/test_router_store.py):
-- `InProcessStore` (memory.py): one router replica, the default;
-- `RedisStore` (shared.py, its steps in Lua in scripts.py): Valkey/Redis shared by router
-  replicas, so turns of one conversation may reach any replica and survive restarts.
+The rules: tenant-scoped keys, single use (`lookup` takes the entry; `release` puts it
+back when P was never asked; `consume` and `discard` end it), a TTL, bounds on entries
+and on blocks pinned per decode replica, fair between tenants (the one holding the most
+loses first), per-tenant caps, and every entry dropped unread handed to `on_evict` so its
+decode blocks are released. The entry bounds (the router's memory) take the oldest
+entry; the block bounds (decode's memory) take the conversation expected back last, as
+decode itself does (bidirkv/returns.py).
 
-The rules: tenant-scoped keys (the caller hashes them), single use (`lookup` takes the
-entry; `release` puts it back when P was never asked; `consume` and `discard` end it), a
-TTL, a bound on the number of entries, blocks pinned per decode replica with a trim to a
-watermark, both fair between tenants (the one holding the most loses first), per-tenant
-caps (entries; blocks on one replica), and every entry dropped without P having read it
-handed to `on_evict`, so its decode blocks are released (bidirkv/router/pool/residency.py).
-The entry bounds (the router's memory) take the oldest entry; the block bounds (decode's
-memory) take the conversation expected back last, overdue ones first, as decode itself
-does under pressure (bidirkv/returns.py).
-
-`owner` is the identity decode holds retained KV for: None means "this router": one id
-derived from the handle key, so a restarted in-process router is the same owner and
-recalls its handles from decode (bidirkv/router/pool/recall.py); a shared store has one
-owner id for all its routers, so a replica that restarts keeps the conversations.
+`owner` is the identity decode holds retained KV for: None is "this router", one id
+derived from the handle key, so a restarted router recalls its handles (pool/recall.py);
+a shared store has one owner id for all its routers.
 """
 
 from __future__ import annotations

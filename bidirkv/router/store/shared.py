@@ -1,23 +1,12 @@
 """Decode handles in a Redis-protocol store (Valkey, Redis, ElastiCache non-cluster).
 
-Keys, under a prefix (default `bidirkv:`):
-    h:<key>          the entry (JSON), with a store-side TTL (the router's TTL + a minute,
-                     a safety net: the routers' sweep removes entries at their TTL)
-    order            zset key -> its expiry less the TTL (ms): the TTL sweep, the count
-    rep:<decode url> zset key -> store order: one replica's entries, oldest first
-    pin              hash decode url -> blocks pinned by stored handles
-    len:<tenant>     zset key -> prompt-prefix length (completions identified by prefix)
-    owner            the id decode keeps retained KV for, shared by every router
-and the per-tenant indexes that make the bounds fair (bidirkv/router/store/scripts.py).
-
-Every change of one entry is one Lua script, so it is atomic: two routers taking the same
-handle, one gets it (single use); a put that replaces an entry returns the old one for
-release. Whoever removes an entry (sweep, LRU, watermark, end, replaced) hands it to
-`on_evict`, which releases its blocks on decode.
-
-Memory: the store holds at most `maxConversations` entries (the LRU bound, enforced by
-the routers); run the server with `maxmemory-policy noeviction` so it never drops an
-index entry behind the routers' backs.
+Its keys, under a prefix (default `bidirkv:`), are listed in scripts.py. An entry's own
+key has a store-side TTL of the router's TTL + a minute, a safety net behind the
+routers' sweep. Every change of one entry is one Lua script, so it is atomic: of two
+routers taking the same handle one gets it. Whoever removes an entry hands it to
+`on_evict`, which releases its blocks on decode. Run the server with
+`maxmemory-policy noeviction`: it must never drop an index entry behind the routers'
+backs (the routers bound the entries at `maxConversations`).
 
 `make_store` makes the store a router config names: this one at `handleStore`, else the
 in-process one (memory.py).
