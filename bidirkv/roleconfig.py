@@ -27,16 +27,8 @@ POD_IP = {"valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 # Arguments derived from spec fields; accepting them in extraArgs too would give two
 # sources of truth (and, for kv-transfer-config, a way to split the pool's flags).
 MANAGED_ARGS = (
-    "--model",
-    "--served-model-name",
-    "--host",
-    "--port",
-    "--tensor-parallel-size",
-    "-tp",
-    "--dtype",
-    "--max-model-len",
-    "--enable-prefix-caching",
-    "--no-enable-prefix-caching",
+    "--model", "--served-model-name", "--host", "--port", "--tensor-parallel-size", "-tp",
+    "--dtype", "--max-model-len", "--enable-prefix-caching", "--no-enable-prefix-caching",
     "--kv-transfer-config",
 )
 # Managed only while spec.monitoring.tracing sets them: before that field existed they
@@ -50,27 +42,17 @@ TRACING_ARGS = ("--otlp-traces-endpoint",)
 # later lands in engine.extraArgs (both roles, the fingerprint) until it is listed here.
 # Spelled as vLLM prints them: its parser also takes prefixes and underscores, which an
 # exact match refuses.
-ROLE_ARGS: dict[str, bool] = {
-    "--max-num-seqs": True,
-    "--max-num-batched-tokens": True,
-    "--long-prefill-token-threshold": True,
-    "--scheduling-policy": True,
-    "--stream-interval": True,
-    "--gpu-memory-utilization": True,
-    "--kv-cache-memory-bytes": True,
-    "--num-gpu-blocks-override": True,
-    "--cpu-offload-gb": True,
-    "--uvicorn-log-level": True,
-    "--max-log-len": True,
-    "--enforce-eager": False,
-    "--no-enforce-eager": False,
-    "--enable-chunked-prefill": False,
-    "--no-enable-chunked-prefill": False,
-    "--disable-log-stats": False,
-    "--enable-log-requests": False,
-    "--no-enable-log-requests": False,
-    "--disable-uvicorn-access-log": False,
-    "--no-disable-uvicorn-access-log": False,
+ROLE_ARGS: dict[str, bool] = {  # flag -> takes a value
+    **dict.fromkeys((
+        "--max-num-seqs", "--max-num-batched-tokens", "--long-prefill-token-threshold",
+        "--scheduling-policy", "--stream-interval", "--gpu-memory-utilization",
+        "--kv-cache-memory-bytes", "--num-gpu-blocks-override", "--cpu-offload-gb",
+        "--uvicorn-log-level", "--max-log-len"), True),
+    **dict.fromkeys((
+        "--enforce-eager", "--no-enforce-eager", "--enable-chunked-prefill",
+        "--no-enable-chunked-prefill", "--disable-log-stats", "--enable-log-requests",
+        "--no-enable-log-requests", "--disable-uvicorn-access-log",
+        "--no-disable-uvicorn-access-log"), False),
 }
 # CEL's form of ROLE_ARGS on the CRD (an item starting with '-' must match it).
 ROLE_ARG_PATTERN = "^(" + "|".join(ROLE_ARGS) + ")(=|$)"
@@ -82,13 +64,8 @@ ROLE_ARG_PATTERN = "^(" + "|".join(ROLE_ARGS) + ")(=|$)"
 # other role would read it. An allowlist, as ROLE_ARGS: a name not listed goes in
 # engine.extraEnv (both roles, the fingerprint).
 ROLE_ENV = (
-    "VLLM_CPU_OMP_THREADS_BIND",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU",
-    "VLLM_CPU_KVCACHE_SPACE",
-    "OMP_NUM_THREADS",
-    "CUDA_VISIBLE_DEVICES",
-    "VLLM_LOGGING_LEVEL",
-    "VLLM_LOG_STATS_INTERVAL",
+    "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE",
+    "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "VLLM_LOGGING_LEVEL", "VLLM_LOG_STATS_INTERVAL",
 )
 # CEL's form of ROLE_ENV on the CRD (a list literal).
 ROLE_ENV_CEL = "[" + ", ".join(f"'{name}'" for name in ROLE_ENV) + "]"
