@@ -139,11 +139,6 @@ def checkpoints(n: int) -> list[int]:
     return sorted(points)
 
 
-def max_record_bytes(n: int) -> int:
-    """Digest bytes of a record of `n` blocks (what bounds a handle's size)."""
-    return DIGEST_BYTES * len(checkpoints(n))
-
-
 @dataclass(frozen=True)
 class HeldBlocks:
     """What D says its retained blocks hold (the `bidirkv_blocks` record): `blocks` full

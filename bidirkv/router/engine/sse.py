@@ -66,13 +66,12 @@ def strip_params(chunk: dict[str, Any]) -> dict[str, Any] | None:
 class MessageCollector:
     """Rebuilds choice 0 of a generation from stream deltas or a whole response."""
 
-    __slots__ = ("chat", "parts", "tool_calls", "finish_reason")
+    __slots__ = ("chat", "parts", "tool_calls")
 
     def __init__(self, chat: bool) -> None:
         self.chat = chat
         self.parts: list[str] = []
         self.tool_calls: dict[int, dict[str, Any]] = {}
-        self.finish_reason: str | None = None
 
     def feed_chunk(self, chunk: dict[str, Any]) -> None:
         choices = chunk.get("choices")
@@ -81,8 +80,6 @@ class MessageCollector:
         for choice in choices:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
             if not self.chat:
                 text = choice.get("text")
                 if isinstance(text, str):
@@ -121,7 +118,6 @@ class MessageCollector:
         for choice in choices:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
-            self.finish_reason = choice.get("finish_reason")
             if not self.chat:
                 if isinstance(choice.get("text"), str):
                     self.parts.append(choice["text"])

@@ -19,7 +19,6 @@ ON_DECODE = "decode"
 READ_BACK = "read_back"
 MOVE = "move"
 PREFILL = "prefill"
-DECISIONS = (EXTEND, ON_DECODE, READ_BACK, MOVE, PREFILL)
 
 COST = "cost"
 ALWAYS_DISAGGREGATE = "alwaysDisaggregate"
