@@ -1,21 +1,15 @@
 """Decode's KV working set: the share of its KV blocks that live work needs.
 
-vLLM's `vllm:kv_cache_usage_perc` counts every allocated block, the ones decode retains
-for a conversation's next turn included. Those are given up to new work (pressure, the
-watermark, the router's releases: core/residency.py) or freed once prefill's read of
-them completes, so an autoscaler reading vLLM's gauge would add decode pods for
-conversations that are only kept for reuse. The working set leaves them out:
+vLLM's `vllm:kv_cache_usage_perc` counts the blocks decode retains for a conversation's
+next turn, which new work can take (core/residency.py): an autoscaler reading it would
+add decode pods for conversations only kept for reuse. So
 
     working set = (used blocks - retained blocks) / usable blocks
 
-where retained blocks are those held or granted and those already being released. It is
-exported as `vllm:bidirkv_kv_working_set_ratio` (0..1, like vLLM's gauge) beside
-bidir-kv's counters (nixl/stats.py); the operator's autoscalers scale decode on it.
-
-A second gauge goes the same way: `vllm:bidirkv_retained_requests`, the requests decode
-retains for a later turn that no read or release acts on yet (one per conversation whose
-next turn has not come back). The operator reads it from a draining decode pod to say in
-its status how many conversations the pod still holds (operator/reconcile/heldcount.py).
+(retained: held, granted or being released) is exported as
+`vllm:bidirkv_kv_working_set_ratio`, which the operator's autoscalers scale decode on,
+beside `vllm:bidirkv_retained_requests` (one per conversation whose next turn has not
+come back), which the operator reads from draining pods (operator/reconcile/heldcount.py).
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Engine pods that are leaving: which drain, until when, and whose drain ran out (pure).
 
-Kubernetes marks a pod it deletes with a deletionTimestamp (the deletion time plus the
-grace period it was given) and sends it SIGTERM; `bidir-kv serve` then drains
-(bidirkv/connector/drain.py) for at most the cap the operator rendered in the pod's env
-(render/drain.py), and vLLM stops after that. So everything the status says of a drain is
-in the pod itself: when it started, its deadline, and whether the pod outlived the
-deadline (the drain ended because time ran out, not because the pod held nothing more:
-a drain that ends early lets vLLM stop, and the pod goes before its deadline).
-
-The status keeps the draining pods with a `timedOut` mark: the pass that first sees a pod
-past its deadline marks it and says so in one Event (`DrainTimedOut`); later passes find
-the mark and say nothing more.
-
-What a draining decode pod still holds is the one thing the pod itself does not say: its
-engine does, in a gauge the operator reads each pass (heldcount.py). Each draining decode
-pod's entry carries the last reading (`conversations`, absent until one succeeded; a
-failed read keeps the one before, and past the deadline it is what the pod still held
-when its drain ran out), and the role sums them for the printer column.
+A deleted pod gets a deletionTimestamp and SIGTERM; `bidir-kv serve` then drains
+(connector/drain.py) for at most the cap rendered in its env (render/drain.py). So the
+pod itself says when its drain started, its deadline, and whether it outlived it (a
+drain that ends early lets vLLM stop before the deadline). The pass that first sees a
+pod past its deadline marks it `timedOut` and says so in one `DrainTimedOut` Event.
+What a draining decode pod still holds only its engine says (heldcount.py): its entry
+keeps the last good reading (`conversations`), and the role sums them.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
-"""How many conversations a draining decode pod still holds: its engine's own gauge.
-
-A decode engine exports `vllm:bidirkv_retained_requests` on vLLM's /metrics (engine
-port): the requests it retains for a later turn that no read or release acts on yet, one
-per conversation whose next turn has not come back (connector/core/workingset.py). While
-a decode pod drains, the operator reads it there once per pass, so the status can say how
-many conversations each draining pod still holds and the DrainTimedOut Event how many
-recompute. A read that fails (no pod IP yet, the engine already stopped, a NetworkPolicy
-that does not let the operator in, a slow answer, a redirect) leaves the count unknown;
-it is never an error of the pass.
+"""How many conversations a draining decode pod still holds: its engine's own gauge,
+`vllm:bidirkv_retained_requests` on /metrics (connector/core/workingset.py), read once
+per pass for the status and the DrainTimedOut Event. A read that fails leaves the count
+unknown; it is never an error of the pass.
 
 Whoever can set a resource's image runs what answers there, so the answer is not
-trusted: the read is the event loop's own I/O (never a thread of the executor that runs
-every Kubernetes API call, which a trickling answer would hold), the whole of it (connect,
-request, answer) ends at READ_DEADLINE_S, a pod is read once at a time, a redirect is
-not followed, and the count is clamped to MAX_HELD.
-
-Everything here is pure but `fetch`, the one HTTP read, and `HeldReads`, which runs them.
+trusted: the read is the event loop's own I/O (never a thread of the executor every
+Kubernetes call needs), ends at READ_DEADLINE_S, reads a pod once at a time, follows no
+redirect, and the count is clamped to MAX_HELD. All is pure but `fetch` and `HeldReads`.
 """
 
 from __future__ import annotations

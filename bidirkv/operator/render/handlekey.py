@@ -1,22 +1,13 @@
 """The resource's handle key: a Secret the operator creates once and never reads or rewrites.
 
-Engines sign KV handles with it and the router signs its proof with it
-(bidirkv/connector/core/handles.py, bidirkv/proof.py). Rendering only references the Secret
-(`secretKeyRef`), by the name recorded in the resource's status (`status.handleKey`), so
-`bidir-kv render` stays deterministic and the key never appears in the rendered children,
-the resource's status, events or logs.
-
-The pods mount only a Secret whose create the operator saw succeed: its name and uid, as
-the API server answered the create, are recorded in the status before any child refers to
-it, and later passes take the record as it is. The operator's role has `create` alone on
-Secrets, so it never reads one, not even to check who owns it. The first name it tries is
-derived from the resource's uid; an AlreadyExists there is not trusted (anyone allowed to
-create Secrets in the namespace could have put one there once the resource existed, and
-would hold the key that signs every handle and proof; or it is the operator's own from a
-pass that stopped before recording it): the key is then created under a name the API
-server generates, and a Warning Event names the Secret left unused. To rotate: move
-`current` to `previous`, write a new `current`, restart the engines and the router;
-engines accept both while the rollout runs and sign with `current`.
+Engines sign KV handles with it and the router its proof (connector/core/handles.py,
+bidirkv/proof.py). Rendering only references it (`secretKeyRef`) by the name recorded in
+`status.handleKey`, so `bidir-kv render` stays deterministic and the key appears in no
+child, status, event or log. Pods mount only a Secret whose create the operator saw
+succeed (the operator may only create Secrets, never read one). An AlreadyExists on the
+name derived from the resource's uid is not trusted (whoever could create it would hold
+the key that signs every handle): the key is created under a generated name, and a
+Warning Event names the one left unused. Rotation: docs/operator.md.
 """
 
 from __future__ import annotations

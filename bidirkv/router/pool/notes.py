@@ -2,21 +2,14 @@
 a stable owner id, and a note per kept handle (pure; the sending is residency.py's, the
 recall recall.py's).
 
-The owner decode keeps retained KV for is derived from the resource's handle key: every
-process of one resource's router is the same owner, so a restarted router renews the
-lease its predecessor held and decode frees nothing. (A shared store names its own owner,
-which replaces this one once the store answers.)
-
-A note is the `Kept` record the router stored, less what the recall knows anyway (the
-request id it is kept beside, the replica it is recalled from) and less what grows with
-the history (the handle's block ids and digest record, wire.NOTE_LEAVES_OUT: decode
-issued them and gives them back beside the note): `2.<mac>.<JSON>`, the MAC an
-HMAC-SHA256 (cut to 16 bytes) over the request id and the JSON, under a key derived from
-the handle key. A few hundred bytes at any length of conversation. Decode keeps it
-opaque; a note that does not check, names another request, or breaks a bound is dropped
-on recall, never stored. What a note
-names is still only a handle: decode and prefill verify it when it is used, so a
-recalled handle decode no longer holds is a miss, never a wrong read.
+The owner is derived from the resource's handle key, so a restarted router renews its
+predecessor's lease and decode frees nothing (a shared store's own owner replaces it).
+A note is the stored `Kept` record less what the recall knows anyway (request id,
+replica) and what grows with the history (wire.NOTE_LEAVES_OUT, given back beside it):
+`2.<mac>.<JSON>`, the MAC an HMAC-SHA256 (cut to 16 bytes) over the request id and the
+JSON under a key derived from the handle key. One that does not check, names another
+request or breaks a bound is dropped on recall. A note names only a handle, which decode
+and prefill verify when it is used: a stale one is a miss, never a wrong read.
 """
 
 from __future__ import annotations

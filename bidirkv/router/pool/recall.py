@@ -1,20 +1,12 @@
-"""The router's recall: with the in-process store, a router that starts asks each decode
-replica, when it first answers, for the notes this owner left beside what it retains
-(notes.py), and puts the live ones back into its store. Served turns go on meanwhile: a
-turn whose handle is not back yet recomputes, as before.
-
-After the first full recall the router asks again from its cursor for `FOLLOW_S`: during
-a rolling update the old router still finishes turns (and keeps their handles) after
-the new one started, and what those left on decode comes back too. A note this router
-left itself comes back as well and changes nothing (`merge`).
+"""The router's recall: with the in-process store, a starting router asks each decode
+replica, when it first answers, for the notes this owner left (notes.py) and puts the
+live ones back into its store; meanwhile a turn whose handle is not back recomputes.
+For `FOLLOW_S` after that it asks again from its cursor: in a rolling update the old
+router still keeps handles after the new one started (its own come back too: `merge`).
 
 A recalled handle lives what its note has left of the TTL, counted from when it was
-kept, not from the recall (`Kept.time_left`): a restart never makes a handle outlive
-decode's blocks, nor count them against the watermark longer. Notes already past it are
-released on decode, as this router's sweep would have released their handles.
-
-Nothing here can make a turn read wrong KV: a recalled handle is verified by prefill
-and decode when it is used, and one decode no longer holds is refused there (a miss).
+kept (`Kept.time_left`), so a restart never makes it outlive decode's blocks; notes past
+it are released. A recalled handle is verified when used: never a wrong read.
 """
 
 from __future__ import annotations
