@@ -2,18 +2,12 @@
 releases retained KV in. Shared by both sides of the wire (the router sends the estimate
 as `RETURN_KEY`, decode ranks by it) and by the benchmark that replays a run.
 
-Releasing the least recently kept first is the worst choice for agents taken in turn: the
-conversation kept longest ago is the one about to come back. The offline best (Belady's
-rule) releases the one coming back last. Here it runs on a prediction:
-
-- a conversation is expected back one gap after its last answer, its gap being a moving
-  average of the idle times between its own turns (the router measures them);
-- one with no history yet is expected after the gap typical of the others, so among such
-  conversations the newest goes first;
-- one idle well past its own gap is overdue, most likely finished: overdue ones go first,
-  the one overdue longest first, before any that is still expected.
-
-Pure functions of times and gaps; no clock is read here.
+Least recently kept first is the worst order for agents taken in turn: the conversation
+kept longest ago is about to come back. Here Belady's rule (release the one coming back
+last) runs on a prediction: a conversation is expected back one gap after its last
+answer (a moving average of its own idle times; without one, the others' typical gap, so
+the newest goes first), and one idle well past its gap is overdue, likely finished:
+overdue ones go first, longest overdue first. Pure functions of times and gaps.
 """
 
 from __future__ import annotations

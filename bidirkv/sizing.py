@@ -1,17 +1,10 @@
 """How many conversations a decode replica keeps at a context length (pure).
 
-A retained conversation pins its whole history's KV on decode until its next turn. How
-many fit is the replica's KV capacity, times `kvTransfer.retentionWatermark` (the share
-retained conversations may pin; new work takes retained blocks first whatever it is),
-divided by one history's KV. The KV of one token is 2 (K and V) x layers x KV heads x head
-dimension x the KV dtype's bytes, summed over the replica's tensor-parallel GPUs (each
-holds its share of the KV heads). The capacity is what vLLM leaves for KV on each GPU:
-its memory x `--gpu-memory-utilization`, less the weights' share and the activations,
-CUDA graphs and communication buffers (`overhead_gib`, an estimate: vLLM measures it when
-it starts and logs the KV capacity it found, "GPU KV cache size: N tokens", which is the
-figure to use once an engine ran).
-
-`bidir-kv sizing FILE --context N` prints this for a resource (bidirkv/cli.py).
+The replica's KV capacity x `kvTransfer.retentionWatermark`, over one history's KV: per
+token 2 (K and V) x layers x KV heads x head dimension x the KV dtype's bytes, summed over
+the tensor-parallel GPUs. The capacity is each GPU's memory x `--gpu-memory-utilization`
+less the weights' share and `overhead_gib` (an estimate: once an engine ran, use the
+"GPU KV cache size: N tokens" it logs). `bidir-kv sizing FILE --context N` prints it.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """A leaving engine's drain: when `bidir-kv serve` passes SIGTERM on to vLLM (pure).
 
-Kubernetes sends SIGTERM for every pod it deletes (a rollout, a scale-down, a node drain,
-an eviction). Passed straight to vLLM, a decode server would take with it the KV it
-retains for conversations that have not come back yet, and each of them would recompute
-its whole history on its next turn. So the launcher first asks the engine to drain
-(`"drain": true` on POST /bidirkv/residency; the router then places nothing new there)
-and polls the engine's report until it holds nothing a peer could still read: every
-conversation came back (prefill read its blocks and the turn decoded elsewhere) or was
-released. Only then, or at the deadline the pod's grace period leaves, does vLLM get the
-signal. A prefill server holds nothing for later: it waits only for the legs in flight
-(vLLM's own shutdown, with its default `--shutdown-timeout 0`, aborts them).
-
-`decide` is the whole policy; bidirkv/connector/supervise.py does the signals and calls.
+Passed straight to vLLM, SIGTERM would take with it the KV a decode server retains for
+conversations not back yet, each of which would then recompute its whole history. So the
+launcher first asks the engine to drain (`"drain": true` on POST /bidirkv/residency: the
+router places nothing new there) and signals vLLM only once it holds nothing a peer
+could still read, or at the deadline the grace period leaves. A prefill server waits
+only for its legs in flight. `decide` is the whole policy; connector/supervise.py does
+the signals and calls.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Whether a residency call is for this engine: the target its signature names
 (`X-Bidirkv-Target`, bidirkv/proof.py), checked against the engine as the call's
-connection reaches it (pure).
+connection reaches it (pure). A captured call cannot then be replayed to the resource's
+other engines (a drain would mark each of them leaving for good).
 
-A signed call is good at one engine only, so a call seen on the way (by a proxy, by
-whoever can read the pod network) cannot be replayed to the other engines of the
-resource: a drain would mark each of them leaving for good. A target names this engine
-when its port is the one the connection came in on and its host is
-- the connection's own address (the router of a local stack calls 127.0.0.1:<port>; a
-  router given pod IPs calls those), or `localhost` on a loopback connection;
-- or a DNS name whose first label is this machine's host name: in Kubernetes a pod's
-  host name is its name, and the operator gives the router each pod's own DNS name
-  (`<pod>.<service>.<namespace>.svc`, bidirkv/operator/render/naming.py); the launcher
-  names its own host (bidirkv/connector/supervise.py).
-A Service name in front of several engines names none of them, and is refused.
+A target names this engine when its port is the one the connection came in on and its
+host is the connection's own address (`localhost` on a loopback connection), or a DNS
+name whose first label is this machine's host name (a pod's own DNS name,
+operator/render/naming.py; the launcher's own host, connector/supervise.py). A Service
+name in front of several engines names none of them, and is refused.
 """
 
 from __future__ import annotations

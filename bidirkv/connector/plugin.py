@@ -1,17 +1,13 @@
 """vLLM general plugin `bidirkv`: registered as a `vllm.general_plugins` entry point.
 
-vLLM calls `register()` in every process of a server (API server, engine core, workers),
-possibly more than once. Each patch is applied when its target module is imported in
-that process. The plugin fails closed: on a vLLM release it was not written for, without
-a handle key, or when a patch that keeps reuse safe cannot apply (a target missing or
-changed), it stops the server with one line that says which, instead of letting vLLM
-reuse KV on trust. Only the CPU performance patches are optional (skipped with a
-warning). The connector hooks are not patched: they are overrides of bidir-kv's own NIXL
-connector (connector/nixl/), which vLLM loads through `kv_connector_module_path`, and
-which the connector guard makes the only NIXL connector a server with the plugin runs.
-`REQUIRED_TARGETS` and `OPTIONAL_TARGETS` list what is patched, `CONNECTOR_TARGETS` what
-the connector classes override or call; the launcher checks all of them before vLLM
-starts. Set VLLM_PLUGINS to a list without `bidirkv` to turn the plugin off.
+vLLM calls `register()` in every process of a server, possibly more than once; each patch
+applies when its target module is imported. The plugin fails closed: on a vLLM release it
+was not written for, without a handle key, or when a patch that keeps reuse safe cannot
+apply, it stops the server with one line that says which, instead of letting vLLM reuse
+KV on trust; only the CPU performance patches are optional. The connector hooks are
+overrides of bidir-kv's own NIXL connector (connector/nixl/), not patches.
+`REQUIRED_TARGETS`, `OPTIONAL_TARGETS` and `CONNECTOR_TARGETS` are checked by the
+launcher before vLLM starts. VLLM_PLUGINS without `bidirkv` turns the plugin off.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Chained digests of the tokens a KV cache holds, and the verified reusable prefix.
 
-D publishes, with the handle of a finished request, a chain of digests over the full
-blocks of the tokens its KV was computed for, taken at a few block counts
-(`checkpoints`). P digests its own prompt the same way and reuses only up to the last
-checkpoint whose digest agrees: the digest at block p covers every token up to the end
-of block p, so one differing token anywhere before it breaks the chain from there on,
-like vLLM's own prefix-cache block hashes (which cannot be used here: their seed is
-random per process unless PYTHONHASHSEED is pinned, and P may run with prefix caching
-off).
-
-The chain starts from a seed of what else decides the KV of a token sequence: model,
-revision, dtype, KV cache dtype, block size, what else of the engine's configuration
-shapes tokens or KV (`engine_shaping`), and per request the LoRA adapter and
-`cache_salt`. A different model, configuration or tenant salt therefore never matches,
-even with equal token ids.
+D publishes with a handle a chain of digests over its full blocks' tokens, taken at a few
+block counts (`checkpoints`); P reuses only up to the last checkpoint whose digest agrees
+with its own prompt's, so one differing token breaks the chain from there on. vLLM's
+prefix-cache hashes cannot serve: their seed is random per process unless
+PYTHONHASHSEED is pinned, and P may run with prefix caching off. The chain's seed holds
+what else decides a token's KV (model, revision, dtypes, block size, `engine_shaping`,
+and per request the LoRA adapter and `cache_salt`), so nothing else ever matches.
 """
 
 from __future__ import annotations
