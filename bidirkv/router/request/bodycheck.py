@@ -1,22 +1,16 @@
 """Hostile JSON the parser accepts but the router cannot carry, found before it does harm.
 
-- Nesting: Python code that walks a parsed body (identity hashing, re-encoding for the
-  legs, the standard library's parser itself) recurses per level, so a body of 10^5 `[`
-  ends as a RecursionError. With orjson (the router's parser, which stops by itself
-  past 1024 levels, at once) the parsed body is walked without recursion
-  (`depth_problem`), a step per object or array; without it, `nesting_problem` scans
-  the raw body before parsing, in one pass over its strings and brackets (one regex
-  scan, in C) that stops at the first bracket past MAX_DEPTH.
-- Size in values: parsing, validating and hashing a body cost per JSON object or array
-  (~12 us each here, on the event loop), not per byte: 8 MiB of text parses in ~30 ms,
-  while 4 MiB of one-word messages (140k objects) stalls every other request for a
-  second. Bodies with more than `max_containers` objects and arrays are refused before
-  parsing: counting brackets is one pass in C, and only a body with more brackets than
-  that is scanned for the ones outside strings (`container_problem`).
-- Lone surrogates: `"\\ud800"` is valid JSON but no UTF-8; the router re-encodes the
-  body for both legs and would fail there. orjson refuses them, so with it only a body
-  it refused is scanned (for the message that says where); without it, every body is,
-  before parsing. Only bodies with such an escape are walked.
+- Nesting: code that walks a parsed body recurses per level, so 10^5 `[` end as a
+  RecursionError. With orjson (which stops past 1024 levels) the parsed body is walked
+  without recursion (`depth_problem`); without it, `nesting_problem` scans the raw body
+  first, in one regex pass that stops at the first bracket past MAX_DEPTH.
+- Size in values: a body costs per JSON object or array (~12 us each, on the event
+  loop), not per byte: 4 MiB of one-word messages stalls every request for a second.
+  Bodies with more than `max_containers` are refused before parsing; only one with more
+  brackets than that is scanned for those outside strings (`container_problem`).
+- Lone surrogates: `"\\ud800"` is valid JSON but no UTF-8, and re-encoding the body for
+  the legs would fail. With orjson (which refuses them) only a refused body is scanned,
+  for the message that says where; without it, every body with such an escape is.
 """
 
 from __future__ import annotations

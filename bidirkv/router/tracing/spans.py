@@ -3,21 +3,14 @@ leg, each retry), and W3C trace context on every request to prefill and decode.
 docs/observability.md says what each span holds and why the router, not the client,
 decides what is sampled.
 
-What a request gets is decided once, when it arrives (`Traces.request`):
-- An exporter configured: spans are recorded by this router's own TracerProvider (one
-  per Router, never the global one: several routers share a test process) and exported
-  in batches from the SDK's thread. A client's `traceparent` is continued, sampled at
-  `tracing.sampleRatio` by a draw of the router's own; each upstream request carries
-  its own CLIENT span's context. An unsampled trace records nothing but still carries
-  its context upstream.
-- No exporter, and the client sent a valid `traceparent`: the client's context is passed
-  on to both legs unchanged; a parent id of the router's own would name a span no
-  backend ever receives.
-- No exporter and no `traceparent`: nothing is added upstream, nothing is allocated.
-
+What a request gets is decided once, when it arrives (`Traces.request`): with an
+exporter, spans are recorded by this router's own TracerProvider (never the global one:
+several routers share a test process), sampled at `tracing.sampleRatio` by the router's
+own draw, and an unsampled trace still carries its context upstream. Without one, a
+client's valid `traceparent` goes on to both legs unchanged (a parent id of the router's
+own would name a span no backend receives), and else nothing is added or allocated.
 No prompt text, handle contents, tenant or credential goes into a span; a string a client
-chose is cut to MAX_ATTRIBUTE_CHARS before it reaches the SDK, whose own limit is the
-same.
+chose is cut to MAX_ATTRIBUTE_CHARS (the SDK's own limit).
 """
 
 from __future__ import annotations
