@@ -115,9 +115,7 @@ def _node_rule(rule: Rule, *fields: str) -> dict[str, str]:
 # --- Decode's retained KV: the CRD's kvTransfer, the router, decode's plugin ------------
 
 RetentionWatermark = Annotated[float, Strict(), Field(
-    default=0.9,
-    ge=0.05,
-    le=1,
+    default=0.9, ge=0.05, le=1,
     description="Share of each decode replica's KV blocks that retained conversations may "
     "pin. Above it the router releases the ones expected back last (overdue ones first), "
     "and decode enforces the same bound itself. Whatever the value, a request waiting for "
@@ -126,9 +124,7 @@ RetentionWatermark = Annotated[float, Strict(), Field(
     "pressure, 0.9 and 1.0 kept it).",
 )]
 OwnerLeaseSeconds = Annotated[int, Strict(), Field(
-    default=30,
-    ge=1,
-    le=86400,
+    default=30, ge=1, le=86400,
     description="Decode frees the retained blocks of a router that has not renewed its lease "
     "for this long (the router renews every `router.healthCheckIntervalSeconds`; a router "
     "that is gone stops, a restarted one is the same owner and renews). At least twice that "
@@ -143,16 +139,12 @@ class KvKnobs(Section):
         "next turn (vLLM `bidirectional_kv_xfer`, set identically on both roles).",
     )
     decoder_kv_blocks_ttl_seconds: Annotated[int, Strict()] = Field(
-        default=480,
-        ge=10,
-        le=86400,
+        default=480, ge=10, le=86400,
         description="How long decode pins a finished request's blocks for reuse; fixed, not "
         "renewed (vLLM `decoder_kv_blocks_ttl`).",
     )
     kv_recompute_threshold: Annotated[int, Strict()] = Field(
-        default=64,
-        ge=0,
-        le=10_000_000,
+        default=64, ge=0, le=10_000_000,
         description="Prefill reads decode's KV only when at least this many tokens are "
         "reusable; shorter prefixes are recomputed (vLLM `kv_recompute_threshold`).",
     )
@@ -187,33 +179,25 @@ class Placement(Section):
         "Every choice gives the same output.",
     )
     max_local_prefill_tokens: Annotated[int, Strict()] = Field(
-        default=1024,
-        ge=0,
-        le=1_048_576,
+        default=1024, ge=0, le=1_048_576,
         description="Most new tokens a decode replica prefills for one turn under any "
         "policy: keeps the inter-token latency of what it is decoding bounded. The router "
         "has no tokenizer: the tokens are estimated from the prompt's characters (no less "
         "than 2/3 of English text's real count). 0: never.",
     )
     decode_busy_requests: Annotated[int, Strict()] = Field(
-        default=4,
-        ge=1,
-        le=100_000,
+        default=4, ge=1, le=100_000,
         description="A decode replica with this many requests in flight from this router "
         "is busy: it prefills nothing for a turn, and a turn it holds takes the prefill "
         "leg, decoded by a less busy replica where there is one.",
     )
     local_prefill_tokens: Annotated[int, Strict()] = Field(
-        default=256,
-        ge=0,
-        le=1_048_576,
+        default=256, ge=0, le=1_048_576,
         description="`thresholds`: extend on decode at most this many new tokens (like "
         "llm-d's `nonCachedTokens`). At most `maxLocalPrefillTokens`.",
     )
     prefill_busy_requests: Annotated[int, Strict()] = Field(
-        default=2,
-        ge=1,
-        le=100_000,
+        default=2, ge=1, le=100_000,
         description="`thresholds`: with this many requests in flight on prefill, extend on "
         "decode up to `maxLocalPrefillTokens` new tokens.",
     )
@@ -293,33 +277,26 @@ class RouterKnobs(Section):
         f"least {TTL_SAFETY_MARGIN_SECONDS} s below `kvTransfer.decoderKvBlocksTtlSeconds`, "
         "so the router never hands out blocks decode is about to free.", 420.0)
     max_conversations: Annotated[int, Strict()] = Field(
-        default=100_000,
-        ge=1,
-        le=10_000_000,
+        default=100_000, ge=1, le=10_000_000,
         description="Most conversation handles kept per router; past it the least recently "
         "stored handle of the tenant holding the most is dropped.",
     )
     max_conversations_per_tenant: Annotated[int, Strict()] | None = Field(
-        default=None,
-        ge=1,
-        le=10_000_000,
+        default=None, ge=1, le=10_000_000,
         description="Most conversation handles one tenant may keep (its least recently "
         "used dropped first); unset: up to `maxConversations`. Whatever the caps, the "
         "`maxConversations` bound and the retention watermark evict from the tenant "
         "holding the most.",
     )
     tenant_retention_share: Annotated[float, Strict()] = Field(
-        default=1.0,
-        ge=0.01,
-        le=1,
+        default=1.0, ge=0.01, le=1,
         description="Share of each decode replica's retention budget "
         "(`kvTransfer.retentionWatermark` of its KV blocks) that one tenant's "
         "conversations may pin.",
     )
     tenant_header: Annotated[str, Strict()] = Field(
         default="Authorization",
-        min_length=1,
-        max_length=128,
+        min_length=1, max_length=128,
         pattern=r"^[A-Za-z0-9-]+$",
         description="Request header whose value names the tenant a conversation belongs to "
         "(its caps and fair eviction, its `cache_salt`; conversations of different tenants "
@@ -327,9 +304,7 @@ class RouterKnobs(Section):
         "`trustedTenantHeader` and `maxTenantsPerSource`.",
     )
     trusted_tenant_header: Annotated[str, Strict()] | None = Field(
-        default=None,
-        min_length=1,
-        max_length=128,
+        default=None, min_length=1, max_length=128,
         pattern=r"^[A-Za-z0-9-]+$",
         description="Request header that a gateway in front of the router sets to the caller "
         "it authenticated (and strips from what clients send). Set, it alone names the "
@@ -340,9 +315,7 @@ class RouterKnobs(Section):
         "the gateway alone and a ClusterIP Service.",
     )
     max_tenants_per_source: Annotated[int, Strict()] = Field(
-        default=64,
-        ge=1,
-        le=1_000_000,
+        default=64, ge=1, le=1_000_000,
         description="Without `trustedTenantHeader`: most tenants one client address names "
         "at a time (a tenant unseen for `conversationTtlSeconds` frees its place); past "
         "it, that address's new tenants count as one tenant for the caps and eviction, "

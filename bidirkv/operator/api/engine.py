@@ -71,22 +71,17 @@ class PullPolicy(StrEnum):
 
 class ModelSpec(_Model):
     name: str = Field(
-        min_length=1,
-        max_length=512,
+        min_length=1, max_length=512,
         description="Model to serve: a Hugging Face id or a path inside the engine image or a "
         "mounted volume (vLLM `--model`). Prefill and decode always serve the same model.",
     )
     served_name: str | None = Field(
-        default=None,
-        min_length=1,
-        max_length=256,
+        default=None, min_length=1, max_length=256,
         description="Name clients use in the `model` field (vLLM `--served-model-name`). "
         "Defaults to `name`.",
     )
     max_model_len: int | None = Field(
-        default=None,
-        ge=1,
-        le=10_000_000,
+        default=None, ge=1, le=10_000_000,
         description="Maximum context length in tokens (vLLM `--max-model-len`). Unset: the "
         "model's own limit.",
     )
@@ -108,21 +103,18 @@ class EngineSpec(_Model):
         default=PullPolicy.IfNotPresent, description="Kubernetes image pull policy."
     )
     extra_args: list[Annotated[str, StringConstraints(max_length=4096)]] = Field(
-        default_factory=list,
-        max_length=128,
+        default_factory=list, max_length=128,
         description="Extra vLLM server arguments appended to the generated ones. Arguments "
         "the operator manages (model, port, parallelism, kv-transfer-config, prefix caching) "
         "are refused here: set the matching field instead.",
     )
     extra_env: list[EnvVar] = Field(
-        default_factory=list,
-        max_length=128,
+        default_factory=list, max_length=128,
         description="Extra environment for both roles. Variables the operator manages "
         "(VLLM_NIXL_SIDE_CHANNEL_*, FI_*) are refused here.",
     )
     env_from: list[EnvFromSource] = Field(
-        default_factory=list,
-        max_length=32,
+        default_factory=list, max_length=32,
         description="Whole Secrets or ConfigMaps as environment of both roles (EnvFromSource, "
         "e.g. `secretRef: {name: hf-token}`).",
     )
@@ -196,9 +188,7 @@ class RoleSpec(_Model):
     )
 
     replicas: int | None = Field(
-        default=None,
-        ge=1,
-        le=MAX_REPLICAS,
+        default=None, ge=1, le=MAX_REPLICAS,
         description=f"Number of engine pods of this role (each one vLLM server); unset: "
         f"{DEFAULT_REPLICAS}, or what the autoscaler decides when `autoscaling` is set "
         "(the two are refused together).",
@@ -211,15 +201,11 @@ class RoleSpec(_Model):
         "pods it runs in the router's config.",
     )
     tensor_parallel_size: int = Field(
-        default=1,
-        ge=1,
-        le=64,
+        default=1, ge=1, le=64,
         description="Tensor parallel degree of each pod (vLLM `--tensor-parallel-size`).",
     )
     drain_seconds: int = Field(
-        default=120,
-        ge=0,
-        le=3600,
+        default=120, ge=0, le=3600,
         description="How long a leaving pod (rollout, scale-down, node drain, eviction) "
         "waits before vLLM stops. Decode waits while it still holds conversations for "
         "their next turn, each moving to another replica as it comes back; prefill waits "
@@ -233,9 +219,7 @@ class RoleSpec(_Model):
         description="Container resources. EFA devices and hugepages are added from `efa`.",
     )
     efa_devices: int = Field(
-        default=0,
-        ge=0,
-        le=32,
+        default=0, ge=0, le=32,
         description="`vpc.amazonaws.com/efa` devices per pod (requests = limits). Needs "
         "`efa.enabled`.",
     )
@@ -260,8 +244,7 @@ class RoleSpec(_Model):
     # Items short enough that the API server's cost estimate of the CEL rules below
     # stays far under its limit; what a role may set alone is a number or a word.
     extra_args: list[Annotated[str, StringConstraints(max_length=ROLE_ARG_MAX_LENGTH)]] = Field(
-        default_factory=list,
-        max_length=64,
+        default_factory=list, max_length=64,
         description="Extra vLLM server arguments of this role only, after `engine.extraArgs` "
         "(vLLM takes the last value of a repeated flag), e.g. a smaller "
         "`--max-num-batched-tokens` on prefill so its first prompt is done before the whole "
@@ -283,8 +266,7 @@ class RoleSpec(_Model):
         ]},
     )
     extra_env: list[EnvVar] = Field(
-        default_factory=list,
-        max_length=64,
+        default_factory=list, max_length=64,
         description="Extra environment of this role only, after `engine.extraEnv` (e.g. a "
         "CPU core binding per role on a local machine). Only names that leave its weights, "
         f"tokens and KV as the other role's: {', '.join(f'`{n}`' for n in ROLE_ENV)}; "

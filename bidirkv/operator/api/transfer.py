@@ -46,9 +46,7 @@ class KvTransferSpec(KvKnobs, _Model):
         "request from scratch instead of erroring.",
     )
     side_channel_port: int = Field(
-        default=5600,
-        ge=1024,
-        le=65535,
+        default=5600, ge=1024, le=65535,
         description="NIXL handshake port in every engine pod (VLLM_NIXL_SIDE_CHANNEL_PORT).",
     )
 
