@@ -2,19 +2,13 @@
 runs) and becomes a `Turn`, or is refused before it costs anything.
 
 At most maxInflightRequests requests and maxInflightBodyBytes of bodies at once; past
-either a 429 with Retry-After. A request takes its in-flight slot once its body is here,
-not when its head arrives: until then it is one of the requests still reading
-(reading.py), bounded in all and per client address, so connections that send a head and
-nothing more hold none of the slots that complete requests need. A body is parsed into
-objects many times its size, so the bytes bound is what keeps the pod within memory. A
-refused body is still drained, at a pace shared by every refusal of the process.
-
-A body is charged as its bytes arrive, not by the length it declares: a connection that
-declares 4 MiB and sends nothing holds no bytes, and one that sends slowly is cut off
-(408) once it falls under a minimum average rate, so a slow or silent client holds at most
-what it really sent and only for seconds. Small bodies that declare their length are
-charged it up front and may use a reserve that bodies in progress cannot, so small
-requests keep flowing while large uploads fill the rest.
+either a 429 with Retry-After. A request takes its slot only once its body is here: until
+then it is one of the requests still reading (reading.py), so connections that send a
+head and nothing more hold no slot. A body is charged as its bytes arrive, not by the
+length it declares, and one that falls under a minimum average rate is cut off (408): a
+slow or silent client holds at most what it sent, for seconds. Small bodies that declare
+their length are charged up front and may use a reserve, so small requests keep flowing
+while large uploads fill the rest. A refused body is still drained, at a shared pace.
 """
 
 from __future__ import annotations

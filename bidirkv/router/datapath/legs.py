@@ -2,16 +2,11 @@
 whole turn on decode (extend) or on P; the answer relayed to the client (relay.py). Which
 replica, and what follows a failure, is flow.py's.
 
-What P says about a reuse turn is read here, as the prefill leg ends. (P's side of a reuse
-turn, which writes this report, is bidirkv/connector/core/reuse.py.) P's answer may carry
-a report, written by the connector plugin into P's `kv_transfer_params` (or at the top
-level of P's body) as
-    "bidirkv": {"reused_tokens": int, "offered_tokens": int, "verified": bool}
-`reused_tokens` is how many tokens P read from D instead of recomputing, and
-`offered_tokens` how many the handle offered; fewer reused than offered means P checked the
-tokens and reused only the part that matched ("verified-partial"). Without a report the
-only number available is usage.prompt_tokens_details.cached_tokens, which also counts P's
-own prefix-cache hits, so it is exported under its own label.
+P's report of a reuse turn (connector/core/reuse.py) is read here, as the prefill leg
+ends: `"bidirkv": {"reused_tokens", "offered_tokens", "verified"}` in P's
+`kv_transfer_params` (or at the top level of its body); fewer reused than offered is
+"verified-partial". Without one, only usage's cached_tokens is known, which also counts
+P's own prefix-cache hits, so it is exported under its own label.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Which engine replicas are leaving, from their residency reports.
 
-A pod that got SIGTERM says `"draining": true` in its answer to the residency call (its
-launcher asked it to drain: bidirkv/connector/drain.py). Such a replica gets no new work
-while one that is not leaving can take it (bidirkv/router/pool/selection.py,
-placement.py). On decode, a turn whose history it holds reads the blocks back through
-prefill and decodes elsewhere, so each of its conversations moves on its next turn, and
-the pod exits once none is left. A prefill pod drains its legs in flight: it stops
-getting new ones, so its drain ends.
-
-Decode's report comes with the router's lease renewal (residency.py). Prefill holds no
-lease, so the router asks it for the report alone (`PrefillReports`): a signed call with
-neither owner nor lease, which changes nothing on the engine.
+A pod that got SIGTERM says `"draining": true` in its residency answer
+(bidirkv/connector/drain.py), and gets no new work while another replica can take it
+(selection.py, placement.py): decode's conversations move on their next turns, and a
+prefill pod's legs in flight end. Decode's report comes with the lease renewal
+(residency.py); prefill holds no lease, so it is asked for the report alone
+(`PrefillReports`: a signed call with neither owner nor lease, which changes nothing).
 """
 
 from __future__ import annotations
