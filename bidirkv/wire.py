@@ -3,18 +3,10 @@ writes for the other, named once, here, with the version both check. Owned by ne
 side (as bidirkv/proof.py is); docs/protocol.md lists the same table and a test holds
 the two equal.
 
-`VERSION` changes whenever a key below changes meaning or a new one becomes required.
-Each side refuses what the other sent under another version, instead of guessing:
-- an engine drops a handle from a leg of another version (reason `wire_version`: served
-  without reuse) and hands out no handle on such a leg;
-- the router stores no handle of another version (it would not be admitted);
-- the residency endpoint answers 409 to a call of another version.
-Version 2: a residency call names the engine it is for and signs the body's length and
-digest in its header (bidirkv/proof.py), so version 1 calls are refused (401).
-Version 3: a handle carries its block count per KV group (`COUNTS_KEY`) instead of vLLM's
-block-id list; the reader asks the issuer for the ids right before it reads (prefill with
-decode's read grant, decode of the blocks prefill lent it: connector/core/lease.py), so
-what the router carries and stores does not grow with the history.
+`VERSION` changes whenever a key below changes meaning or a new one becomes required:
+each side refuses what the other sent under another version instead of guessing
+(docs/protocol.md, Wire version, says how each side refuses, and what each version
+changed).
 """
 
 from __future__ import annotations
