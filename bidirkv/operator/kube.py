@@ -67,13 +67,8 @@ class ApiError(Exception):
         self.status, self.reason, self.message = status, reason, message
 
 
-def request(
-    api_client: kubernetes.client.ApiClient,
-    method: str,
-    path: str,
-    body: Any = None,
-    content_type: str | None = None,
-) -> Any:
+def request(api_client: kubernetes.client.ApiClient, method: str, path: str, body: Any = None,
+            content_type: str | None = None) -> Any:
     """One request through the official client, authenticated as its generated methods
     are (bearer token, refreshed in-cluster tokens, client certificates); raises ApiError.
 

@@ -116,18 +116,12 @@ def connection_info(configuration: kubernetes.client.Configuration) -> kopf.Conn
     )
 
 
-async def run_operator(
-    configuration: kubernetes.client.Configuration,
-    *,
-    namespaces: tuple[str, ...] = (),
-    stop_flag: asyncio.Event | None = None,
-    ready_flag: asyncio.Event | None = None,
-    liveness_endpoint: str | None = None,
-    peering_name: str | None = None,
-    priority: int = 0,
-    operator_namespace: str | None = None,
-    controller: Controller | None = None,
-) -> None:
+async def run_operator(configuration: kubernetes.client.Configuration, *,
+                       namespaces: tuple[str, ...] = (), stop_flag: asyncio.Event | None = None,
+                       ready_flag: asyncio.Event | None = None,
+                       liveness_endpoint: str | None = None, peering_name: str | None = None,
+                       priority: int = 0, operator_namespace: str | None = None,
+                       controller: Controller | None = None) -> None:
     """`controller`: one made by the caller (tests), which must render for the same
     `operator_namespace` when that is given."""
     if (controller is not None and operator_namespace is not None
@@ -156,13 +150,9 @@ async def run_operator(
         controller.client.close()
 
 
-async def ensure_peering(
-    configuration: kubernetes.client.Configuration,
-    name: str,
-    namespaces: tuple[str, ...] = (),
-    *,
-    wait: float = PEERING_WAIT_SECONDS,
-) -> None:
+async def ensure_peering(configuration: kubernetes.client.Configuration, name: str,
+                         namespaces: tuple[str, ...] = (), *,
+                         wait: float = PEERING_WAIT_SECONDS) -> None:
     """Create kopf's peering object(s) if missing: a ClusterKopfPeering when cluster-wide,
     a KopfPeering in each watched namespace otherwise.
 

@@ -101,17 +101,11 @@ def _stamp(conditions: list[dict[str, Any]], previous: list[dict[str, Any]], now
     return out
 
 
-def compute_status(
-    owner: Owner,
-    spec: api.DisaggregatedInferenceSpec | None,
-    generation: int | None,
-    children: dict[tuple[str, str], dict[str, Any] | None],
-    previous: dict[str, Any],
-    now: str,
-    problem: tuple[str, str] | None = None,
-    pods: Mapping[str, Sequence[dict[str, Any]]] | None = None,
-    held: Mapping[str, int] | None = None,
-) -> dict[str, Any]:
+def compute_status(owner: Owner, spec: api.DisaggregatedInferenceSpec | None,
+                   generation: int | None, children: dict[tuple[str, str], dict[str, Any] | None],
+                   previous: dict[str, Any], now: str, problem: tuple[str, str] | None = None,
+                   pods: Mapping[str, Sequence[dict[str, Any]]] | None = None,
+                   held: Mapping[str, int] | None = None) -> dict[str, Any]:
     """`children` maps (kind, name) to the object as read; `problem` is (reason, message)
     when the spec could not be applied (then the last good counts are kept); `pods`: each
     role's pods as listed (None: not listed, the last drains are kept); `held`: the

@@ -61,14 +61,9 @@ def holder_of(
 HOLDER_SLACK = 4
 
 
-def pick_decode(
-    decodes: Sequence[Backend],
-    start: int = 0,
-    exclude: Collection[Backend] = (),
-    decode_url: str | None = None,
-    remote_host: str | None = None,
-    slack: int = HOLDER_SLACK,
-) -> Backend | None:
+def pick_decode(decodes: Sequence[Backend], start: int = 0, exclude: Collection[Backend] = (),
+                decode_url: str | None = None, remote_host: str | None = None,
+                slack: int = HOLDER_SLACK) -> Backend | None:
     """The conversation's holder when it is usable and not much busier than the least
     loaded replica (`slack` legs), else the least loaded replica. A draining holder
     keeps the turn only when no replica that is not leaving can take it: elsewhere,

@@ -36,17 +36,10 @@ DEBUG_ENV = "BIDIRKV_ROUTER_DEBUG"
 IN_FLIGHT_S = 20.0
 
 
-def build_app(
-    cfg: RouterConfig,
-    *,
-    config_path: str | Path | None = None,
-    overrides: dict[str, Any] | None = None,
-    reload_interval: float = 1.0,
-    debug: bool | None = None,
-    handle_key: bytes | None = None,
-    store_password: str | None = None,
-    metrics_apart: bool = False,
-) -> web.Application:
+def build_app(cfg: RouterConfig, *, config_path: str | Path | None = None,
+              overrides: dict[str, Any] | None = None, reload_interval: float = 1.0,
+              debug: bool | None = None, handle_key: bytes | None = None,
+              store_password: str | None = None, metrics_apart: bool = False) -> web.Application:
     """The router's application; with `metrics_apart`, `/metrics` is left out of it and
     served by `metrics_app(app)` on a port of its own."""
     # aiohttp's own body limit is lifted: the router applies maxBodyBytes itself, which a

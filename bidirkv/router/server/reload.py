@@ -35,14 +35,9 @@ class ConfigWatcher:
     """Calls `apply(config)` when the file changed and still validates; a bad file is
     logged and the running config kept."""
 
-    def __init__(
-        self,
-        path: str | Path,
-        overrides: dict[str, Any],
-        apply: Callable[[RouterConfig], None],
-        on_result: Callable[[str], None] | None = None,
-        interval: float = 1.0,
-    ) -> None:
+    def __init__(self, path: str | Path, overrides: dict[str, Any],
+                 apply: Callable[[RouterConfig], None],
+                 on_result: Callable[[str], None] | None = None, interval: float = 1.0) -> None:
         self.path = Path(path)
         self.overrides = overrides
         self.apply = apply
