@@ -59,15 +59,11 @@ def peer_transfer_pending(engine, now: float | None = None) -> bool:
     """Some finished request's blocks are about to be read or freed: P's blocks that D reads
     right after P answered, D's blocks granted to a reuse read, or blocks being released.
 
-    Without NIXL's progress thread a transfer advances only when this engine steps, so
-    such a wait must stay short: polling every 20 ms here made every P/D request wait up
-    to 20 ms for its read and stalled D's streams (measured: P/D overhead at concurrency
-    1 fell from +33 to +19 ms with a 1 ms poll). On the CPU platform the thread now runs,
-    sleeping between UCX events (patches/cpu.py), and this short poll only frees the read
-    blocks sooner; it still carries transfers where that thread is off. Of the blocks
-    this engine does not retain itself, only those of requests that arrived within
-    PEER_WINDOW_S count: blocks nobody came to read (a client that sent only the prefill
-    leg) wait for vLLM's lease with the long poll, as do blocks parked for a later turn."""
+    Without NIXL's progress thread (patches/cpu.py) a transfer advances only when this
+    engine steps: a 20 ms poll cost every P/D request up to 20 ms (P/D overhead at
+    concurrency 1: +33 ms, +19 ms with a 1 ms poll). Only requests that arrived within
+    PEER_WINDOW_S count: blocks nobody came to read, or parked for a later turn, wait for
+    vLLM's lease with the long poll."""
     requests = engine.scheduler.requests
     res = current()
     parked = res.parked() if res is not None else 0

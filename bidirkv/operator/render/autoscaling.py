@@ -74,15 +74,10 @@ def _scale_target(owner: Owner, role: str) -> dict[str, str]:
 
 
 def behavior(spec: api.DisaggregatedInferenceSpec, role: str) -> dict[str, Any] | None:
-    """Decode leaves one pod per grace period (its drain, then vLLM's stop: drain.py):
-    each leaving pod drains its conversations, and drains that overlap would move them
-    onto pods that leave next.
-
-    It also scales down only on a need that stayed lower for a grace period (the
-    stabilisation window; at least the drain, which is at most the window's bound): a
-    StatefulSet makes no pod of an ordinal whose old pod still terminates, so a scale-up
-    soon after a scale-down waits for that pod's drain, and a dip shorter than a drain
-    should not remove a pod."""
+    """Decode leaves one pod per grace period (drain.py): overlapping drains would move
+    conversations onto pods that leave next. It scales down only on a need that stayed
+    lower for a grace period: a StatefulSet makes no pod of an ordinal whose old pod
+    still terminates, and a dip shorter than a drain should not remove a pod."""
     if role != "decode":
         return None
     grace = grace_seconds(spec, role)

@@ -190,16 +190,11 @@ class LookupKeys:
                             conversation_id.encode("utf-8", "surrogatepass")).hexdigest()[:10]
 
     def cache_salt(self, tenant: bytes, client_salt: str | None = None) -> str:
-        """The tenant's `cache_salt`: vLLM's prefix cache (and the connector's digests)
-        match only requests of one salt, so no tenant's timing can tell whether another's
-        prompt is cached. The same salt turn after turn: a tenant's own conversations
-        keep their reuse. A client's own salt still splits its tenant's cache, but is
-        folded into the tenant's (two tenants sending one salt share nothing).
-
-        Only the tenant (a digest) keys a cache here: a client's salt is fed to a copy of
-        its tenant's keyed state on each call and never kept, so distinct salts, however
-        many or long, grow nothing. Keying a cache by the salt's digest instead would
-        hash the salt to find it, which is all the work the salt itself costs."""
+        """The tenant's `cache_salt`, the same turn after turn: vLLM's prefix cache (and
+        the connector's digests) match only requests of one salt, so no tenant's timing
+        tells whether another's prompt is cached. A client's own salt is folded into its
+        tenant's, fed to a copy of the tenant's keyed state and never kept: distinct
+        salts, however many or long, grow nothing."""
         if client_salt is None:
             return self._tenant_salt(tenant)
         h = self._salt_state(tenant).copy()

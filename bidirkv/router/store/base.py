@@ -256,15 +256,11 @@ class ReturnOrder:
 
 class Weights:
     """Weights per tenant, their total, and the heaviest at hand: fair bounds take from
-    whoever holds the most (entries, or blocks on one replica), so a tenant that opens
-    conversations by the thousand spends its own handles; with one tenant it is plain
-    oldest-first (ties between tenants are no rule of the store). Weights change on every
-    put and the heaviest is asked only over a bound, so a change only marks its tenant;
-    `heaviest()` pushes the marked ones' weights, in the order they last changed, onto a
-    max-heap whose stale items (weights changed since) are dropped at the top; once the
-    heap outgrows twice the tenants it is rebuilt from the weights, one item each (a
-    tenant swinging between two weights leaves copies that are live half the time, which
-    no drop at the top would take): amortised O(log n)."""
+    whoever holds the most, so a tenant that opens conversations by the thousand spends
+    its own handles. A change only marks its tenant (the heaviest is asked only over a
+    bound); `heaviest()` pushes the marked weights onto a max-heap whose stale items are
+    dropped at the top, rebuilt once it outgrows twice the tenants (a tenant swinging
+    between two weights leaves copies no drop at the top takes): amortised O(log n)."""
 
     __slots__ = ("_w", "_heap", "_seq", "_changed", "total")
 

@@ -15,13 +15,10 @@ from bidirkv.router.store.base import Entry, Lengths, ReturnOrder, Weights, rank
 
 class Index:
     """The entries in store order and, in step with them, what the bounds take entries
-    by: per tenant its entries (oldest first) and their number, per replica per tenant
-    the blocks they pin (their total: the replica's) and their return order (its size:
-    their number), per tenant the prompt lengths stored. An OrderedDict entry costs ~105
-    bytes, a dict's ~52: only the tenants' entries, taken from the oldest at every put
-    over a bound, are OrderedDicts. All entries are a dict (in store order too: the sweep
-    reads its oldest once a round), and a replica's own handles are found by a pass over
-    all of them (a replica leaving is rare; a pass over 100k takes milliseconds)."""
+    by: per tenant its entries and their number, per replica per tenant the blocks they
+    pin and their return order, per tenant the prompt lengths stored. Only the tenants'
+    entries are OrderedDicts (~105 bytes an entry against a dict's ~52); a replica's own
+    handles are found by a pass over all entries (a replica leaving is rare)."""
 
     def __init__(self) -> None:
         self.entries: dict[bytes, Entry] = {}
