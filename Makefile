@@ -84,7 +84,7 @@ headline: $(DEV_STAMP)
 	$(BIN)/bidir-kv bench --headline out/demo/bench.json
 
 # Long contexts (examples/local-long.yaml): one conversation grown to 64k tokens, ON, OFF
-# and the bound, and a router restart at that length. 23 min 54 s on a 2-core Zen 4
+# and the bound, and a router restart at that length. 23 min 43 s on a 2-core Zen 4
 # (docs/benchmarks.md); not part of `make demo` or `make test` (docs/local-stack.md).
 bench-long: $(ENGINE_STAMP)
 	$(PY) -m bidirkv.demolong
