@@ -243,3 +243,16 @@ def test_a_target_of_another_form_is_refused_naming_the_form():
                          ("a|b:80", "malformed")):
         status, out = run(auth, raw, Engine(), target=target)
         assert status == 401 and word in out["error"]["message"], out
+
+
+def test_a_call_the_engine_never_answers_ends_with_a_503():
+    """vLLM stopping its engine core leaves a utility call in flight unanswered, and its
+    API server's shutdown waits for every request: unbounded, a drained pod never exits."""
+    never = asyncio.Event()
+
+    async def hung(body):
+        await never.wait()
+
+    auth, raw = signed(BODY)
+    status, out = asyncio.run(answer(creds(auth), raw, (KEY,), hung, engine_s=0.05))
+    assert status == 503 and "did not answer" in out["error"]["message"], out

@@ -19,6 +19,7 @@ The work runs in the engine core between steps (`EngineCore.bidirkv_residency`,
 patches/residency.py), where the scheduler owns the blocks.
 """
 
+import asyncio
 import json
 import math
 import os
@@ -55,6 +56,10 @@ MAX_ID = 512
 # The longest owner lease any decode grants: the bound of kvTransfer.ownerLeaseSeconds.
 MAX_LEASE_S = next(m.le for f in OwnerLeaseSeconds.__metadata__
                    for m in getattr(f, "metadata", ()) if hasattr(m, "le"))
+# How long a call waits for the engine core's answer (milliseconds when it is alive). A
+# call in flight when vLLM stops its engine core is never answered, and the API server's
+# shutdown waits for every request: without a bound a drained pod would not exit.
+ENGINE_S = 5.0
 # The largest body read: a full release batch of the longest ids, a full batch of notes,
 # and the rest.
 MAX_BODY = MAX_RELEASE * (MAX_ID + 4) + MAX_KEEP * (MAX_ID + MAX_NOTE + 8) + 4096
@@ -187,7 +192,8 @@ def length_problem(declared: str | None, signed: int) -> tuple[int, str] | None:
 
 async def answer(creds: Credentials, raw: bytes, keys: Sequence[bytes],
                  call: Callable[[dict], Awaitable[Any]] | None,
-                 max_lease: tuple[int, str] = lease_bound(None)) -> tuple[int, dict]:
+                 max_lease: tuple[int, str] = lease_bound(None),
+                 engine_s: float = ENGINE_S) -> tuple[int, dict]:
     """(status, JSON) of one call; `call` runs the engine's utility (None: no engine)."""
     if problem := unauthorized(creds, keys, raw):
         return _error(401, "unauthorized", problem)
@@ -209,7 +215,10 @@ async def answer(creds: Credentials, raw: bytes, keys: Sequence[bytes],
         body = {**body, "release": release}
     if RESIDENCY_KEEP_FIELD in body:
         body = {**body, RESIDENCY_KEEP_FIELD: keep}
-    out = await call(body)
+    try:
+        out = await asyncio.wait_for(call(body), engine_s)
+    except TimeoutError:
+        return _error(503, "unavailable", f"the engine did not answer within {engine_s:g} s")
     if isinstance(out, dict) and isinstance(out.get("refused"), str):
         return _error(429, "too_many_owners", out["refused"])
     if skipped and isinstance(out, dict):
