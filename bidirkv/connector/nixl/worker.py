@@ -33,46 +33,31 @@ class PullWorker(NixlPullConnectorWorker):
     def _read_blocks_for_req(self, req_id, meta):
         remote = meta.remote
         if (
-            self._bidirectional_kv_xfer_enabled
-            and remote is not None
-            and remote.blocks_expiry_time is not None  # D's retained blocks, not P's
-            and remote.engine_id in self._remote_agents
+            remote is not None
+            and remote.engine_id in self._remote_agents  # else vLLM handshakes first
             and remote.engine_id not in self._invalid_remote_engines
-            and any(len(g) for g in meta.local_physical_block_ids)
+            and any(len(g) for g in meta.local_physical_block_ids)  # else it only notifies
         ):
-            ok, why, granted = self.grant_gate.confirm(remote.host, remote.port,
-                                                       remote.request_id)
-            ids = lease.ids_to_read(remote.block_ids, granted) if ok else None
-            if ids is None:
-                return self._decline(req_id, remote.request_id,
-                                     why if not ok else "the grant's ids do not cover it")
-            remote.block_ids = type(remote.block_ids)(ids)
-        elif (remote is not None and remote.engine_id in self._remote_agents
-              and remote.engine_id not in self._invalid_remote_engines
-              and lease.has_placeholder(remote.block_ids)
-              and any(len(g) for g in meta.local_physical_block_ids)):
-            # Blocks prefill lent for this turn: its handle named their count, prefill
-            # answers with their ids (lease.Lent).
-            ok, why, lent = self.grant_gate.confirm(remote.host, remote.port,
-                                                    remote.request_id)
-            ids = lease.ids_to_read(remote.block_ids, lent) if ok else None
-            if ids is None:
-                return self._unread(req_id, remote.request_id,
-                                    why if not ok else "the ids given do not cover it")
-            remote.block_ids = type(remote.block_ids)(ids)
+            # D's retained blocks (they carry D's deadline) are read only once granted;
+            # P's lent blocks only once P gave the ids its handle left out.
+            retained = (self._bidirectional_kv_xfer_enabled
+                        and remote.blocks_expiry_time is not None)
+            if retained or lease.has_placeholder(remote.block_ids):
+                ok, why, given = self.grant_gate.confirm(remote.host, remote.port,
+                                                         remote.request_id)
+                ids = lease.ids_to_read(remote.block_ids, given) if ok else None
+                if ids is None:
+                    return self._recompute(req_id, remote.request_id, retained,
+                                           why if not ok else "the ids given do not cover it")
+                remote.block_ids = type(remote.block_ids)(ids)
         return super()._read_blocks_for_req(req_id, meta)
 
-    def _unread(self, req_id, remote_req_id, why) -> None:
-        """A read of prefill's blocks without their ids: a failed transfer, which vLLM's
-        `kv_load_failure_policy` decides about (recompute, here)."""
-        log.warning("bidir-kv: no ids for prefill's blocks of %s for %s (%s); recomputing",
-                    remote_req_id, req_id, why)
-        self._handle_failed_transfer(req_id, None, self._recv_failures,
-                                     record_failed_transfer=False)
-
-    def _decline(self, req_id, remote_req_id, why) -> None:
-        log.warning("bidir-kv: decode refused the read of %s for %s (%s); recomputing",
-                    remote_req_id, req_id, why)
-        self.xfer_stats.record_kv_expired_req()
+    def _recompute(self, req_id, remote_req_id, retained: bool, why: str) -> None:
+        """No read: a refused grant takes vLLM's expired-read path, P's blocks without
+        their ids a failed transfer; `kv_load_failure_policy` recomputes either."""
+        log.warning("bidir-kv: no read of %s's %s for %s (%s); recomputing", remote_req_id,
+                    "retained blocks" if retained else "lent blocks", req_id, why)
+        if retained:
+            self.xfer_stats.record_kv_expired_req()
         self._handle_failed_transfer(req_id, None, self._recv_failures,
                                      record_failed_transfer=False)
