@@ -21,6 +21,7 @@ from typing import Any, get_args
 
 from bidirkv.bench import report, stats
 from bidirkv.bench.conversation import Appends
+from bidirkv.bench.stats import _int, _x
 from bidirkv.bench.turns import Think
 from bidirkv.knobs import Placement, PlacementPolicy
 
@@ -128,16 +129,9 @@ def extract(bench: Mapping[str, Any], source: str,
 
 
 # -- rendering (pure) ----------------------------------------------------------------------
+# The README's cells carry their units (stats' formatters leave them to the headers).
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.0f} ms"
-
-
-def _x(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}x"
-
-
-def _int(v: float | None) -> str:
-    return "-" if v is None else f"{v:.0f}"
 
 
 def _s(v: float | None) -> str:
