@@ -412,7 +412,7 @@ class TracingKnobs(Section):
         "`--otlp-traces-endpoint` with it. Unset: nothing is exported, and a client's own "
         "`traceparent` still reaches both engines through the router.",
     )
-    # bidirkv/router/datapath/tracing.py says why a client's sampled flag is not obeyed.
+    # bidirkv/router/tracing/spans.py says why a client's sampled flag is not obeyed.
     sample_ratio: Annotated[float, Strict()] = Field(
         default=1.0, ge=0, le=1,
         description="Share of the router's requests whose traces are sampled, whether or "
