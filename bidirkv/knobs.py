@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StringConstraints,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 from pydantic.fields import FieldInfo
 
@@ -267,6 +275,13 @@ HandleStoreUrl = Annotated[str, Strict(), Field(
 ), _refused(handle_store_url_problem)]
 
 
+# The parent headers agents send (Dynamo's, Claude Code's and Codex's sub-agents).
+PARENT_HEADERS = ("X-Dynamo-Parent-Session-ID", "x-claude-code-parent-agent-id",
+                  "x-codex-parent-thread-id")
+HeaderName = Annotated[str, Strict(), StringConstraints(min_length=1, max_length=128,
+                                                        pattern=r"^[A-Za-z0-9-]+$")]
+
+
 class RouterKnobs(Section):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         _node_rule(ONE_BODY_FITS_IN_FLIGHT, "max_inflight_body_bytes", "max_body_bytes"),
@@ -313,6 +328,14 @@ class RouterKnobs(Section):
         "are fair between real tenants only with it. Whoever reaches the router can send "
         "it: a DisaggregatedInference with it needs `networkPolicy.routerFrom` admitting "
         "the gateway alone and a ClusterIP Service.",
+    )
+    parent_headers: Annotated[list[HeaderName], Strict()] = Field(
+        default=list(PARENT_HEADERS), max_length=8,
+        description="Request headers that name the conversation a sub-agent or a fork "
+        "comes from (its `X-Session-ID` or `conversation_id`), the first one sent wins: "
+        "the child's first turn reads the prefix decode holds for that conversation "
+        "without taking its handle (docs/router.md, Agents). An unknown or another "
+        "tenant's conversation is ignored. Empty: children are found by their prompt alone.",
     )
     max_tenants_per_source: Annotated[int, Strict()] = Field(
         default=64, ge=1, le=1_000_000,

@@ -485,3 +485,27 @@ def test_prefills_lent_blocks_are_answered_until_vllm_frees_them():
     # Decode's retained requests are answered by their grant, as before.
     res.retain("d-1", 2, None, clock.t + 100, block_ids=[8, 9], groups=(2,))
     assert res.answer("d-1") == (True, "granted", [[8, 9]])
+
+
+def test_a_fork_storm_shares_its_parents_blocks_once_and_yields_before_another_tenant():
+    """100 children of one parent, each extending the parent's 64 blocks by prefix
+    caching with 2 of its own: decode counts the shared prefix once (64 + 200, not
+    6,600), and over the watermark the storm's tenant yields its children before a
+    smaller tenant loses anything, and before the parent it forked from goes."""
+    res, clock = make(watermark=0.5)
+    res.retain("parent", 64, "r", clock.t + 400, tenant="storm", gap=1.0,
+               block_ids=range(64))
+    res.retain("quiet", 10, "r", clock.t + 400, tenant="other", gap=60.0,
+               block_ids=range(1000, 1010))
+    for i in range(100):
+        clock.t += 0.01
+        res.retain(f"child{i}", 66, "r", clock.t + 400, tenant="storm", gap=30.0,
+                   block_ids=[*range(64), 2000 + 2 * i, 2001 + 2 * i])
+    assert res.kept_blocks() == 64 + 200 + 10
+    total = 400  # decode's blocks: the watermark lets retention pin 200
+    over = res.over_watermark(total)
+    assert over == 74
+    res.reclaim(over, "watermark")
+    assert res.over_watermark(total) == 0
+    assert res.held["quiet"].state == "held" and res.held["parent"].state == "held"
+    assert res.released["watermark"] == 37  # children, 2 blocks each

@@ -17,7 +17,7 @@ STATS = ROOT / "bidirkv" / "connector" / "nixl" / "stats.py"
 # Label names whose values come from fixed sets in the code, or from the configured
 # replicas (url); none takes a request's, tenant's or conversation's value.
 BOUNDED_LABELS = {"route", "outcome", "decision", "reason", "source", "stream", "leg",
-                  "result", "url", "field", "op", "role", "mode", "cause"}
+                  "result", "url", "field", "op", "role", "mode", "cause", "kind"}
 SNAKE = re.compile(r"^[a-z][a-z0-9_]*[a-z0-9]$")
 
 

@@ -126,6 +126,14 @@ def look(key: str, status: str, rid: str | None = None, **fields: Any) -> Step:
     return _taking(key, "lookup", lambda: (key.encode(),), status, rid or key, fields)
 
 
+def peek(key: str, rid: str | None) -> Step:
+    """`Store.look`: the request id of the live handle under `key`, left in place."""
+    async def act(run: Run) -> str | None:
+        entry = await run.store.look(key.encode())
+        return None if entry is None else entry.request_id
+    return Step(f"look {key}", act, rid, "look")
+
+
 def prefix(tenant: bytes, text: str, status: str, rid: str | None = None) -> Step:
     """A prefix lookup; a hit is remembered under `rid`."""
     return _taking(rid or "", "lookup_prefix", lambda: (tenant, text, prefix_keys(tenant)),
@@ -224,6 +232,14 @@ CASES = [
         call("count", 0),
         evicted(),
     ]),
+    Case("look finds a live handle and leaves it single use", [
+        put("p", "rp", chars=99), peek("p", "rp"), peek("p", "rp"),
+        look("p", HIT, "rp", chars=99),  # still there to take, once
+        release("p"), peek("p", "rp"),
+        peek("other", None),
+        later(11), peek("p", None),  # past its TTL: not a parent any more
+        evicted(),
+    ], ttl=10),
     Case("a discarded or forgotten handle is released under its reason", [
         put("k"), look("k", HIT), discard("k", "reuse_failed"),
         put("c"), look("c", HIT), forget("c", "cancelled"),

@@ -33,6 +33,9 @@ class ReuseOutcome(StrEnum):
 
 
 REUSE_OUTCOMES = tuple(ReuseOutcome)
+# Whose KV an answered turn started from (metrics `reuse_kind`; datapath/parents.py).
+RETURNING, CHILD, FORK, PREFIX = "returning", "child", "fork", "prefix"
+REUSE_KINDS = (RETURNING, CHILD, FORK, PREFIX)
 
 
 class Children(dict[Any, Any]):
@@ -63,6 +66,14 @@ class Metrics:
             "(P reported reusing fewer tokens than offered), dropped (P failed with the "
             "handle; retried without), off (bidirectional disabled); extended: the turn "
             "was extended on the decode replica holding it, without P.", ["outcome"],
+            registry=r,
+        )
+        self.reuse_kind = Counter(
+            p + "reuse_kind", "Answered turns that started from KV decode held, by whose it "
+            "was (bidirkv/router/datapath/parents.py): returning (the conversation's own "
+            "handle, read back or extended), child (the conversation a parent header "
+            "names), fork (a conversation whose prompt and answer this prompt extends), "
+            "prefix (a conversation with the same tools and system message).", ["kind"],
             registry=r,
         )
         self.placements = Counter(
@@ -156,6 +167,8 @@ class Metrics:
         self._reuse = Children(self.reuse)
         # Created up front so every outcome is exported (at zero) from the start.
         self._reuse.update({o: self.reuse.labels(o) for o in REUSE_OUTCOMES})
+        self._reuse_kind = Children(self.reuse_kind)
+        self._reuse_kind.update({k: self.reuse_kind.labels(k) for k in REUSE_KINDS})
         self._ttft = Children(self.ttft)
         self._leg = Children(self.leg)
         self._placed = Children(self.placements)
@@ -173,6 +186,9 @@ class Metrics:
 
     def evicted(self, reason: str, n: int) -> None:
         self._evicted[reason].inc(n)
+
+    def reused_from(self, kind: str) -> None:
+        self._reuse_kind[kind].inc()
 
     def reuse_outcome(self, outcome: ReuseOutcome) -> None:
         self._reuse[outcome].inc()

@@ -172,7 +172,7 @@ class Slot:
     and sent, the rest of a body refused part-way drained at the shared pace."""
 
     __slots__ = ("intake", "request", "kind", "body", "bytes", "held", "refused",
-                 "conversation_id")
+                 "conversation_id", "parent_id")
 
     def __init__(self, intake: Intake, request: web.Request, kind: str) -> None:
         self.intake = intake
@@ -183,6 +183,7 @@ class Slot:
         self.held = False  # an in-flight slot
         self.refused: Served | None = None
         self.conversation_id: str | None = None  # once the body is parsed
+        self.parent_id: str | None = None  # a parent header's, once parsed
 
     def refuse(self, resp: web.Response) -> Served:
         self.refused = resp, "overloaded" if resp.status == 429 else "client_error"
@@ -368,7 +369,8 @@ class Intake:
             await asyncio.sleep(0)
         try:
             req = parse_request(raw, slot.kind, request.headers,
-                                ctx.max_model_len, cfg.max_json_containers)
+                                ctx.max_model_len, cfg.max_json_containers,
+                                cfg.parent_headers)
         except ClientError as e:
             return slot.refuse(json_error(e.status, e.message, e.type, e.param))
         del raw
@@ -380,7 +382,7 @@ class Intake:
                     request.headers.get("Authorization"), t0, modes,
                     Reservation(ctx.store, ctx.evicted), trace,
                     prompt_chars(req.body) if modes.places else 0)  # a pass over the body
-        slot.conversation_id = req.conversation_id
+        slot.conversation_id, slot.parent_id = req.conversation_id, req.parent_id
         if big:
             await asyncio.sleep(0)
         return turn

@@ -13,6 +13,7 @@ import asyncio
 from typing import Any
 
 from bidirkv.router.config import RouterConfig
+from bidirkv.router.datapath.parents import Parents, Prefixes
 from bidirkv.router.engine.clients import client_timeouts
 from bidirkv.router.metrics import Metrics
 from bidirkv.router.pool.backends import DECODE, PREFILL, Backend, Pool
@@ -55,6 +56,8 @@ class Context:
         self.traces = Traces(cfg.tracing)
         self.store: Store = make_store(cfg, store_password, self.evicted,
                                        self._on_store_error)
+        # Where children of the stored conversations find their prefixes (parents.py).
+        self.parents = Parents(self.keys, self.store, Prefixes())
         # Kept for the router's life: a reload does not change the store.
         self.metrics.store_info.labels(store_mode(cfg)).set(1)
         self._tasks: set[asyncio.Task[Any]] = set()

@@ -31,12 +31,13 @@ class Conversations:
                                cfg.trusted_tenant_header, cfg.max_tenants_per_source,
                                cfg.conversation_ttl_seconds)
 
-    async def identify(self, turn: Turn, request: web.Request, conversation_id: str | None
-                       ) -> None:
+    async def identify(self, turn: Turn, request: web.Request, conversation_id: str | None,
+                       parent_id: str | None = None) -> None:
         """Name the turn's tenant and salt its body with the tenant's cache_salt; name the
         turn's conversation and, with bidirectional transfer on (its modes), take its
-        handle from the store, if any. Otherwise only an explicit id names it (for the
-        logs)."""
+        handle from the store, if any; without one, find where its parent's prefix lives
+        (parents.py) when placement may run it there. Otherwise only an explicit id names
+        it (for the logs)."""
         ctx = self.ctx
         turn.tenant = self.tenant(request)
         salt(turn.body, functools.partial(ctx.keys.cache_salt, turn.tenant))
@@ -73,6 +74,18 @@ class Conversations:
             turn.holder_url = entry.decode_url
             if entry.kept_at > 0:
                 turn.gap = next_gap(entry.gap, time.time() - entry.kept_at)
+        elif turn.modes.places and turn.kind == CHAT:
+            turn.parent = await ctx.parents.find(turn.tenant, body, parent_id,
+                                                 self._history_key(turn))
+            if turn.parent is not None:
+                turn.holder_url = turn.parent.decode_url
+
+    def _history_key(self, turn: Turn) -> bytes | None:
+        """The key a history-named conversation that this prompt extends is stored under:
+        for an explicitly named turn a pass over its messages (its first turn only)."""
+        if turn.history is not None:
+            return None  # that key was looked up as the turn's own
+        return self.ctx.keys.chat_history(turn.tenant, turn.body["messages"]).lookup_key
 
     async def end_conversation(self, tenant: bytes, conversation_id: str) -> bool:
         """DELETE /v1/conversations/{id}: drop the handle, D frees its blocks now."""

@@ -30,7 +30,9 @@ from bidirkv.router.datapath.conversations import Conversations
 from bidirkv.router.datapath.health import PREFILL_ONLY, Health, serving_mode
 from bidirkv.router.datapath.legs import Legs
 from bidirkv.router.datapath.modes import Plan
+from bidirkv.router.datapath.parents import reuse_kind
 from bidirkv.router.datapath.placing import Placing
+from bidirkv.router.datapath.reservation import CONSUMED
 from bidirkv.router.datapath.turn import Turn, trace_attributes
 from bidirkv.router.engine.bodies import upstream_headers
 from bidirkv.router.engine.clients import Clients
@@ -75,7 +77,8 @@ class Flow:
                 turn = await self.intake.turn(request, slot, trace, t0)
                 if not isinstance(turn, Turn):  # the client's error
                     return turn
-                await self.conversations.identify(turn, request, slot.conversation_id)
+                await self.conversations.identify(turn, request, slot.conversation_id,
+                                                  slot.parent_id)
             plan = self.placing.plan(turn)
             outcome = None  # raised: the middleware's 500
             try:
@@ -90,12 +93,15 @@ class Flow:
     async def end(self, turn: Turn, outcome: str | None) -> None:
         """However the turn ended: its handle ends (an unused one goes back to the store),
         its reuse outcome is counted once, its span's attributes are written, and the
-        request is counted by its outcome."""
+        request is counted by its outcome (an answered one also by whose KV it reused)."""
         metrics = self.ctx.metrics
         await turn.handle.release()
         turn.handle.count_once(metrics, turn.asked_prefill, turn.placed)
         if turn.trace.recording:
             turn.trace.update(trace_attributes(turn))
+        if outcome == "ok" and (kind := reuse_kind(turn.handle.reuse, turn.handle.ended
+                                                   == CONSUMED, turn.placed, turn.parent)):
+            metrics.reused_from(kind)
         if outcome is not None:
             metrics.request(turn.kind, outcome)
             log.debug("request rid=%s conv=%s kind=%s stream=%s reuse=%s outcome=%s ms=%.2f",

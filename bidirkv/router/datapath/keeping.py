@@ -75,6 +75,8 @@ async def store_handle(ctx: Context, turn: Turn, d: Backend, params: dict[str, A
             else None)
         await ctx.store.put(kept)
         ctx.residency.keep(kept, params)  # its note on decode, with the in-process store
+        if turn.kind == CHAT and turn.plan.keyed:  # a placement that may run a child here
+            ctx.parents.note(turn.tenant, turn.body, key, d.url, chars, prompt_key, turn.conv)
     except StoreUnavailable:
         if rid is not None:  # not kept anywhere: D frees the blocks now
             ctx.residency.release_ids(d.url, [rid])

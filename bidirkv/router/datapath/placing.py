@@ -59,12 +59,18 @@ class Placing:
         ctx = self.ctx
         holder = None
         held: int | None = None
+        held_chars = 0
         entry = turn.handle.held
-        if entry is not None:
-            found = holder_of(ctx.decode.backends, entry.decode_url, None)
+        # Without a handle of its own, a child's parent prefix (parents.py) is held.
+        parent = turn.parent if entry is None and turn.parent and turn.parent.chars else None
+        url = entry.decode_url if entry is not None else parent.decode_url if parent else None
+        if url is not None:
+            found = holder_of(ctx.decode.backends, url, None)
             if found is not None and found.healthy and found.in_pool:
-                holder, held = found, entry.num_tokens
-        held_chars = entry.chars if holder is not None and entry is not None else 0
+                holder = found
+                held_chars = entry.chars if entry is not None else parent.chars
+                held = entry.num_tokens if entry is not None else round(
+                    held_chars / ctx.costs.chars_per_token)
         turn.new_tokens = new_tokens(turn.prompt_chars, held or 0, ctx.costs.chars_per_token,
                                      held_chars)
         # Read, not picked: the leg's own pick keeps its replicas' rotation.
@@ -73,11 +79,12 @@ class Placing:
                   if b.healthy and b.in_pool and not b.draining and b is not holder]
         decision = place(Inputs(held, turn.new_tokens, p_load,
                                 holder.outstanding if holder else 0,
-                                extends_held=entry is not None
+                                extends_held=parent is not None or entry is not None
                                 and extends(turn, entry, ctx.keys),
                                 other_inflight=min(others, default=None),
                                 sized=ctx.costs.sized,
-                                holder_draining=holder is not None and holder.draining),
+                                holder_draining=holder is not None and holder.draining,
+                                readable=parent is None),
                          policy, ctx.costs.costs)
         turn.placed = decision
         ctx.metrics.placed(decision.path, decision.reason)

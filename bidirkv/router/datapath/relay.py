@@ -13,6 +13,7 @@ from bidirkv.router.codec import dumps, loads
 from bidirkv.router.datapath.context import Context
 from bidirkv.router.datapath.health import Health
 from bidirkv.router.datapath.keeping import store_handle
+from bidirkv.router.datapath.parents import Parent
 from bidirkv.router.datapath.turn import Turn
 from bidirkv.router.engine.bodies import PARAMS_MARKER
 from bidirkv.router.engine.connection import Response
@@ -28,13 +29,16 @@ log = logging.getLogger("bidirkv.router")
 PLACEMENT_HEADER = "X-Bidirkv-Placement"
 
 
-def placement_header(d: Decision | None, shown: bool) -> dict[str, str]:
+def placement_header(d: Decision | None, shown: bool, parent: Parent | None = None
+                     ) -> dict[str, str]:
     """`decision; reason=...` for the client (benchmarks read it), when one was made and
     the config shows it (`placementHeader`): it tells whoever sent the request whether
-    its exact history is stored and how busy decode is, so it is off unless asked for."""
+    its exact history is stored and how busy decode is, so it is off unless asked for. A
+    child's names whose prefix it was placed by (`parent=<label>; kind=fork`)."""
     if d is None or not shown:
         return {}
-    return {PLACEMENT_HEADER: f"{d.path}; reason={d.reason}"}
+    named = f"; parent={parent.label}; kind={parent.kind}" if parent is not None else ""
+    return {PLACEMENT_HEADER: f"{d.path}; reason={d.reason}{named}"}
 
 
 def _collector(turn: Turn, keeps: bool) -> MessageCollector | None:
@@ -81,7 +85,7 @@ class Relay:
         self.ctx.metrics.observe_ttft(turn.kind, False, now - turn.t0)
         self.ctx.metrics.observe_leg(leg, "ok", now - t)
         return json_response(200, body, {"X-Request-Id": turn.rid, **placement_header(
-            turn.placed, self.ctx.cfg.placement_header)})
+            turn.placed, self.ctx.cfg.placement_header, turn.parent)})
 
     async def stream(self, request: web.Request, turn: Turn, d: Backend,
                      resp: Response, first: bytes, t: float, leg: str
@@ -90,7 +94,7 @@ class Relay:
             "Content-Type": "text/event-stream; charset=utf-8",
             "Cache-Control": "no-cache",
             "X-Request-Id": turn.rid,
-            **placement_header(turn.placed, self.ctx.cfg.placement_header),
+            **placement_header(turn.placed, self.ctx.cfg.placement_header, turn.parent),
         })
         # Only a decode leg's handle is kept; P's own params are stripped, never stored.
         stored = leg not in (DECODE, EXTEND)

@@ -5,7 +5,7 @@ place:
 - the request as admitted (admission.py, `Intake`, when the turn is built): kind, stream,
   body, rid, auth, t0, trace, modes (modes.py's `modes_of`, once per turn), prompt_chars;
 - its conversation (conversations.py, `identify`): tenant, conv, store_key, history,
-  prompt, holder_url, gap; `handle` is built with the turn, and only reservation.py
+  prompt, holder_url, gap, parent; `handle` is built with the turn, and only reservation.py
   changes what it holds (the entry, its end, the reuse outcome); prompt_key (keeping.py's
   `extends`, when placement has it hash the messages);
 - where it runs (placing.py): plan (what it does, made of its modes: the only part of
@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from bidirkv.router.datapath.modes import UNPLANNED, Modes
+from bidirkv.router.datapath.parents import Parent
 from bidirkv.router.datapath.reservation import Reservation
 from bidirkv.router.pool.placement import Decision
 from bidirkv.router.request.identity import ChatHistory
@@ -31,7 +32,7 @@ class Turn:
     __slots__ = (
         "kind", "stream", "body", "rid", "auth", "tenant", "t0", "trace", "modes",
         "prompt_chars", "conv", "store_key", "history", "prompt", "holder_url", "gap",
-        "prompt_key",
+        "prompt_key", "parent",
         "handle", "plan", "placed", "new_tokens", "asked_prefill", "prompt_tokens",
     )
 
@@ -62,6 +63,8 @@ class Turn:
         # The conversation's moving-average idle time with this turn's (returns.py),
         # once a stored handle said when its last answer was kept.
         self.gap: float | None = None
+        # Without a handle of its own: where its parent's prefix lives (parents.py).
+        self.parent: Parent | None = None
         # The handle taken from the store, if any, and how it ended (reservation.py).
         self.handle = handle
         # What the turn does (modes.py's `Plan`), once placement made it.

@@ -67,6 +67,9 @@ class Inputs:
     # The holder is leaving (its pod got SIGTERM): it takes no extend, and the turn moves
     # to `other_inflight`'s replica, which is never a draining one.
     holder_draining: bool = False
+    # P may read what the holder keeps. Not a child's (parents.py): that is its parent's
+    # handle, so the two legs recompute it and only the holder extending reuses it.
+    readable: bool = True
 
 
 @dataclass(frozen=True)
@@ -97,11 +100,19 @@ def estimate_ms(inp: Inputs, c: Costs) -> tuple[float, float]:
     held = inp.held_tokens or 0
     ahead = inp.holder_inflight if inp.held_tokens is not None else inp.other_inflight or 0
     local = inp.new_tokens * c.prefill_ms * (1 + ahead)
-    prefill_work = held * min(c.read_ms, c.prefill_ms) + inp.new_tokens * c.prefill_ms
+    read_ms = min(c.read_ms, c.prefill_ms) if inp.readable else c.prefill_ms
+    prefill_work = held * read_ms + inp.new_tokens * c.prefill_ms
     return local, c.hop(held + inp.new_tokens) + prefill_work * (1 + inp.prefill_inflight)
 
 
 def place(inp: Inputs, policy: Placement, costs: Costs) -> Decision:
+    decision = _place(inp, policy, costs)
+    if decision.path == READ_BACK and not inp.readable:
+        return Decision(PREFILL, decision.reason)
+    return decision
+
+
+def _place(inp: Inputs, policy: Placement, costs: Costs) -> Decision:
     if inp.held_tokens is None:
         return _unheld(inp, policy, costs)
     if inp.holder_draining and inp.other_inflight is not None:
@@ -167,7 +178,7 @@ def _content_chars(content: Any) -> int:
     return n
 
 
-def _json_chars(value: Any) -> int:
+def json_chars(value: Any) -> int:
     if value is None:
         return 0
     return len(value) if isinstance(value, str) else len(dumps(value))
@@ -184,7 +195,7 @@ def message_chars(message: Any) -> int:
     for call in calls if isinstance(calls, list) else ():
         fn = call.get("function") if isinstance(call, dict) else None
         if isinstance(fn, dict):
-            n += _json_chars(fn.get("name")) + _json_chars(fn.get("arguments"))
+            n += json_chars(fn.get("name")) + json_chars(fn.get("arguments"))
     return n
 
 
@@ -208,7 +219,7 @@ def prompt_chars(body: dict[str, Any]) -> int:
                 n += len(content)
             else:
                 n += message_chars(m)
-    return n + (_json_chars(body.get("tools")) if body.get("tools") else 0)
+    return n + (json_chars(body.get("tools")) if body.get("tools") else 0)
 
 
 def new_tokens(prompt_chars: int, held_tokens: int, chars_per_token: float,

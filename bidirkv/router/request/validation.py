@@ -6,7 +6,7 @@ rest); each error names the field, the value and what is allowed, and is a 4xx.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bidirkv.router.codec import HAVE_ORJSON, dumps, loads
@@ -60,12 +60,15 @@ def _too_long(field: str, value: str, limit: int) -> ClientError:
 
 
 class ParsedRequest:
-    __slots__ = ("body", "stream", "conversation_id")
+    __slots__ = ("body", "stream", "conversation_id", "parent_id")
 
-    def __init__(self, body: dict[str, Any], stream: bool, conversation_id: str | None) -> None:
+    def __init__(self, body: dict[str, Any], stream: bool, conversation_id: str | None,
+                 parent_id: str | None = None) -> None:
         self.body = body
         self.stream = stream
         self.conversation_id = conversation_id
+        # The conversation a sub-agent or fork says it comes from (a parent header).
+        self.parent_id = parent_id
 
 
 def _token_counts(body: dict[str, Any], max_model_len: int | None) -> None:
@@ -199,7 +202,7 @@ def _conversation_id(body: dict[str, Any], headers: Mapping[str, str] | None) ->
         if where == "body":
             value = body.pop(name, None) if name == "conversation_id" else body.get(name)
         else:
-            value = headers.get(name) if headers is not None else None
+            value = _header_id(headers, name) if headers is not None else None
         if value is None:
             continue
         if not isinstance(value, str) or not value:
@@ -210,18 +213,42 @@ def _conversation_id(body: dict[str, Any], headers: Mapping[str, str] | None) ->
     return found
 
 
+def _header_id(headers: Mapping[str, str], name: str) -> str | None:
+    value = headers.get(name)
+    if value is None:
+        return None
+    if not value:
+        raise _bad(name, value, "a non-empty string")
+    if len(value) > MAX_CONVERSATION_ID:
+        raise _too_long(name, value, MAX_CONVERSATION_ID)
+    return value
+
+
+def parent_id(headers: Mapping[str, str] | None, names: Sequence[str]) -> str | None:
+    """The parent conversation a request names: the first of `names` (the configured
+    parent headers, `parentHeaders`) it sends. Each one sent is held to the bounds of a
+    conversation id, so an oversized one is refused whichever wins."""
+    found = None
+    for name in names if headers is not None else ():
+        value = _header_id(headers, name)
+        found = value if found is None else found
+    return found
+
+
 def parse_request(raw: bytes, kind: str, headers: Mapping[str, str] | None,
                   max_model_len: int | None = None,
-                  max_containers: int | None = None) -> ParsedRequest:
+                  max_containers: int | None = None,
+                  parent_headers: Sequence[str] = ()) -> ParsedRequest:
     """Validate and take apart a client body.
 
     Consumed here and never forwarded upstream: `conversation_id` (ours) and
     `kv_transfer_params` (only the router may tell engines where KV lives). `headers`:
-    the request's, for the ids ID_SOURCES names there.
+    the request's, for the ids ID_SOURCES and `parent_headers` name there.
     """
     body = _decoded(raw, max_containers)
     if not isinstance(body, dict):
         raise ClientError(400, f"request body must be a JSON object, got {type(body).__name__}")
     stream = _checked_fields(body, kind, max_model_len)
     body.pop("kv_transfer_params", None)
-    return ParsedRequest(body, stream, _conversation_id(body, headers))
+    return ParsedRequest(body, stream, _conversation_id(body, headers),
+                         parent_id(headers, parent_headers))

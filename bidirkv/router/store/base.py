@@ -3,13 +3,13 @@ promises (`Store`), and the orders its bounds take entries in. `InProcessStore`
 (memory.py) and `RedisStore` (shared.py) keep the same rules, held equal by one table of
 cases run against both (tests/test_router_store.py).
 
-The rules: tenant-scoped keys, single use (`lookup` takes the entry; `release` puts it
-back when P was never asked; `consume` and `discard` end it), a TTL, bounds on entries
-and on blocks pinned per decode replica, fair between tenants (the one holding the most
-loses first), per-tenant caps, and every entry dropped unread handed to `on_evict` so its
-decode blocks are released. The entry bounds (the router's memory) take the oldest
-entry; the block bounds (decode's memory) take the conversation expected back last, as
-decode itself does (bidirkv/returns.py).
+The rules: tenant-scoped keys, single use (`lookup` takes the entry, `look` only reads
+where it is; `release` puts it back when P was never asked; `consume` and `discard` end
+it), a TTL, bounds on entries and on blocks pinned per decode replica, fair between
+tenants (the one holding the most loses first), per-tenant caps, and every entry dropped
+unread handed to `on_evict` so its decode blocks are released. The entry bounds (the
+router's memory) take the oldest entry; the block bounds (decode's memory) take the
+conversation expected back last, as decode itself does (bidirkv/returns.py).
 
 `owner` is the identity decode holds retained KV for: None is "this router", one id
 derived from the handle key, so a restarted router recalls its handles (pool/recall.py);
@@ -154,6 +154,11 @@ class Store(Protocol):
     async def lookup(self, key: bytes) -> tuple[str, Entry | None]: ...
     async def lookup_prefix(self, tenant: bytes, text: str, key_of: PrefixKeys
                             ) -> tuple[str, Entry | None]: ...
+    async def look(self, key: bytes) -> Entry | None:
+        """The live entry under `key`, left where it is and still single use: where a
+        sub-agent or fork finds the decode replica that holds its parent's prefix. One
+        that a turn took is found in-process; in a shared store, once it is put back."""
+        ...
     async def put(self, kept: Kept) -> None:
         """Store; then keep the entry bounds and the block bounds `kept` names."""
         ...

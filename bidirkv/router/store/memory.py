@@ -58,14 +58,12 @@ class InProcessStore:
         return iter(list(self.ix.entries.values()))
 
     def peek(self, key: bytes) -> Entry | None:
-        """The entry under `key`, left where it is (a lookup takes it): what a recall
-        compares a note with (bidirkv/router/pool/recall.py)."""
+        """The entry under `key`, left where it is, live or not (pool/recall.py)."""
         return self.ix.entries.get(key)
 
     def configure(self, ttl_seconds: float, max_entries: int,
                   max_per_tenant: int | None = None) -> None:
-        # A shorter TTL applies to new entries; existing ones keep the deadline they were
-        # given (they were valid against D's TTL when stored).
+        # A shorter TTL is for new entries: stored ones keep theirs (valid when given).
         self.ttl = ttl_seconds
         self.max_entries = max_entries
         self.max_per_tenant = max_per_tenant
@@ -191,6 +189,10 @@ class InProcessStore:
         entry.reserved = True
         return HIT, entry
 
+    async def look(self, key: bytes) -> Entry | None:
+        entry = self.ix.entries.get(key)
+        return entry if entry is not None and entry.expires_at > self._clock() else None
+
     async def lookup_prefix(self, tenant: bytes, text: str, key_of: PrefixKeys
                             ) -> tuple[str, Entry | None]:
         """Longest stored prompt prefix of `text` for `tenant`.
@@ -233,18 +235,16 @@ class InProcessStore:
 
     def _ended_superseded(self, entry: Entry) -> bool:
         """Whether `entry` was superseded by an extend and not yet ended (now it is)."""
-        if entry in self._superseded:
-            self._superseded.remove(entry)
-            return True
-        return False
+        ended = entry in self._superseded
+        self._superseded.discard(entry)
+        return ended
 
     async def end(self, key: bytes) -> bool:
         """The client ended the conversation: drop its handle (reserved or not)."""
         entry = self.ix.entries.get(key)
-        if entry is None:
-            return False
-        self._drop("ended", [entry])
-        return True
+        if entry is not None:
+            self._drop("ended", [entry])
+        return entry is not None
 
     # -- bulk drops --------------------------------------------------------------------------
     async def drop_replica(self, decode_url: str, reason: str,

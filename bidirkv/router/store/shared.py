@@ -209,6 +209,11 @@ class RedisStore:
             return EXPIRED, None
         return HIT, entry
 
+    async def look(self, key: bytes) -> Entry | None:
+        raw = await self.breaker.call("look", self.r.get, self._k("h:" + key.hex()))
+        entry = _entry(raw) if raw else None
+        return entry if entry is not None and entry.expires_at > self._clock() else None
+
     async def lookup_prefix(self, tenant: bytes, text: str, key_of: PrefixKeys
                             ) -> tuple[str, Entry | None]:
         found = await self.breaker.call("prefix", self.r.zrangebyscore,

@@ -1,0 +1,233 @@
+"""Sub-agents and forks: a child's first turn runs where its parent's prefix lives, and
+the parent keeps its handle (bidirkv/router/datapath/parents.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bidirkv.knobs import PARENT_HEADERS, Placement
+from bidirkv.router.datapath.parents import (
+    Noted,
+    Parent,
+    Prefixes,
+    fork_key,
+    head,
+    reuse_kind,
+)
+from bidirkv.router.metrics import ReuseOutcome
+from bidirkv.router.pool.placement import (
+    COST,
+    EXTEND,
+    PREFILL,
+    READ_BACK,
+    Costs,
+    Decision,
+    Inputs,
+    estimate_ms,
+    place,
+)
+from bidirkv.router.request.identity import LookupKeys
+from bidirkv.router.request.validation import ClientError, parent_id
+
+KEYS = LookupKeys(b"k" * 32)
+
+
+# -- pure ---------------------------------------------------------------------------------
+def test_the_first_configured_parent_header_sent_wins():
+    headers = {"x-codex-parent-thread-id": "c", "X-Dynamo-Parent-Session-ID": "d"}
+    assert parent_id(headers, PARENT_HEADERS) == "d"
+    assert parent_id(headers, PARENT_HEADERS[1:]) == "c"
+    assert parent_id(headers, ()) is None
+    assert parent_id(None, PARENT_HEADERS) is None
+
+
+@pytest.mark.parametrize("value, says", [("", "a non-empty string"),
+                                         ("p" * 513, "513 characters is too long")])
+def test_a_parent_header_out_of_bounds_is_refused_by_name(value, says):
+    # Also one that would not win: every header sent is held to the bounds.
+    with pytest.raises(ClientError) as e:
+        parent_id({"X-Dynamo-Parent-Session-ID": "ok",
+                   "x-codex-parent-thread-id": value}, PARENT_HEADERS)
+    assert e.value.status == 400 and e.value.param == "x-codex-parent-thread-id"
+    assert says in e.value.message
+
+
+def test_the_head_is_the_tools_and_a_system_message():
+    tools = [{"type": "function", "function": {"name": "grep"}}]
+    system = {"role": "system", "content": "you are an agent"}
+    parts, chars = head({"messages": [system, {"role": "user", "content": "task"}],
+                         "tools": tools})
+    assert parts == [tools, system] and chars > len("you are an agent")
+    assert head({"messages": [{"role": "user", "content": "no system"}]}) is None
+    assert head({"messages": [{"role": "user", "content": "x"}], "tools": tools})[0] \
+        == [tools, None]
+
+
+def test_a_forks_key_is_its_parents_prompt_key():
+    """A fork is the parent's prompt, its answer and one message of its own: its first
+    messages hash as the parent's stored prompt key (keeping.py's, 4-byte count first)."""
+    prompt = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    fork = prompt + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "f"}]
+    parents_key = len(prompt).to_bytes(4, "big") + KEYS.messages_key(b"t", prompt, 2)
+    assert fork_key(KEYS, b"t", fork) == parents_key
+    assert fork_key(KEYS, b"other tenant", fork) != parents_key
+    assert fork_key(KEYS, b"t", fork[:2]) is None
+
+
+def test_prefixes_keep_the_most_recently_used():
+    p = Prefixes(max_entries=2)
+    for k in (b"a", b"b"):
+        p.note(k, Noted(k, "http://d", 1, "l"))
+    assert p.get(b"a") is not None  # used: b is now the oldest
+    p.note(b"c", Noted(b"c", "http://d", 1, "l"))
+    assert len(p) == 2 and p.get(b"b") is None and p.get(b"a") is not None
+
+
+def test_a_child_never_reads_its_parents_blocks_back():
+    """The parent's blocks are its handle's: where a turn of its own would be read back,
+    a child's takes the two legs, and the estimate gives the read no discount."""
+    policy = Placement(policy=COST)
+    costs = Costs(prefill_ms=1.0, read_ms=0.01, hop_ms=5.0)
+    # The holder has a turn ahead: extending costs 2 x 600, the read back ~620.
+    own = Inputs(held_tokens=800, new_tokens=600, prefill_inflight=0, holder_inflight=1)
+    assert place(own, policy, costs).path == READ_BACK
+    child = Inputs(held_tokens=800, new_tokens=600, prefill_inflight=0, holder_inflight=1,
+                   readable=False)
+    assert place(child, policy, costs).path == EXTEND  # recomputing 1,400 costs more
+    assert estimate_ms(child, costs)[1] > estimate_ms(own, costs)[1]
+    over_cap = Inputs(held_tokens=800, new_tokens=2000, prefill_inflight=0,
+                      holder_inflight=0, readable=False)
+    assert place(over_cap, policy, costs) == Decision(PREFILL, "append_over_cap")
+
+
+def test_reuse_is_counted_by_whose_kv_it_was():
+    parent = Parent("fork", "http://d", 100, "l")
+    extend, prefill = Decision(EXTEND, "x"), Decision(PREFILL, "x")
+    assert reuse_kind(ReuseOutcome.EXTENDED, False, extend, None) == "returning"
+    assert reuse_kind(ReuseOutcome.HIT, True, prefill, None) == "returning"
+    assert reuse_kind(ReuseOutcome.HIT, False, prefill, None) is None  # P never used it
+    assert reuse_kind(ReuseOutcome.MISS, False, extend, parent) == "fork"
+    assert reuse_kind(ReuseOutcome.MISS, False, prefill, parent) is None
+
+
+# -- over HTTP, against fake engines ------------------------------------------------------
+
+from fake_engine import Cluster  # noqa: E402
+
+SYSTEM = {"role": "system", "content": "you are a coding agent " * 20}
+U1 = [SYSTEM, {"role": "user", "content": "fix the bug"}]
+PARENT = {"X-Session-ID": "parent-1", "Authorization": "Bearer a"}
+CONFIG = {"placement": {"policy": "thresholds", "localPrefillTokens": 512},
+          "placementHeader": True}
+
+
+def child_of(sid: str, *, header: bool, tenant: str = "Bearer a") -> dict[str, str]:
+    h = {"X-Session-ID": sid, "Authorization": tenant}
+    if header:
+        h["x-claude-code-parent-agent-id"] = "parent-1"
+    return h
+
+
+def placed(r) -> str:
+    return r["headers"]["X-Bidirkv-Placement"]
+
+
+async def parent_two_turns(c: Cluster):
+    r1 = await c.chat(U1, headers=PARENT)
+    turn2 = U1 + [r1["message"], {"role": "user", "content": "and the test"}]
+    r2 = await c.chat(turn2, headers=PARENT)
+    assert placed(r2).startswith("extend;")
+    holder = next(d for d in c.d if len(d.generations()) == 2)
+    return turn2, r2, holder
+
+
+@pytest.mark.timeout(30)
+async def test_forks_and_a_sub_agent_run_on_the_parents_holder_and_the_parent_keeps_its_handle():
+    async with Cluster(decode=2, config=CONFIG) as c:
+        turn2, r2, holder = await parent_two_turns(c)
+        p_seen = len(c.p[0].generations())
+        history = turn2 + [r2["message"]]
+        for i in range(2):  # two forks, found by their history alone
+            r = await c.chat(history + [{"role": "user", "content": f"branch {i}"}],
+                             headers=child_of(f"fork-{i}", header=False))
+            assert r["status"] == 200
+            assert placed(r).startswith("extend; reason=short_append; parent=")
+            assert placed(r).endswith("; kind=fork")
+        sub = await c.chat([SYSTEM, {"role": "user", "content": "read the logs"}],
+                           headers=child_of("sub-0", header=True))
+        assert placed(sub).endswith("; kind=child")
+        # None of them went to P, all were decoded by the holder, and no child's leg
+        # carried a handle to read.
+        assert len(c.p[0].generations()) == p_seen
+        children = holder.generations()[2:]
+        assert len(children) == 3 and all("remote_block_ids" not in g.kv for g in children)
+        # The parent's next turn still extends its own handle.
+        turn3 = history + [{"role": "user", "content": "ship it"}]
+        r3 = await c.chat(turn3, headers=PARENT)
+        assert placed(r3) == "extend; reason=short_append"
+        assert len(holder.generations()) == 6
+        text = await c.metrics()
+        for kind, n in (("returning", 2), ("child", 1), ("fork", 2), ("prefix", 0)):
+            assert f'bidirkv_router_reuse_kind_total{{kind="{kind}"}} {n}.0' in text, kind
+
+
+@pytest.mark.timeout(30)
+async def test_a_sub_agent_without_a_header_is_placed_by_the_shared_head():
+    async with Cluster(decode=2, config=CONFIG) as c:
+        _, _, holder = await parent_two_turns(c)
+        r = await c.chat([SYSTEM, {"role": "user", "content": "other task"}],
+                         headers=child_of("sub-1", header=False))
+        assert placed(r).endswith("; kind=prefix")
+        assert len(holder.generations()) == 3
+
+
+@pytest.mark.timeout(30)
+async def test_an_unknown_or_another_tenants_parent_or_a_clients_own_salt_finds_nothing():
+    async with Cluster(decode=2, config=CONFIG) as c:
+        turn2, r2, _ = await parent_two_turns(c)
+        fork = turn2 + [r2["message"], {"role": "user", "content": "mine"}]
+        other = await c.chat(fork, headers=child_of("x", header=True, tenant="Bearer b"))
+        unknown = await c.chat([{"role": "user", "content": "hello"}], headers={
+            "X-Session-ID": "y", "X-Dynamo-Parent-Session-ID": "no-such-parent"})
+        # A client's own cache_salt splits decode's prefix cache: nothing known matches.
+        salted = await c.chat(fork, headers=child_of("z", header=True), cache_salt="own")
+        for r in (other, unknown, salted):
+            assert r["status"] == 200 and "parent=" not in placed(r)
+        assert 'bidirkv_router_reuse_kind_total{kind="child"} 0.0' in await c.metrics()
+
+
+@pytest.mark.timeout(30)
+async def test_an_oversized_parent_header_is_a_400_naming_it():
+    async with Cluster(config=CONFIG) as c:
+        r = await c.chat(U1, headers={"x-codex-parent-thread-id": "p" * 513})
+        assert r["status"] == 400 and b"x-codex-parent-thread-id" in r["raw"]
+        assert not c.p[0].generations() and not c.d[0].generations()
+
+
+@pytest.mark.timeout(60)
+async def test_a_fork_storm_spills_off_a_busy_holder_and_spares_other_tenants():
+    """100 forks of one parent at once: past decodeBusyRequests in flight the holder
+    extends no more of them (the rest take the two legs), another tenant's turns are
+    served meanwhile, and the parent's handle is still its own afterwards."""
+    config = {**CONFIG, "placement": {**CONFIG["placement"], "decodeBusyRequests": 2}}
+    async with Cluster(decode=2, config=config) as c:
+        turn2, r2, holder = await parent_two_turns(c)
+        history = turn2 + [r2["message"]]
+        for d in c.d:
+            d.behaviour.chunk_delay = 0.01
+        storm = [c.chat(history + [{"role": "user", "content": f"try {i}"}], True,
+                        headers=child_of(f"f{i}", header=True)) for i in range(100)]
+        others = [c.chat([{"role": "user", "content": f"tenant b {i}"}], True,
+                         headers={"Authorization": "Bearer b"}) for i in range(5)]
+        results = await asyncio.gather(*storm, *others)
+        assert all(r["status"] == 200 for r in results)
+        decisions = [placed(r).split(";")[0] for r in results[:100]]
+        assert 0 < decisions.count("extend") < 100
+        assert all("reason=decode_busy" in placed(r) for r in results[:100]
+                   if not placed(r).startswith("extend"))
+        for d in c.d:
+            d.behaviour.chunk_delay = 0.0
+        r3 = await c.chat(history + [{"role": "user", "content": "go on"}], headers=PARENT)
+        assert placed(r3) == "extend; reason=short_append"
