@@ -1,0 +1,128 @@
+"""Agents as they call, on real servers (the shared stack): a session named by
+`X-Session-ID` alone, and a parent's forks and sub-agent reading the prefix decode holds
+for it, with the reuse-off output, while the parent keeps its handle. The client is the
+`openai` SDK (installed with vLLM), sending the headers as an agent's client does."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None:
+    pytest.skip("the vLLM CPU engine stack is not installed (make engine)",
+                allow_module_level=True)
+
+from bidirkv.local.model import random_text  # noqa: E402
+
+from .vllm_stack import (  # noqa: E402
+    GEN,
+    MODEL,
+    REQUEST_TIMEOUT,
+    chat,
+    metric,
+    metric_reaches,
+    running_router,
+    turn,
+)
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
+PLACED = "X-Bidirkv-Placement"
+# Short appends run whole on the holder; a holder busy with one leg takes no more.
+POLICY = {"policy": "thresholds", "localPrefillTokens": 64, "maxLocalPrefillTokens": 2048,
+          "decodeBusyRequests": 1}
+
+
+@pytest.fixture(scope="module")
+def stack(traced):
+    return traced[0]  # the shared stack (e2e/conftest.py)
+
+
+def client(url: str, tenant: str = "agent-key"):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key=tenant, timeout=REQUEST_TIMEOUT,
+                         max_retries=0)
+
+
+def ask(c, messages: list[dict], headers: dict[str, str]) -> tuple[str, str]:
+    """One turn through the router: its text and its placement header."""
+    extra = {k: v for k, v in GEN.items() if k not in ("temperature", "max_tokens")}
+    raw = c.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, temperature=GEN["temperature"],
+        max_tokens=GEN["max_tokens"], extra_body=extra, extra_headers=headers)
+    return raw.parse().choices[0].message.content, raw.headers.get(PLACED, "")
+
+
+def reuse_off(stack, messages: list[dict]) -> str:
+    """The output of the two legs with no handle: P recomputes every token."""
+    return turn(stack, chat(messages), None, streamed=False)[0]
+
+
+def test_a_session_id_alone_names_the_conversation(stack):
+    """As vLLM's multi-turn benchmark client sends its turns: `X-Session-ID` the only id.
+    A second turn whose history is not the first answer verbatim still finds the handle
+    (P reads the verified prefix back), where a history-named turn would find none."""
+    with running_router(stack, "router-session", placement={"policy": "alwaysDisaggregate"}
+                        ) as (url, _):
+        c = client(url)
+        session = {"X-Session-ID": "bench-session-1"}
+        user1 = {"role": "user", "content": random_text(400, seed=431)}
+        text1, _ = ask(c, [user1], session)
+        edited = [user1, {"role": "assistant", "content": "re-rendered " + text1},
+                  {"role": "user", "content": random_text(20, seed=432)}]
+        ask(c, edited, session)
+        # P took the handle (whole or verified in part): the edit is past its full blocks.
+        assert metric(url, 'bidirkv_router_reuse_total{outcome="hit"}') + metric(
+            url, 'bidirkv_router_reuse_total{outcome="verified-partial"}') == 1
+        assert metric(url, 'bidirkv_router_reuse_tokens_total{source="bidirkv"}') >= 128
+
+
+def test_forks_and_a_sub_agent_read_the_parents_held_prefix_and_the_parent_keeps_it(stack):
+    with running_router(stack, "router-agents", placement=POLICY, placementHeader=True
+                        ) as (url, _):
+        c, other_tenant = client(url), client(url, "someone-else")
+        parent = {"X-Session-ID": "agent-1"}
+        system = {"role": "system", "content": random_text(300, seed=441)}
+        msgs = [system, {"role": "user", "content": random_text(40, seed=442)}]
+        text1, _ = ask(c, msgs, parent)
+        msgs += [{"role": "assistant", "content": text1},
+                 {"role": "user", "content": random_text(8, seed=443)}]
+        text2, placed2 = ask(c, msgs, parent)
+        assert placed2 == "extend; reason=short_append"
+        history = msgs + [{"role": "assistant", "content": text2}]
+        p_done = metric(stack.p_url, "vllm:request_success_total")
+        hits = metric(stack.d_url, "vllm:prefix_cache_hits_total")
+        # Two forks, found by their history; a sub-agent, by the parent header.
+        children = [
+            (history + [{"role": "user", "content": random_text(8, seed=444 + i)}],
+             {"X-Session-ID": f"fork-{i}"}, "fork") for i in range(2)]
+        children.append(([system, {"role": "user", "content": random_text(8, seed=447)}],
+                         {"X-Session-ID": "sub-0", "x-claude-code-parent-agent-id": "agent-1"},
+                         "child"))
+        answers = []
+        for messages, headers, kind in children:
+            text, placed = ask(c, messages, headers)
+            assert placed.startswith("extend;") and placed.endswith(f"kind={kind}"), placed
+            answers.append((messages, text))
+        # The parent's next turn still has its handle: extended on its own blocks.
+        msgs = history + [{"role": "user", "content": random_text(8, seed=448)}]
+        text3, placed3 = ask(c, msgs, parent)
+        assert placed3 == "extend; reason=short_append"
+        answers.append((msgs, text3))
+        # Decode served them all from the blocks it holds: P was never asked, and
+        # decode's prefix cache gave at least the system prompt's blocks to each.
+        assert metric(stack.p_url, "vllm:request_success_total") == p_done
+        assert metric_reaches(stack.d_url, "vllm:prefix_cache_hits_total",
+                              hits + 4 * 128) >= hits + 4 * 128
+        for messages, text in answers:
+            assert text == reuse_off(stack, messages)
+        assert metric(url, 'bidirkv_router_reuse_kind_total{kind="returning"}') == 2
+        assert metric(url, 'bidirkv_router_reuse_kind_total{kind="fork"}') == 2
+        assert metric(url, 'bidirkv_router_reuse_kind_total{kind="child"}') == 1
+        # Another tenant naming the same parent gets nothing of it.
+        fork = history + [{"role": "user", "content": random_text(8, seed=449)}]
+        text, placed = ask(other_tenant, fork, {"X-Session-ID": "fork-x",
+                                                "X-Dynamo-Parent-Session-ID": "agent-1"})
+        assert "parent=" not in placed
+        assert text == reuse_off(stack, fork)
