@@ -231,3 +231,66 @@ async def test_a_fork_storm_spills_off_a_busy_holder_and_spares_other_tenants():
             d.behaviour.chunk_delay = 0.0
         r3 = await c.chat(history + [{"role": "user", "content": "go on"}], headers=PARENT)
         assert placed(r3) == "extend; reason=short_append"
+
+
+# -- choosing a parent from the handles (Parents over a real in-process store) -------------
+
+from bidirkv.router.datapath.parents import Parents  # noqa: E402
+from bidirkv.router.store.base import Kept  # noqa: E402
+from bidirkv.router.store.memory import InProcessStore  # noqa: E402
+
+TENANT = b"tenant-a"
+TOOLS = [{"type": "function", "function": {"name": "grep"}}]
+
+
+def salted(body: dict) -> dict:
+    return {**body, "cache_salt": KEYS.cache_salt(TENANT)}
+
+
+async def kept_parent(parents: Parents, store: InProcessStore, sid: str, url: str,
+                      prompt: list[dict], chars: int) -> bytes:
+    """A parent's handle stored as keeping.py stores an explicit id's, and noted."""
+    key = KEYS.explicit_key(TENANT, sid)
+    prompt_key = len(prompt).to_bytes(4, "big") + KEYS.messages_key(TENANT, prompt,
+                                                                     len(prompt))
+    await store.put(Kept(key, b"{}", url, num_tokens=chars // 4, tenant=TENANT,
+                         chars=chars, prompt_key=prompt_key))
+    parents.note(TENANT, salted({"messages": prompt, "tools": TOOLS}), key, url, chars,
+                 prompt_key, f"label-{sid}")
+    return key
+
+
+async def test_a_parent_is_chosen_by_header_then_history_then_head_and_only_while_held():
+    store = InProcessStore(100.0, 100)
+    parents = Parents(KEYS, store, Prefixes())
+    prompt = [SYSTEM, {"role": "user", "content": "fix it"}]
+    key = await kept_parent(parents, store, "p", "http://d1", prompt, 4000)
+    fork = prompt + [{"role": "assistant", "content": "done"},
+                     {"role": "user", "content": "now this"}]
+    sub = [SYSTEM, {"role": "user", "content": "other"}]
+
+    async def find(messages, parent_id=None, tenant=TENANT, body=None):
+        return await parents.find(tenant, body or salted({"messages": messages,
+                                                          "tools": TOOLS}), parent_id, None)
+
+    # By header: a fork of it is given its whole held text, a sub-agent the shared head.
+    by_header = await find(fork, "p")
+    assert (by_header.kind, by_header.decode_url, by_header.chars) == ("child", "http://d1",
+                                                                       4000)
+    assert (await find(sub, "p")).chars < 4000
+    # Without one: the fork by its prompt key, the sub-agent by its head.
+    assert (await find(fork)).kind == "fork"
+    assert (await find(sub)).kind == "prefix"
+    # Another tenant, a client's own salt, an unknown parent: nothing.
+    assert await find(fork, "p", tenant=b"tenant-b") is None
+    assert await find(fork, body={"messages": fork, "tools": TOOLS,
+                                  "cache_salt": "client's own"}) is None
+    assert await find([{"role": "user", "content": "unrelated"}], "nobody") is None
+    # The parent's handle taken and spent: its prefixes are believed no more.
+    status, entry = await store.lookup(key)
+    await store.consume(entry)
+    assert await find(fork) is None and await find(sub) is None
+    # Kept again, but on another replica than noted: the note is stale.
+    await store.put(Kept(key, b"{}", "http://d2", tenant=TENANT, chars=4000))
+    assert await find(fork) is None
+    assert (await find(fork, "p")).decode_url == "http://d2"
