@@ -61,6 +61,27 @@ async def test_lower_bound_goes_straight_to_its_server():
         assert all(b["max_tokens"] == 1 and "conversation_id" not in b for b in direct)
 
 
+async def test_a_replayed_turn_sends_its_text_and_headers_and_records_the_placement():
+    """A trace's turn: its own user message, its session id as a header (no id of the
+    runner's), and the router's placement header on the record."""
+    async with Cluster(config={"placement": {"policy": "cost"}}) as c:
+        cfg = BenchConfig(url=c.url, label="t", id_mode="none", warmup_turns=0, settle_s=0.0,
+                          output_tokens=3)
+        runner = Runner(cfg, progress=False)
+        conv = Conversation(0, "unused")
+        recs = [await asyncio.to_thread(runner.turn, conv, t, True, text=text,
+                                        headers={"X-Session-ID": "agent-1"})
+                for t, text in ((1, "read the file"), (2, "now fix it"))]
+        assert [m["content"] for m in conv.messages if m["role"] == "user"] == [
+            "read the file", "now fix it"]
+        last = c.d[0].generations()[-1].body["messages"]
+        assert last[-1] == {"role": "user", "content": "now fix it"}
+        # The header named the conversation: its second turn found the first's handle.
+        assert recs[0].reuse == "miss" and recs[1].reuse in ("hit", "extended")
+        assert recs[0].placement == "prefill; reason=learning"  # its first prompt
+        assert recs[1].placement is not None
+
+
 async def test_bench_cli_writes_a_run_and_compares_two(tmp_path, capsys):
     async with Cluster() as c:
         for label in ("on", "off"):

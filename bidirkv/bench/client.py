@@ -27,6 +27,8 @@ class Reply:
     usage: dict[str, Any] = field(default_factory=dict)
     finish_reason: str | None = None
     streamed: bool = True
+    # The answer's HTTP headers, names in lower case (a router's placement header).
+    headers: dict[str, str] = field(default_factory=dict)
 
     @property
     def prompt_tokens(self) -> int | None:
@@ -83,13 +85,14 @@ def chat(base_url: str, body: dict[str, Any], headers: dict[str, str] | None = N
         if resp.status != 200:
             detail = resp.read()[:500].decode("utf-8", errors="replace")
             raise RequestFailed(f"HTTP {resp.status} from {base_url}: {detail}")
+        head = {k.lower(): v for k, v in resp.getheaders()}
         if not stream:
             data = json.loads(resp.read())
             t = time.perf_counter() - t0
             choice = (data.get("choices") or [{}])[0]
             text = (choice.get("message") or {}).get("content") or choice.get("text") or ""
             return Reply(t, t, text, data.get("usage") or {}, choice.get("finish_reason"),
-                         streamed=False)
+                         streamed=False, headers=head)
         ttft: float | None = None
         parts: list[str] = []
         usage: dict[str, Any] = {}
@@ -109,7 +112,7 @@ def chat(base_url: str, body: dict[str, Any], headers: dict[str, str] | None = N
         total = time.perf_counter() - t0
         if ttft is None:
             raise RequestFailed(f"stream from {base_url} ended without any content")
-        return Reply(ttft, total, "".join(parts), usage, finish)
+        return Reply(ttft, total, "".join(parts), usage, finish, headers=head)
     except (OSError, http.client.HTTPException) as exc:
         raise RequestFailed(f"request to {base_url} failed: {exc}") from None
     finally:

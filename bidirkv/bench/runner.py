@@ -42,12 +42,19 @@ from bidirkv.wire import RESIDENCY_PATH, RESIDENCY_VERSION_FIELD, VERSION
 # imported from it, and held equal by tests/test_bench_stats.py). "extended" first: such
 # a turn was looked up as a hit, then ran on decode.
 REUSE_OUTCOMES = ("extended", "hit", "miss", "expired", "verified-partial", "dropped", "off")
+# What a reused turn reused (bidirkv_router_reuse_kind_total{kind}): its own history, its
+# parent's (named by a parent header), a parent's found by its history (a fork), or a
+# prefix. A router without that counter leaves these None.
+REUSE_KINDS = ("returning", "child", "fork", "prefix")
+# The router's answer names where a turn ran when `placementHeader` is on.
+PLACEMENT_HEADER = "X-Bidirkv-Placement"
 
 ROUTER_METRICS: dict[str, tuple[str, dict[str, str]]] = {
     "prefill_s": ("bidirkv_router_leg_duration_seconds_sum", {"leg": "prefill"}),
     "reused_tokens": ("bidirkv_router_reuse_tokens_total", {}),
     "offered_tokens": ("bidirkv_router_reuse_tokens_offered_total", {}),
     **{f"reuse_{o}": ("bidirkv_router_reuse_total", {"outcome": o}) for o in REUSE_OUTCOMES},
+    **{f"reuse_kind_{k}": ("bidirkv_router_reuse_kind_total", {"kind": k}) for k in REUSE_KINDS},
 }
 # On P, NIXL reads are D -> P: the reuse transfer. (P -> D reads are counted on D.)
 PREFILL_METRICS: dict[str, tuple[str, dict[str, str]]] = {
@@ -117,6 +124,7 @@ class TurnRecord:
     think_s: float = 0.0  # the think time the schedule gave this turn
     reason: str | None = None  # why it reused or not (turns.REASONS)
     refusals: dict[str, int] = field(default_factory=dict)  # D's, during this request
+    placement: str | None = None  # the router's placement header, when it sends one
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -139,6 +147,11 @@ def reuse_outcome(m: dict[str, float | None]) -> str | None:
         if (m.get(f"reuse_{o}") or 0) > 0:
             return o
     return None
+
+
+def reuse_kind(m: dict[str, float | None]) -> str | None:
+    """What the request reused, by the router's count (REUSE_KINDS); None: nothing counted."""
+    return next((k for k in REUSE_KINDS if (m.get(f"reuse_kind_{k}") or 0) > 0), None)
 
 
 class Runner:
@@ -192,20 +205,26 @@ class Runner:
         return self._send(conv, self.cfg.lower_bound_url, body, {}).ttft_s
 
     def turn(self, conv: Conversation, turn: int, measure: bool, think_s: float = 0.0,
-             words: int | None = None) -> TurnRecord:
+             words: int | None = None, text: str | None = None,
+             headers: dict[str, str] | None = None) -> TurnRecord:
         """One turn of `conv`; `words`: this turn's user words instead of the config's (a
-        caller that schedules its own turns, such as the long-context phase)."""
+        caller that schedules its own turns, such as the long-context phase); `text`: the
+        user message itself (a replayed trace); `headers`: more request headers for the
+        router (an agent's session and parent ids), none for the lower bound."""
         c = self.cfg
-        if words is None:
-            words = (c.appends.words(c.seed, conv.index, turn) if c.appends is not None
-                     else c.new_tokens)
-        elif words < 1:
-            raise ValueError(f"words {words}: a turn adds at least 1 word")
-        conv.ask(user_text(c.seed, conv.index, turn, words))
+        if text is None:
+            if words is None:
+                words = (c.appends.words(c.seed, conv.index, turn) if c.appends is not None
+                         else c.new_tokens)
+            elif words < 1:
+                raise ValueError(f"words {words}: a turn adds at least 1 word")
+            text = user_text(c.seed, conv.index, turn, words)
+        conv.ask(text)
         lb = self._lower_bound(conv) if (measure and c.lower_bound_url) else None
-        body, headers = with_conversation_id(
+        body, id_headers = with_conversation_id(
             chat_body(self.model or "", conv.messages, c.output_tokens, c.stream), conv.cid,
             c.id_mode)
+        headers = {**id_headers, **(headers or {})}
         if measure and c.settle_s:
             time.sleep(c.settle_s)
         before = self._scrape() if measure else (None, None, None)
@@ -232,6 +251,7 @@ class Runner:
             text_sha=hashlib.sha256(reply.text.encode()).hexdigest()[:16], text=reply.text,
             lower_bound_s=lb, reuse=outcome, metrics=m, gap_s=gap, think_s=think_s,
             reason=turn_reason(turn, outcome, reused, refused), refusals=refused,
+            placement=reply.headers.get(PLACEMENT_HEADER.lower()),
         )
 
     def warm_up(self, run_id: str, words: int | None = None) -> None:
