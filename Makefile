@@ -7,8 +7,8 @@ BIN := $(VENV)/bin
 DEV_STAMP := $(VENV)/.bidirkv-dev
 ENGINE_STAMP := $(VENV)/.bidirkv-engine
 
-.PHONY: install engine test demo demo-all headline bench-long crds monitoring lint \
-	bench-operator clean
+.PHONY: install engine test demo demo-all headline bench-long bench-agents crds monitoring \
+	lint bench-operator clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -88,6 +88,12 @@ headline: $(DEV_STAMP)
 # (docs/benchmarks.md); not part of `make demo` or `make test` (docs/local-stack.md).
 bench-long: $(ENGINE_STAMP)
 	$(PY) -m bidirkv.demolong
+
+# An agent's trace on 1P2D (examples/local-agents.yaml): a parent, its sub-agents and
+# forks, ON against OFF and the bound; `--quick` (make bench-agents ARGS=--quick) is a
+# smoke run.
+bench-agents: $(ENGINE_STAMP)
+	$(PY) -m bidirkv.demoagents $(ARGS)
 
 # The CRD and its reference (docs/crd-reference.md) are both generated from
 # bidirkv/operator/api/spec.py (tools/crdref.py is a development tool, not in the package).

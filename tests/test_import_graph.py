@@ -230,7 +230,7 @@ def test_no_python_file_outside_the_package_shadows_a_module_it_names():
 # in the `tools` extra. The product runs without them, so none of its modules imports them;
 # the command line reaches them only inside the commands that run them.
 TOOLS = ("bidirkv.local", "bidirkv.bench", "bidirkv.demo", "bidirkv.democoncurrency",
-         "bidirkv.demolong")
+         "bidirkv.demolong", "bidirkv.demoagents")
 
 
 def is_tool(module: str) -> bool:

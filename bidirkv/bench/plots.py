@@ -118,3 +118,27 @@ def long_plot(rows: Sequence[Mapping[str, Any]], restart: Mapping[str, Any] | No
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save(plt, fig, path)
+
+
+def agents_plot(rows: Sequence[Mapping[str, Any]], path: pathlib.Path, title: str
+                ) -> pathlib.Path:
+    """Median TTFT per kind of request of the agent trace: ON, OFF and the bound side by
+    side, each kind's median shared tokens under its name."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+    width = 0.27
+    xs = list(range(len(rows)))
+    for i, (key, label, color) in enumerate((
+            ("ttft_on_s", "bidirectional ON (cost placement)", "#4c72b0"),
+            ("ttft_off_s", "bidirectional OFF (recompute)", "#dd8452"),
+            ("lower_bound_s", "lower bound (warm local cache)", "#55a868"))):
+        ax.bar([x + (i - 1) * width for x in xs], [_ms(r.get(key)) for r in rows], width,
+               color=color, label=label)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([f"{r['kind']}\n{(r.get('shared_tokens') or 0) / 1000:.1f}k shared"
+                        for r in rows], fontsize=8)
+    ax.set_ylabel("median TTFT (ms)")
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    return save(plt, fig, path)
