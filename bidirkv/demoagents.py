@@ -110,8 +110,10 @@ class AgentRun:
                 return (grew[0] if grew else None), after
             time.sleep(0.05)
 
-    def _bound(self, step: Step) -> tuple[float, str]:
-        """The lower bound's TTFT, and the replica it ran on."""
+    def _bound(self, step: Step) -> tuple[float, str, float | None]:
+        """The lower bound's TTFT, the replica it ran on, and the tokens that replica's
+        prefix cache gave it (what shows the bound had the shared prefix at hand)."""
+        from bidirkv.bench import promtext
         from bidirkv.bench.client import RequestFailed, chat
         from bidirkv.bench.conversation import chat_body
 
@@ -128,8 +130,9 @@ class AgentRun:
                 if attempt == ATTEMPTS:
                     raise
                 continue
-            self._counted(before)  # counted before the turn's own counters are read
-            return ttft, name
+            # Counted before the turn's own counters are read.
+            _, after = self._counted(before)
+            return ttft, name, promtext.delta(before[name], after[name], PREFIX_HITS)
         raise AssertionError("unreachable")
 
     def _turn(self, step: Step) -> tuple[Any, int]:
@@ -158,7 +161,7 @@ class AgentRun:
         say(f"{self.label} {i + 1}/{len(self.trace.steps)} {step.session} turn {step.turn} "
             f"({step.kind}): {planned} tokens, {shared} shared, sending "
             f"[{(time.monotonic() - t0) / 60:.1f} min]")
-        lb, bound_on = self._bound(step) if self.bound else (None, None)
+        lb, bound_on, bound_hits = self._bound(step) if self.bound else (None, None, None)
         before = self._counters()
         rec, failures = self._turn(step)
         decoded_by, after = self._counted(before)
@@ -170,11 +173,13 @@ class AgentRun:
         p_read = rec.metrics.get("p_external_hit_tokens") or 0
         out = {**rec.to_json(), "step": i, "session": step.session, "kind": step.kind,
                "shared_tokens": shared, "planned_tokens": planned, "lower_bound_s": lb,
-               "bound_on": bound_on, "decoded_by": decoded_by,
+               "bound_on": bound_on, "bound_cached_tokens": bound_hits,
+               "decoded_by": decoded_by,
                "reuse_kind": reuse_kind(rec.metrics), "d_cached_tokens": d_hits,
                "reused_tokens": d_hits if path in ON_DECODE else p_read,
                "failures": failures}
-        bound = "" if lb is None else f", bound {lb * 1000:.0f} ms on {bound_on}"
+        bound = "" if lb is None else (f", bound {lb * 1000:.0f} ms on {bound_on} "
+                                       f"({bound_hits or 0:.0f} tokens cached)")
         say(f"{self.label} {i + 1}: context {rec.context_tokens}, TTFT "
             f"{rec.ttft_s * 1000:.0f} ms{bound}; {rec.reason}"
             f"{'/' + out['reuse_kind'] if out['reuse_kind'] else ''}, "

@@ -256,7 +256,8 @@ def records(trace, ttft, **extra):
 
 def test_kind_rows_give_medians_ratios_and_counts(full):
     on = records(full, lambda k: 0.2 if k in (SUB_FIRST, FORK_FIRST) else 0.3)
-    off = [{**r, "ttft_s": 1.0, "lower_bound_s": 0.25} for r in records(full, lambda k: 1.0)]
+    off = [{**r, "ttft_s": 1.0, "lower_bound_s": 0.25, "bound_cached_tokens": 2048}
+           for r in records(full, lambda k: 1.0)]
     off[6]["text_sha"] = "other"  # t3-fork1's first turn answered otherwise
     rows = {r["kind"]: r for r in ar.kind_rows(on, off)}
     assert list(rows) == [PARENT_AFTER, SUB_FIRST, FORK_FIRST, CHILD_LATER, PARENT_TURN]
@@ -273,6 +274,7 @@ def test_kind_rows_give_medians_ratios_and_counts(full):
     steps = ar.step_rows(on, off)
     assert [r["step"] for r in steps] == list(range(1, len(full.steps) + 1))
     assert steps[6]["equal"] is False and steps[0]["equal"] is True
+    assert steps[6]["bound_cached_tokens"] == 2048  # what the bound's replica had cached
     assert re.search(r"\| +# \| +session \| turn \| +kind \|", ar.step_table(steps))
 
 
