@@ -20,6 +20,7 @@ from bidirkv.bench.agenttrace import (
     FULL,
     PARENT,
     PARENT_AFTER,
+    PARENT_HEADERS,
     PARENT_TURN,
     QUICK,
     SUB_FIRST,
@@ -230,11 +231,23 @@ def test_the_example_stack_is_1p2d_float32_with_the_placement_header(tmp_path, f
     assert longest <= raw["model"]["maxModelLen"]
 
 
-def test_the_bench_reads_the_routers_placement_header():
-    from bidirkv.bench.runner import PLACEMENT_HEADER
+def test_the_bench_reads_the_routers_placement_header_and_reuse_kinds():
+    from bidirkv.bench.runner import PLACEMENT_HEADER, REUSE_KINDS, reuse_kind
     from bidirkv.router.datapath.relay import PLACEMENT_HEADER as ROUTER
+    from bidirkv.router.metrics import REUSE_KINDS as ROUTER_KINDS
+    from bidirkv.router.request.validation import ID_SOURCES
 
     assert PLACEMENT_HEADER == ROUTER
+    assert REUSE_KINDS == ROUTER_KINDS
+    assert reuse_kind({"reuse_kind_fork": 1.0, "reuse_kind_child": 0.0}) == "fork"
+    assert reuse_kind({"reuse_kind_fork": None}) is None  # a router that does not count it
+    assert ("header", "X-Session-ID") in ID_SOURCES  # the id every session sends
+
+
+def test_the_parent_headers_are_the_routers_defaults():
+    from bidirkv.knobs import PARENT_HEADERS as ROUTER
+
+    assert [h.lower() for h in PARENT_HEADERS] == [h.lower() for h in ROUTER]
 
 
 # -- the figures ---------------------------------------------------------------------------
