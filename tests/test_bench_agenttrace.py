@@ -360,3 +360,43 @@ def test_the_command_line_builds_or_replays_a_trace(tmp_path):
                 ["--settle", "-1"], ["--parent-header", "x-parent"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+# -- the trace against the router (fake engines) ------------------------------------------
+
+def ar_record(rec) -> dict:
+    """A runner's record as the report reads it (P read nothing: fake engines)."""
+    from bidirkv.bench.runner import reuse_kind
+
+    return {**rec.to_json(), "reuse_kind": reuse_kind(rec.metrics), "reused_tokens": 0}
+
+
+async def test_a_replayed_trace_sends_what_the_router_reads_as_children_and_forks():
+    """The quick trace through the benchmark's runner, against the router and two fake
+    decode replicas: the sub-agent is counted as a child, the fork as a fork, each
+    placed by its parent, and the parent's next turn still reuses its own handle."""
+    import asyncio
+
+    from fake_engine import Cluster
+
+    from bidirkv.bench.runner import BenchConfig, Runner, reuse_kind
+
+    trace = build_trace(0, QUICK)
+    config = {"placement": {"policy": "cost"}}  # the benchmark's, the default
+    async with Cluster(decode=2, config=config) as c:
+        runner = Runner(BenchConfig(url=c.url, label="t", id_mode="none", warmup_turns=0,
+                                    settle_s=0.0, output_tokens=QUICK.output_tokens),
+                        progress=False)
+        replay, got = Replay(trace, "run"), {}
+        for step in trace.steps:
+            rec = await asyncio.to_thread(
+                runner.turn, replay.conversation(step), step.turn, True, text=step.user,
+                headers=replay.headers(step))
+            replay.answered(step)
+            got[(step.session, step.turn)] = rec
+    sub, fork, after = got[("t2-sub1", 1)], got[("t2-fork1", 1)], got[(PARENT, 3)]
+    assert reuse_kind(sub.metrics) == "child" and sub.placement.endswith("; kind=child")
+    assert reuse_kind(fork.metrics) == "fork" and fork.placement.endswith("; kind=fork")
+    assert "parent=" in sub.placement and "parent=" in fork.placement
+    assert reuse_kind(after.metrics) == "returning" and after.reason in ("hit", "extended")
+    assert ar.reused(ar_record(sub)) and ar.reused(ar_record(after))
