@@ -33,9 +33,10 @@ from bidirkv.router.pool.placement import EXTEND, Decision, json_chars, message_
 from bidirkv.router.request.identity import LookupKeys
 from bidirkv.router.store.base import Entry, Store, StoreUnavailable
 
-# Prefix keys remembered (each ~200 bytes): two per conversation kept at the default
-# maxConversations would not fit a small pod, and the newest are the ones children use.
-MAX_PREFIXES = 65536
+# Prefix keys remembered, ~370 bytes each (6 MB in all): two per conversation at the
+# default maxConversations would not fit a small pod, and children come soon after the
+# turn they fork from, so the most recently noted or used are the ones worth keeping.
+MAX_PREFIXES = 16384
 HEAD_ROLES = ("system", "developer")
 
 
