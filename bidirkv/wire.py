@@ -31,6 +31,12 @@ EXPIRES_KEY = "bidirkv_expires"  # the issuer's wall-clock deadline for them
 # A handle's blocks per KV group, in place of vLLM's `remote_block_ids`, which the reader
 # receives from the issuer when it asks before its read.
 COUNTS_KEY = "bidirkv_block_counts"
+# kv_transfer_params, router -> P beside a handle it does not spend (optional): a child's
+# read of its parent's blocks, which decode keeps for the parent's own next turn.
+SHARED_KEY = "bidirkv_shared"
+# The decode request id a shared read asks for and notifies with: decode tells it from
+# the read that spends the handle (side channel, NIXL notification).
+SHARE_PREFIX = "bidirkv-share:"
 # kv_transfer_params, P -> router (prefill leg reply): the reuse report
 REPORT_KEY = "bidirkv"
 # HTTP, router -> each decode engine: leases and releases of retained KV

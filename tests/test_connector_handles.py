@@ -223,3 +223,25 @@ def test_the_ids_read_are_the_grants_cut_to_the_verified_prefix():
     assert ids_to_read([[1, 2]], [[9, 9]]) == [[1, 2]]
     assert has_placeholder(want) and not has_placeholder([[1, 2], []])
     assert not has_placeholder(ids_to_read(want, [[7, 8], [4, 5]]))
+
+
+def test_a_shared_read_is_never_a_use_and_asks_by_its_own_name():
+    """A child's read of its parent's handle (the router's SHARED_KEY) leaves the blocks
+    retained: any number of them, then the parent's own read, are each admitted; the
+    shared ones name the request with SHARE_PREFIX, which decode's grant and notification
+    tell apart (core/residency.py, nixl/notifs.py)."""
+    from bidirkv.wire import SHARE_PREFIX, SHARED_KEY
+
+    guard = ReplayGuard(ttl=60)
+    h = d_handle()
+    for now in range(3):
+        a = admit({**h, SHARED_KEY: True}, KEY, MAX, guard, now=now)
+        assert a.handle and a.params["remote_request_id"] == SHARE_PREFIX + "req-1"
+        assert SHARED_KEY not in a.params
+    own = admit(h, KEY, MAX, guard, now=4)
+    assert own.handle and own.params["remote_request_id"] == "req-1"
+    assert admit(h, KEY, MAX, guard, now=5).reason == "replayed"
+    # Only `true` shares; a forged one is still checked as any handle.
+    assert admit({**h, SHARED_KEY: "yes"}, KEY, MAX, guard, now=6).reason == "replayed"
+    forged = admit({**h, SHARED_KEY: True, "remote_num_tokens": 299}, KEY, MAX, guard, now=7)
+    assert forged.reason == "unauthenticated"

@@ -509,3 +509,46 @@ def test_a_fork_storm_shares_its_parents_blocks_once_and_yields_before_another_t
     assert res.over_watermark(total) == 0
     assert res.held["quiet"].state == "held" and res.held["parent"].state == "held"
     assert res.released["watermark"] == 37  # children, 2 blocks each
+
+
+def test_shared_reads_keep_the_blocks_and_hold_back_what_would_free_them_mid_read():
+    from bidirkv.wire import SHARE_PREFIX
+
+    res, clock = make()
+    res.retain("parent", 4, "r", clock.t + 100, tenant="t", block_ids=[1, 2, 3, 4],
+               groups=(4,))
+    assert res.answer(SHARE_PREFIX + "parent")[:2] == (False, "no_shared_reads")
+    res.shares = True  # a worker in this process counts their notifications
+    assert res.answer(SHARE_PREFIX + "parent") == (True, "shared", [[1, 2, 3, 4]])
+    assert res.share("parent")[0]  # a second child at once
+    # While read: neither pressure nor the router's release frees it, nor does the
+    # parent's own read get a grant (its notification would free the blocks mid-read).
+    assert res.reclaim(4) == 0 and res.release(["parent"]) == 0
+    assert res.grant("parent")[:2] == (False, "shared_reading")
+    assert res.held["parent"].state == "held" and not res.take_pending()
+    res.shared_done("parent")
+    assert res.held["parent"].readers == 1 and not res.take_pending()
+    res.shared_done("parent")  # the last: the release decided meanwhile is made now
+    assert res.take_pending() == ["parent"] and res.released["router"] == 1
+    assert res.share("parent")[:2] == (False, "released:router")
+    res.shared_done("parent")  # a late or stray notification changes nothing
+    assert res.stats()["sharedReads"] == 2
+
+
+def test_after_its_shared_reads_the_parent_is_read_once_as_before():
+    res, clock = make()
+    res.shares = True
+    res.retain("parent", 2, "r", clock.t + 100, tenant="t", block_ids=[1, 2], groups=(2,))
+    for _ in range(3):
+        assert res.share("parent")[0]
+        res.shared_done("parent")
+    assert res.reclaim(0) == 0 and res.held["parent"].readers == 0
+    assert res.grant("parent")[:2] == (True, "granted")
+    assert res.share("parent")[:2] == (False, "granted")  # being spent: not shared
+    res.on_freed(["parent"])
+    assert res.freed["read"] == 1 and not res.held
+    # Releasable again after its shared reads: pressure takes it as any other.
+    res.retain("other", 2, "r", clock.t + 100, tenant="t", block_ids=[5, 6], groups=(2,))
+    assert res.share("other")[0]
+    res.shared_done("other")
+    assert res.reclaim(2) == 2 and res.take_pending() == ["other"]

@@ -177,7 +177,7 @@ def test_package_inits_hold_a_docstring_and_nothing_else():
 # The classes vLLM loads through kv_connector_module_path: the only product modules that
 # import vLLM at module level (its connector factory imports them, inside vLLM).
 VLLM_CLASSES = {f"bidirkv.connector.nixl.{m}" for m in ("connector", "scheduler", "worker",
-                                                         "stats")}
+                                                         "stats", "notifs")}
 
 
 def _top_imports(path: pathlib.Path) -> set[str]:

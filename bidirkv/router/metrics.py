@@ -206,7 +206,8 @@ class Metrics:
         rep = replica.last
         fields = {"retained_blocks": rep.get("retainedBlocks"),
                   "granted_blocks": rep.get("grantedBlocks"),
-                  "free_blocks": rep.get("freeBlocks"), "grants": rep.get("grants")}
+                  "free_blocks": rep.get("freeBlocks"), "grants": rep.get("grants"),
+                  "shared_reads": rep.get("sharedReads")}
         for prefix, key in (("released_", "released"), ("refused_", "refusals")):
             for cause, n in (rep.get(key) or {}).items():
                 fields[prefix + str(cause)] = n

@@ -44,6 +44,8 @@ from bidirkv.wire import (
     EXPIRES_KEY,
     MAC_KEY,
     PROOF_KEY,
+    SHARE_PREFIX,
+    SHARED_KEY,
     VERSION_KEY,
     version_problem,
 )
@@ -253,6 +255,9 @@ def admit(params: dict[str, Any], keys: Keys, max_tokens: int,
     # writes it on every leg), outside the handle's signature like the direction flags.
     out = {k: v for k, v in params.items()
            if not str(k).startswith("_") and k != PROOF_KEY}
+    # The router's word that this read leaves the blocks retained (a child reading its
+    # parent's): never spent, so not a use the replay guard keeps.
+    shared = out.pop(SHARED_KEY, None) is True
     for flag in FLAGS:
         if flag in out and not isinstance(out[flag], bool | None):
             out[flag] = False
@@ -267,9 +272,12 @@ def admit(params: dict[str, Any], keys: Keys, max_tokens: int,
     if problem is None and (time.time() if wall is None else wall) > (
             out[EXPIRES_KEY] + CLOCK_SKEW_S):
         problem, reason = "the handle expired (its issuer may have freed the blocks)", "expired"
-    if problem is None and seen is not None and not seen.first_use(out[MAC_KEY], now):
+    if problem is None and not shared and seen is not None and not seen.first_use(
+            out[MAC_KEY], now):
         problem, reason = "the handle was already used", "replayed"
     if problem is None:
+        if shared:  # asked and notified for as such (core/residency.py, `share`)
+            out["remote_request_id"] = SHARE_PREFIX + out["remote_request_id"]
         return Admission(out, handle=True)
     for k in HANDLE_KEYS:
         out.pop(k, None)

@@ -46,6 +46,7 @@ from bidirkv.connector.core.lease import Grant, Lent
 from bidirkv.connector.core.notes import Notes
 from bidirkv.connector.core.releaseorder import Heaviest, ReleaseOrder
 from bidirkv.returns import next_gap
+from bidirkv.wire import SHARE_PREFIX
 
 HELD = "held"
 GRANTED = "granted"
@@ -82,6 +83,10 @@ class Held:
     bulk: dict | None = None
     # `ids` per KV group, as vLLM lists them: the reader gets them with its grant.
     groups: tuple[int, ...] = ()
+    # Shared reads in flight (a child reading its parent's blocks, which stay retained),
+    # and the release decided meanwhile, made once the last of them is done.
+    readers: int = 0
+    release_after: str | None = None
 
     def id_lists(self) -> list[list[int]]:
         out, at = [], 0
@@ -134,6 +139,10 @@ class Residency:
     notes: Notes = field(default_factory=Notes)
     # On prefill: the ids of blocks lent to decode for a turn (lease.Lent).
     lent: Lent = field(default_factory=Lent)
+    # Shared reads are granted only where their notifications reach this residency: a
+    # worker in this process says so (nixl/worker.py); one in another (TP > 1) cannot.
+    shares: bool = False
+    shared: int = 0  # shared reads granted
 
     # -- engine thread: lifecycle ---------------------------------------------------------
     def retain(self, req_id: str, blocks: int, owner: str | None, deadline: float,
@@ -147,21 +156,27 @@ class Residency:
                                          bulk=bulk, groups=groups)
             if gap is not None:
                 self.prior_gap = next_gap(self.prior_gap, gap)
-            mine = self._free.setdefault(tenant, OrderedDict())
-            mine[req_id] = h
-            self._free_blocks[tenant] += blocks
-            self._heaviest.set(tenant, (self._free_blocks[tenant], len(mine)))
-            rank_gap = gap if gap is not None else self.prior_gap or 0.0
-            self._order.setdefault(tenant, ReleaseOrder()).add(req_id, now, rank_gap, deadline)
-            self._move(h, kept=1)
-            self._parked += 1
             if owner is not None and owner not in self.owners:
                 if len(self.owners) < self.max_owners:
                     self.owners[owner] = now + self.owner_lease_s
                 else:
                     h.owner = None  # no lease to lapse: vLLM's TTL and pressure free it
-            if h.owner is not None:
-                self._owned.setdefault(h.owner, {})[req_id] = h
+            self._move(h, kept=1)
+            self._parked += 1
+            self._refree(h)
+
+    def _refree(self, h: Held) -> None:
+        """Caller holds the lock: `h`, in state HELD, is releasable (again)."""
+        tenant = h.tenant
+        mine = self._free.setdefault(tenant, OrderedDict())
+        mine[h.req_id] = h
+        self._free_blocks[tenant] += h.blocks
+        self._heaviest.set(tenant, (self._free_blocks[tenant], len(mine)))
+        rank_gap = h.gap if h.gap is not None else self.prior_gap or 0.0
+        self._order.setdefault(tenant, ReleaseOrder()).add(h.req_id, h.kept_at, rank_gap,
+                                                           h.deadline)
+        if h.owner is not None:
+            self._owned.setdefault(h.owner, {})[h.req_id] = h
 
     def on_freed(self, req_ids: Iterable[str]) -> None:
         """vLLM freed these requests' blocks (read, TTL, or a release we asked for)."""
@@ -234,8 +249,12 @@ class Residency:
                 self._order[t].remove(h.req_id)
 
     def _release(self, h: Held, cause: str) -> int:
-        """Caller holds the lock. Only an entry nobody was granted can go."""
+        """Caller holds the lock. Only an entry nobody was granted can go; one being read
+        shared goes once its last shared read is done."""
         if h.state != HELD:
+            return 0
+        if h.readers:
+            h.release_after = h.release_after or cause
             return 0
         self._unfree(h)
         self.notes.drop(h.req_id)
@@ -308,8 +327,56 @@ class Residency:
     # -- side-channel thread --------------------------------------------------------------
     def answer(self, req_id: str) -> Grant:
         """The side channel's answer to a reader's ask: blocks prefill lent (no state to
-        change), else a grant of blocks decode retained."""
+        change), else a shared read or a grant of blocks decode retained."""
+        if req_id.startswith(SHARE_PREFIX):
+            return self.share(req_id[len(SHARE_PREFIX):])
         return self.lent.answer(req_id) or self.grant(req_id)
+
+    def share(self, req_id: str) -> Grant:
+        """May a child read these retained blocks and leave them retained? Like a grant,
+        decided under the lock, but the entry stays held (its handle, note and owner are
+        the parent's) and leaves the releasable ones until its shared reads are done
+        (`shared_done`, on each read's notification). Refused while a read that spends it
+        is granted: that read's notification frees the blocks."""
+        now = self.clock()
+        with self.lock:
+            h = self.held.get(req_id)
+            if not self.shares:
+                reason = "no_shared_reads"
+            elif h is None:
+                reason = "unknown"
+            elif h.state == RELEASING:
+                reason = f"released:{h.cause}"
+            elif h.state == GRANTED:
+                reason = "granted"
+            elif h.release_after is not None:
+                reason = f"released:{h.release_after}"
+            elif h.deadline - now < GRANT_MARGIN_S:
+                reason = "near_expiry"
+            else:
+                if not h.readers:
+                    self._unfree(h)
+                h.readers += 1
+                self.shared += 1
+                return True, "shared", h.id_lists()
+            self.refusals["shared_" + reason.replace(":", "_")] += 1
+            return False, reason, []
+
+    def shared_done(self, req_id: str) -> None:
+        """A shared read's notification: the last one makes the entry releasable again,
+        or releases it when a release was decided meanwhile."""
+        with self.lock:
+            h = self.held.get(req_id)
+            if h is None or not h.readers:
+                return  # a notification with no shared read (a local hit), or a late one
+            h.readers -= 1
+            if h.readers or h.state != HELD:
+                return
+            self._refree(h)
+            if h.release_after is None and h.owner is not None and h.owner not in self.owners:
+                h.release_after = "owner_gone"  # its lease lapsed meanwhile
+            if h.release_after is not None:
+                self._release(h, h.release_after)
 
     def grant(self, req_id: str) -> Grant:
         """May prefill read this request's blocks now, and which are they? Decided once,
@@ -323,6 +390,8 @@ class Residency:
                 reason = "unknown"
             elif h.state == GRANTED:
                 return True, "granted", h.id_lists()
+            elif h.readers:
+                reason = "shared_reading"  # its notification would free them mid-read
             elif h.state == RELEASING:
                 reason = f"released:{h.cause}"
             elif h.deadline - now < GRANT_MARGIN_S:
@@ -367,6 +436,7 @@ class Residency:
                 "released": dict(self.released),
                 "freed": dict(self.freed),
                 "grants": self.grants,
+                "sharedReads": self.shared,
                 "refusals": dict(self.refusals),
             }
 

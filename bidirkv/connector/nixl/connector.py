@@ -40,6 +40,7 @@ from bidirkv.connector.hooks.retention import Retention
 from bidirkv.connector.hooks.reuse import Reuse
 from bidirkv.connector.hooks.tally import Tally
 from bidirkv.connector.nixl import stats
+from bidirkv.connector.nixl.notifs import SharedReadsDone
 from bidirkv.connector.nixl.scheduler import PullScheduler
 from bidirkv.connector.nixl.worker import PullWorker
 from bidirkv.connector.settings import Settings
@@ -89,7 +90,11 @@ class NixlConnector(NixlPullConnector):
             self.connector_scheduler = sched
             self.connector_worker = None
             self._reuse = Reuse(sched, settings.handle_keys, self._tally)
-            self._retention = Retention(sched, _residency(settings), self._tally)
+            res = _residency(settings)
+            # A shared read is counted done by its notification, which one worker hands
+            # over (nixl/notifs.py); with more, a read's notifications are not one a read.
+            res.shares = vllm_config.parallel_config.world_size == 1
+            self._retention = Retention(sched, res, self._tally)
         elif role == KVConnectorRole.WORKER:
             keep = settings.resolve(bool(current_platform.is_cpu())).keep_affinity
             self.connector_scheduler = None
@@ -128,7 +133,17 @@ class NixlConnector(NixlPullConnector):
         assert self._reuse is not None and self._retention is not None
         self._reuse.failed(getattr(connector_output, "failed_recving", None))
         self._retention.freed(getattr(connector_output, "finished_sending", None))
+        done = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(done, SharedReadsDone) and (res := current()) is not None:
+            for rid in done.req_ids:
+                res.shared_done(rid)
         super().update_connector_output(connector_output)
+
+    # -- worker side --------------------------------------------------------------------
+    def build_connector_worker_meta(self):
+        """The shared reads whose notifications the worker took out this step."""
+        worker = self.connector_worker
+        return worker.nixl_wrapper.take() if isinstance(worker, PullWorker) else None
 
     def request_finished(self, request, block_ids):
         return self._finished(request, *super().request_finished(request, block_ids))

@@ -53,6 +53,10 @@ TARGETS = [
            ("self", "req_id", "meta")),
     PatchSite(PULL_WORKER, "NixlPullConnectorWorker._handle_failed_transfer",
            ("self", "req_id", "handle", "failed_req_ids", "record_failed_transfer")),
+    # Decode's notifications, read through the agent it polls them from, and the shared
+    # reads among them handed to the scheduler's side (nixl/notifs.py).
+    PatchSite(PULL_WORKER, "NixlPullConnectorWorker._get_new_notifs", ("self",)),
+    PatchSite(CONNECTOR, "NixlBaseConnector.build_connector_worker_meta", ("self",)),
     # The stats: NIXL's, with bidir-kv's counters beside them.
     PatchSite(STATS, "NixlKVConnectorStats.reset", ("self",)),
     PatchSite(STATS, "NixlPromMetrics.__init__",

@@ -6,7 +6,9 @@ grant first (core/lease.py), which also brings the blocks' ids (decode's handle 
 only their count); refused, or granted without ids for every block to read, it takes
 vLLM's expired-read path and the request is recomputed. A read of prefill's blocks
 (decode, each turn) asks prefill for their ids the same way; without them it is a failed
-transfer. A read that would still use a placeholder id is never issued.
+transfer. A read that would still use a placeholder id is never issued. A child's
+shared read of its parent's blocks (its request id prefixed, core/handles.py) asks and
+notifies the same way; decode tells its notification apart (nixl/notifs.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 
 from bidirkv.connector.core import lease
 from bidirkv.connector.hooks.affinity import kept_affinity
+from bidirkv.connector.nixl.notifs import SharedNotifs
 
 log = logging.getLogger("vllm.bidirkv")
 
@@ -29,6 +32,8 @@ class PullWorker(NixlPullConnectorWorker):
         self.grant_gate = lease.PeerGate()
         with kept_affinity(keep_affinity):
             super().__init__(vllm_config, engine_id, kv_cache_config)
+        # A shared read's notification leaves the blocks retained (nixl/notifs.py).
+        self.nixl_wrapper = SharedNotifs(self.nixl_wrapper)
 
     def _read_blocks_for_req(self, req_id, meta):
         remote = meta.remote
