@@ -126,3 +126,36 @@ def test_forks_and_a_sub_agent_read_the_parents_held_prefix_and_the_parent_keeps
                                                 "X-Dynamo-Parent-Session-ID": "agent-1"})
         assert "parent=" not in placed
         assert text == reuse_off(stack, fork)
+
+
+def test_a_long_fork_reads_the_parents_blocks_shared_and_the_parent_reads_them_after(stack):
+    """A fork whose own part is over the cap is read back: P reads the parent's blocks
+    with a shared read, which leaves them retained on decode, so the parent's own next
+    turn (over the cap too) reads the same blocks back once more; both outputs are the
+    reuse-off outputs."""
+    policy = {"policy": "thresholds", "localPrefillTokens": 64, "maxLocalPrefillTokens": 128}
+    with running_router(stack, "router-shared", placement=policy, placementHeader=True
+                        ) as (url, _):
+        c = client(url)
+        parent = {"X-Session-ID": "agent-2"}
+        msgs = [{"role": "system", "content": random_text(300, seed=451)},
+                {"role": "user", "content": random_text(40, seed=452)}]
+        text1, _ = ask(c, msgs, parent)
+        history = msgs + [{"role": "assistant", "content": text1}]
+        reused = 'bidirkv_router_reuse_tokens_total{source="bidirkv"}'
+        before = metric(url, reused)
+        fork = history + [{"role": "user", "content": random_text(200, seed=453)}]
+        text_f, placed_f = ask(c, fork, {"X-Session-ID": "fork-long"})
+        assert placed_f.startswith("read_back; reason=append_over_cap; parent="), placed_f
+        assert placed_f.endswith("kind=fork")
+        after_fork = metric(url, reused)
+        assert after_fork - before >= 2 * 128  # P read the parent's blocks from decode
+        own = history + [{"role": "user", "content": random_text(200, seed=454)}]
+        text_p, placed_p = ask(c, own, parent)
+        assert placed_p == "read_back; reason=append_over_cap"
+        assert metric(url, reused) - after_fork >= 2 * 128  # still there to read, once
+        assert metric(url, 'bidirkv_router_reuse_kind_total{kind="fork"}') == 1
+        assert metric(url, 'bidirkv_router_reuse_total{outcome="hit"}') + metric(
+            url, 'bidirkv_router_reuse_total{outcome="verified-partial"}') == 1
+    assert text_f == reuse_off(stack, fork)
+    assert text_p == reuse_off(stack, own)

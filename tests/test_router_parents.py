@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from bidirkv.knobs import PARENT_HEADERS, Placement
+from bidirkv.knobs import PARENT_HEADERS
 from bidirkv.router.datapath.parents import (
     Noted,
     Parent,
@@ -18,15 +18,9 @@ from bidirkv.router.datapath.parents import (
 )
 from bidirkv.router.metrics import ReuseOutcome
 from bidirkv.router.pool.placement import (
-    COST,
     EXTEND,
-    PREFILL,
     READ_BACK,
-    Costs,
     Decision,
-    Inputs,
-    estimate_ms,
-    place,
 )
 from bidirkv.router.request.identity import LookupKeys
 from bidirkv.router.request.validation import ClientError, parent_id
@@ -85,31 +79,15 @@ def test_prefixes_keep_the_most_recently_used():
     assert len(p) == 2 and p.get(b"b") is None and p.get(b"a") is not None
 
 
-def test_a_child_never_reads_its_parents_blocks_back():
-    """The parent's blocks are its handle's: where a turn of its own would be read back,
-    a child's takes the two legs, and the estimate gives the read no discount."""
-    policy = Placement(policy=COST)
-    costs = Costs(prefill_ms=1.0, read_ms=0.01, hop_ms=5.0)
-    # The holder has a turn ahead: extending costs 2 x 600, the read back ~620.
-    own = Inputs(held_tokens=800, new_tokens=600, prefill_inflight=0, holder_inflight=1)
-    assert place(own, policy, costs).path == READ_BACK
-    child = Inputs(held_tokens=800, new_tokens=600, prefill_inflight=0, holder_inflight=1,
-                   readable=False)
-    assert place(child, policy, costs).path == EXTEND  # recomputing 1,400 costs more
-    assert estimate_ms(child, costs)[1] > estimate_ms(own, costs)[1]
-    over_cap = Inputs(held_tokens=800, new_tokens=2000, prefill_inflight=0,
-                      holder_inflight=0, readable=False)
-    assert place(over_cap, policy, costs) == Decision(PREFILL, "append_over_cap")
-
-
 def test_reuse_is_counted_by_whose_kv_it_was():
     parent = Parent("fork", "http://d", 100, "l")
-    extend, prefill = Decision(EXTEND, "x"), Decision(PREFILL, "x")
+    extend, prefill = Decision(EXTEND, "x"), Decision(READ_BACK, "x")
     assert reuse_kind(ReuseOutcome.EXTENDED, False, extend, None) == "returning"
     assert reuse_kind(ReuseOutcome.HIT, True, prefill, None) == "returning"
     assert reuse_kind(ReuseOutcome.HIT, False, prefill, None) is None  # P never used it
     assert reuse_kind(ReuseOutcome.MISS, False, extend, parent) == "fork"
     assert reuse_kind(ReuseOutcome.MISS, False, prefill, parent) is None
+    assert reuse_kind(ReuseOutcome.MISS, False, prefill, parent, read_parent=True) == "fork"
 
 
 # -- over HTTP, against fake engines ------------------------------------------------------
@@ -171,6 +149,36 @@ async def test_forks_and_a_sub_agent_run_on_the_parents_holder_and_the_parent_ke
         text = await c.metrics()
         for kind, n in (("returning", 2), ("child", 1), ("fork", 2), ("prefix", 0)):
             assert f'bidirkv_router_reuse_kind_total{{kind="{kind}"}} {n}.0' in text, kind
+
+
+@pytest.mark.timeout(30)
+async def test_a_long_child_reads_the_parents_blocks_shared_and_the_parent_keeps_them():
+    """Where a returning turn would be read back (an append over the cap), a child's P
+    reads the parent's handle marked shared: decode keeps the blocks for the parent,
+    whose next turn still has its handle. A prefill failure drops only the child's read."""
+    config = {**CONFIG, "placement": {**CONFIG["placement"], "maxLocalPrefillTokens": 600}}
+    async with Cluster(decode=2, config=config) as c:
+        turn2, r2, holder = await parent_two_turns(c)
+        history = turn2 + [r2["message"]]
+        long_ask = {"role": "user", "content": "look at this log " * 400}
+        r = await c.chat(history + [long_ask], headers=child_of("fork-long", header=False))
+        assert placed(r).startswith("read_back; reason=append_over_cap; parent=")
+        leg = c.p[0].generations()[-1]
+        assert leg.has_handle and leg.kv["bidirkv_shared"] is True
+        parents_handle = {k: v for k, v in leg.kv.items()
+                          if k not in ("bidirkv_shared", "bidirkv_proof")}
+        # P failing with it: retried without, and the parent's handle is untouched.
+        c.p[0].behaviour.fail_with_handle = 500
+        r = await c.chat(history + [long_ask], headers=child_of("fork-2", header=False))
+        assert r["status"] == 200 and not c.p[0].generations()[-1].has_handle
+        c.p[0].behaviour.fail_with_handle = None
+        r3 = await c.chat(history + [{"role": "user", "content": "ok"}], headers=PARENT)
+        assert placed(r3) == "extend; reason=short_append"
+        text = await c.metrics()
+        assert 'bidirkv_router_reuse_kind_total{kind="fork"} 1.0' in text
+        assert 'bidirkv_router_reuse_kind_total{kind="returning"} 2.0' in text
+        parents_request = holder.generations()[1].headers["X-Request-Id"]
+        assert parents_handle["remote_request_id"] == parents_request
 
 
 @pytest.mark.timeout(30)

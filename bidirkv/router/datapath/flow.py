@@ -99,8 +99,9 @@ class Flow:
         turn.handle.count_once(metrics, turn.asked_prefill, turn.placed)
         if turn.trace.recording:
             turn.trace.update(trace_attributes(turn))
-        if outcome == "ok" and (kind := reuse_kind(turn.handle.reuse, turn.handle.ended
-                                                   == CONSUMED, turn.placed, turn.parent)):
+        if outcome == "ok" and (kind := reuse_kind(
+                turn.handle.reuse, turn.handle.ended == CONSUMED, turn.placed, turn.parent,
+                turn.read_parent)):
             metrics.reused_from(kind)
         if outcome is not None:
             metrics.request(turn.kind, outcome)
@@ -216,7 +217,7 @@ class Runner:
                 if last is not None:
                     raise last
                 return None
-            with_handle = turn.handle.held is not None
+            with_handle = turn.handle.held is not None or turn.reads_parent
             try:
                 return await self.legs.prefill_leg(turn, p, rid)
             except UpstreamFailure as f:
@@ -231,8 +232,11 @@ class Runner:
         none (the engine refused the client's request)."""
         ctx = self.ctx
         if with_handle:
-            # Spent or poisoned: see the module docstring. Retry as a miss.
-            await turn.handle.discard("reuse_failed")
+            # Spent or poisoned: see the module docstring. Retry as a miss. A parent's
+            # handle read shared is the parent's: only this turn stops reading it.
+            if turn.handle.held is not None:
+                await turn.handle.discard("reuse_failed")
+            self.placing.parent_read_failed(turn)
             if f.kind == "connect":
                 self.health.set_health(p, False, f.detail)
                 tries.tried.append(p)

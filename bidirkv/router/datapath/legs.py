@@ -42,6 +42,7 @@ from bidirkv.router.engine.sse import PARAMS
 from bidirkv.router.pool.backends import DECODE, PREFILL, Backend
 from bidirkv.router.pool.placement import EXTEND
 from bidirkv.router.tracing.spans import Leg
+from bidirkv.wire import SHARED_KEY
 
 
 class ReuseReport(NamedTuple):
@@ -96,6 +97,14 @@ def prefill_answer(prefill_body: dict[str, Any]
     return report, PrefillWork(prompt, prompt - (cached or 0), 0) if prompt else None
 
 
+def shared_handle(turn: Turn) -> dict[str, Any] | None:
+    """A child's prefill leg reads its parent's handle shared: P reads the blocks and
+    decode keeps them retained for the parent (connector/core/residency.py, `share`)."""
+    if not turn.reads_parent or turn.parent is None:
+        return None
+    return {**loads(turn.parent.params), SHARED_KEY: True}
+
+
 class Legs:
     """One attempt of a leg: the prefill leg, the decode leg, or a whole turn on one
     engine."""
@@ -111,7 +120,7 @@ class Legs:
         UpstreamFailure when it failed (flow.py decides what follows)."""
         ctx = self.ctx
         entry = turn.handle.held
-        handle = loads(entry.params) if entry is not None else None
+        handle = loads(entry.params) if entry is not None else shared_handle(turn)
         payload = functools.partial(prefill_payload, ctx.handle_key, turn.body, handle)
         span = turn.trace.leg(PREFILL, p.url, PATHS[turn.kind])
         if entry is not None:
@@ -172,8 +181,11 @@ class Legs:
             await turn.handle.consume(report is not None and report.partial)
             if entry.num_tokens >= ctx.cfg.kv_recompute_threshold:
                 ctx.metrics.tokens_offered.inc(entry.num_tokens)
-            if report is not None and report.reused_tokens:
-                ctx.metrics.reused(report.source, report.reused_tokens)
+        elif turn.reads_parent:  # the parent's handle: read, never spent
+            turn.read_parent = bool(report is not None and report.reused_tokens)
+        if (entry is not None or turn.reads_parent) and report is not None \
+                and report.reused_tokens:
+            ctx.metrics.reused(report.source, report.reused_tokens)
 
     async def decode_leg(self, request: web.Request, turn: Turn, d: Backend, rid: str,
                          p_body: dict[str, Any] | None = None, held_tokens: int | None = None

@@ -5,8 +5,9 @@ sub-agent started from the same system prompt and tools, or a fork of the whole
 history) starts a conversation of its own, and its first turn finds no handle. What it
 finds here is the decode replica that holds its parent's prefix, and how much of its
 prompt that is, without taking the parent's handle: the turn then runs there whole
-(decode's prefix cache reads the shared blocks, token-exact and per tenant salt), and
-the parent's next turn still reuses. In order:
+(decode's prefix cache reads the shared blocks, token-exact and per tenant salt), or P reads
+them shared: decode keeps them retained for the parent (connector/core/residency.py,
+`share`). Either way the parent's next turn still reuses. In order:
 
     child   a parent header (`parentHeaders`) names a conversation of the same tenant
             that has a handle;
@@ -43,12 +44,14 @@ HEAD_ROLES = ("system", "developer")
 @dataclass(frozen=True, slots=True)
 class Parent:
     """A first turn's prefix: `chars` of its prompt (as placement counts them) held on
-    `decode_url` for the conversation labelled `label`, found as `kind`."""
+    `decode_url` for the conversation labelled `label`, found as `kind`; `params`, the
+    parent's handle, which P may read shared (leaving it the parent's)."""
 
     kind: str
     decode_url: str
     chars: int
     label: str
+    params: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,16 +154,18 @@ class Parents:
             if entry is not None:
                 label = keys.conversation_label(tenant, parent_id)
                 return Parent(CHILD, entry.decode_url, self._shared(entry, source, messages,
-                                                                    tenant, headed), label)
+                                                                    tenant, headed), label,
+                              entry.params)
         if messages is not None:
             found = await self._fork(tenant, messages, history_key)
             if found is not None:
                 return found
         if headed is not None:
-            found = await self._believed(self.prefixes.get(headed[0]))
-            if found is not None:
-                return Parent(PREFIX, found.decode_url, min(found.chars, headed[1]),
-                              found.label)
+            noted = self.prefixes.get(headed[0])
+            entry = await self._believed(noted)
+            if noted is not None and entry is not None:
+                return Parent(PREFIX, noted.decode_url, min(noted.chars, headed[1]),
+                              noted.label, entry.params)
         return None
 
     def _shared(self, entry: Entry, source: bytes, messages: list[Any] | None,
@@ -182,22 +187,23 @@ class Parents:
     async def _fork(self, tenant: bytes, messages: list[Any], history_key: bytes | None
                     ) -> Parent | None:
         key = fork_key(self.keys, tenant, messages)
-        noted = await self._believed(self.prefixes.get(key)) if key is not None else None
-        if noted is not None:
-            return Parent(FORK, noted.decode_url, noted.chars, noted.label)
+        noted = self.prefixes.get(key) if key is not None else None
+        entry = await self._believed(noted)
+        if noted is not None and entry is not None:
+            return Parent(FORK, noted.decode_url, noted.chars, noted.label, entry.params)
         if history_key is not None:
             entry = await self.store.look(history_key)
             if entry is not None:
                 return Parent(FORK, entry.decode_url, entry.chars,
-                              "auto:" + history_key.hex()[:10])
+                              "auto:" + history_key.hex()[:10], entry.params)
         return None
 
-    async def _believed(self, noted: Noted | None) -> Noted | None:
-        """`noted`, while the handle it came from is stored on the same replica."""
+    async def _believed(self, noted: Noted | None) -> Entry | None:
+        """The handle `noted` came from, while it is stored on the same replica."""
         if noted is None:
             return None
         entry = await self.store.look(noted.source)
-        return noted if entry is not None and entry.decode_url == noted.decode_url else None
+        return entry if entry is not None and entry.decode_url == noted.decode_url else None
 
     def note(self, tenant: bytes, body: dict[str, Any], source: bytes, decode_url: str,
              chars: int, prompt_key: bytes | None, label: str) -> None:
@@ -213,13 +219,13 @@ class Parents:
 
 
 def reuse_kind(reuse: ReuseOutcome, consumed: bool, placed: Decision | None,
-               parent: Parent | None) -> str | None:
+               parent: Parent | None, read_parent: bool = False) -> str | None:
     """Whose KV an answered turn started from (metrics' reuse_kind), if any: its own
     handle's (P took it, or its holder extended it), else its parent's when it ran whole
-    on the parent's holder."""
+    on the parent's holder or P read the parent's blocks (`read_parent`)."""
     if reuse in (ReuseOutcome.EXTENDED, ReuseOutcome.VERIFIED_PARTIAL) or (
             reuse is ReuseOutcome.HIT and consumed):
         return RETURNING
-    if parent is not None and placed is not None and placed.path == EXTEND:
+    if parent is not None and (read_parent or placed is not None and placed.path == EXTEND):
         return parent.kind
     return None

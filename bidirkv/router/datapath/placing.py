@@ -4,7 +4,8 @@ replicas); flow.py runs it there.
 The turn's modes are read here once, into its plan (modes.py's `Plan`): on P alone, whole
 on one decode replica, or the two legs and the decode replicas they try, in order; its
 handle kept or not. The plan, the decision and the turn's placement are written here
-only: `turn.plan`, `turn.placed` and `turn.new_tokens` have no other writer.
+only: `turn.plan`, `turn.placed`, `turn.new_tokens` and `turn.reads_parent` have no other
+writer.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from bidirkv.router.pool.placement import (
     MOVE,
     ON_DECODE,
     PREFILL,
+    READ_BACK,
     Decision,
     Inputs,
     new_tokens,
@@ -83,10 +85,11 @@ class Placing:
                                 and extends(turn, entry, ctx.keys),
                                 other_inflight=min(others, default=None),
                                 sized=ctx.costs.sized,
-                                holder_draining=holder is not None and holder.draining,
-                                readable=parent is None),
+                                holder_draining=holder is not None and holder.draining),
                          policy, ctx.costs.costs)
         turn.placed = decision
+        # A child's two legs: P reads the parent's blocks shared (legs.py).
+        turn.reads_parent = parent is not None and decision.path in (READ_BACK, MOVE)
         ctx.metrics.placed(decision.path, decision.reason)
         if decision.path == EXTEND:
             return holder, None
@@ -96,6 +99,11 @@ class Placing:
         if decision.path == MOVE:  # another replica decodes the turn (a retry may go back)
             return None, holder_of(ctx.decode.backends, turn.holder_url, None)
         return None, None
+
+    @staticmethod
+    def parent_read_failed(turn: Turn) -> None:
+        """A prefill leg that read the parent's blocks shared failed: the retry does not."""
+        turn.reads_parent = False
 
     @staticmethod
     def extend_failed(turn: Turn) -> None:

@@ -9,8 +9,8 @@ place:
   changes what it holds (the entry, its end, the reuse outcome); prompt_key (keeping.py's
   `extends`, when placement has it hash the messages);
 - where it runs (placing.py): plan (what it does, made of its modes: the only part of
-  them that the modules after placement read), placed, new_tokens;
-- what its legs learnt (legs.py): asked_prefill, prompt_tokens.
+  them that the modules after placement read), placed, new_tokens, reads_parent;
+- what its legs learnt (legs.py): asked_prefill, prompt_tokens, read_parent.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ class Turn:
         "kind", "stream", "body", "rid", "auth", "tenant", "t0", "trace", "modes",
         "prompt_chars", "conv", "store_key", "history", "prompt", "holder_url", "gap",
         "prompt_key", "parent",
-        "handle", "plan", "placed", "new_tokens", "asked_prefill", "prompt_tokens",
+        "handle", "plan", "placed", "new_tokens", "reads_parent", "read_parent",
+        "asked_prefill", "prompt_tokens",
     )
 
     def __init__(self, kind: str, stream: bool, body: dict[str, Any], rid: str,
@@ -72,6 +73,10 @@ class Turn:
         # Where the turn runs and why (placement.py), and the new tokens it estimated.
         self.placed: Decision | None = None
         self.new_tokens = 0
+        # A child on the two legs: P reads its parent's blocks shared (legs.py), until a
+        # prefill leg with them failed; and whether P reported reading any.
+        self.reads_parent = False
+        self.read_parent = False
         # Reuse outcomes are counted only for turns that reached P or ran whole on
         # decode, once.
         self.asked_prefill = False

@@ -67,9 +67,6 @@ class Inputs:
     # The holder is leaving (its pod got SIGTERM): it takes no extend, and the turn moves
     # to `other_inflight`'s replica, which is never a draining one.
     holder_draining: bool = False
-    # P may read what the holder keeps. Not a child's (parents.py): that is its parent's
-    # handle, so the two legs recompute it and only the holder extending reuses it.
-    readable: bool = True
 
 
 @dataclass(frozen=True)
@@ -100,19 +97,11 @@ def estimate_ms(inp: Inputs, c: Costs) -> tuple[float, float]:
     held = inp.held_tokens or 0
     ahead = inp.holder_inflight if inp.held_tokens is not None else inp.other_inflight or 0
     local = inp.new_tokens * c.prefill_ms * (1 + ahead)
-    read_ms = min(c.read_ms, c.prefill_ms) if inp.readable else c.prefill_ms
-    prefill_work = held * read_ms + inp.new_tokens * c.prefill_ms
+    prefill_work = held * min(c.read_ms, c.prefill_ms) + inp.new_tokens * c.prefill_ms
     return local, c.hop(held + inp.new_tokens) + prefill_work * (1 + inp.prefill_inflight)
 
 
 def place(inp: Inputs, policy: Placement, costs: Costs) -> Decision:
-    decision = _place(inp, policy, costs)
-    if decision.path == READ_BACK and not inp.readable:
-        return Decision(PREFILL, decision.reason)
-    return decision
-
-
-def _place(inp: Inputs, policy: Placement, costs: Costs) -> Decision:
     if inp.held_tokens is None:
         return _unheld(inp, policy, costs)
     if inp.holder_draining and inp.other_inflight is not None:
