@@ -153,8 +153,8 @@ class Parents:
             entry = await self.store.look(source)
             if entry is not None:
                 label = keys.conversation_label(tenant, parent_id)
-                return Parent(CHILD, entry.decode_url, self._shared(entry, source, messages,
-                                                                    tenant, headed), label,
+                return Parent(CHILD, entry.decode_url,
+                              self._shared(entry, messages, tenant, headed), label,
                               entry.params)
         if messages is not None:
             found = await self._fork(tenant, messages, history_key)
@@ -168,8 +168,8 @@ class Parents:
                               noted.label, entry.params)
         return None
 
-    def _shared(self, entry: Entry, source: bytes, messages: list[Any] | None,
-                tenant: bytes, headed: tuple[bytes, int] | None) -> int:
+    def _shared(self, entry: Entry, messages: list[Any] | None, tenant: bytes,
+                headed: tuple[bytes, int] | None) -> int:
         """Of a header-named parent: its whole prompt and answer when this prompt extends
         them (a fork), else the head they share (a sub-agent), else nothing known."""
         key = entry.prompt_key
