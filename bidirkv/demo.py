@@ -451,12 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     def timed(title: str, fn: Callable[[], Any]) -> Any:
-        step(title)
-        t = time.monotonic()
-        try:
-            return fn()
-        finally:
-            clock.phases.append((title.split(":")[0], time.monotonic() - t))
+        return clock.timed(title, fn, step)
 
     try:
         with interrupt_on_signals():
@@ -481,8 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         # The headline's JSON was written before the later phases: its record gets the
         # demo's whole time.
         stamp.restamp(args.out / "bench.json", stamp.run_stamp(clock, *stamp.git_commit(ROOT)))
-    step(f"done in {clock.elapsed():.0f} s: " +
-         ", ".join(f"{name} {secs:.0f} s" for name, secs in clock.phases))
+    step(clock.done())
     return rc
 
 

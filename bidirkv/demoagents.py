@@ -47,7 +47,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from bidirkv.bench.agenttrace import FULL, PARENT_HEADERS, QUICK, Replay, Step, Trace, tokens
-from bidirkv.demolong import say, started
+from bidirkv.demolong import banner, say, started
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SPEC = ROOT / "examples" / "local-agents.yaml"
@@ -292,12 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     clock, load = Clock(), os.getloadavg()
 
     def timed(title: str, fn: Callable[[], Any]) -> Any:
-        print(f"\n==> {title}", flush=True)
-        t = time.monotonic()
-        try:
-            return fn()
-        finally:
-            clock.phases.append((title.split(":")[0], time.monotonic() - t))
+        return clock.timed(title, fn, banner)
 
     try:
         with interrupt_on_signals():
@@ -330,8 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nbench-agents: {exc}\nbench-agents: every process it started is stopped",
               file=sys.stderr)
         return 1
-    print(f"\n==> done in {clock.elapsed():.0f} s: "
-          + ", ".join(f"{name} {secs:.0f} s" for name, secs in clock.phases))
+    banner(clock.done())
     return 0
 
 

@@ -51,6 +51,10 @@ def say(line: str) -> None:
     print(f"    {line}", flush=True)
 
 
+def banner(title: str) -> None:
+    print(f"\n==> {title}", flush=True)
+
+
 def started(label: str, patch: dict[str, Any], args: argparse.Namespace):
     """A started stack of the long spec under `patch`, in its own state directory."""
     from bidirkv.local.cli import prepare_stack
@@ -245,6 +249,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from bidirkv.bench.client import RequestFailed
+    from bidirkv.bench.stamp import Clock
     from bidirkv.local.cli import tiny_model_for
     from bidirkv.local.cpu import read_cpu
     from bidirkv.local.ports import PortInUse
@@ -252,17 +257,12 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     args.out = args.out.resolve()
-    t0 = time.monotonic()
+    clock = Clock()
+    t0 = clock.started_mono
     load = os.getloadavg()
-    walls: list[tuple[str, float]] = []
 
     def timed(title: str, fn: Callable[[], Any]) -> Any:
-        print(f"\n==> {title}", flush=True)
-        t = time.monotonic()
-        try:
-            return fn()
-        finally:
-            walls.append((title.split(":")[0], time.monotonic() - t))
+        return clock.timed(title, fn, banner)
 
     try:
         with interrupt_on_signals():
@@ -293,8 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nbench-long: {exc}\nbench-long: every process it started is stopped",
               file=sys.stderr)
         return 1
-    print(f"\n==> done in {time.monotonic() - t0:.0f} s: "
-          + ", ".join(f"{name} {secs:.0f} s" for name, secs in walls))
+    banner(clock.done())
     return 0
 
 

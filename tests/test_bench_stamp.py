@@ -68,3 +68,18 @@ def test_each_run_records_the_policy_and_transfer_its_stack_ran(tmp_path):
     off = merge_patch(raw, {"kvTransfer": {"bidirectional": False}, **demo.ALWAYS_DISAGGREGATE})
     assert demo.run_settings(local_spec(off, tmp_path)) == {
         "placement_policy": "alwaysDisaggregate", "bidirectional": False}
+
+
+def test_a_phase_is_announced_and_timed_however_it_ends():
+    clock = stamp.Clock()
+    said: list[str] = []
+    assert clock.timed("tiny model: build", lambda: 7, said.append) == 7
+
+    def fails():
+        raise ValueError("no stack")
+
+    with pytest.raises(ValueError):
+        clock.timed("bidirectional ON", fails, said.append)
+    assert said == ["tiny model: build", "bidirectional ON"]
+    assert [name for name, _ in clock.phases] == ["tiny model", "bidirectional ON"]
+    assert clock.done().startswith("done in ") and "tiny model 0 s" in clock.done()

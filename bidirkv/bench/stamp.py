@@ -16,7 +16,7 @@ import os
 import pathlib
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,22 @@ class Clock:
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started_mono
+
+    def timed(self, title: str, fn: Callable[[], Any], announce: Callable[[str], None]
+              ) -> Any:
+        """`fn()`, announced by its title, its wall time kept as the phase the title
+        names (up to its first colon), however it ends."""
+        announce(title)
+        t = time.monotonic()
+        try:
+            return fn()
+        finally:
+            self.phases.append((title.split(":")[0], time.monotonic() - t))
+
+    def done(self) -> str:
+        """The whole run's wall time and each phase's, for its last line."""
+        return f"done in {self.elapsed():.0f} s: " + ", ".join(
+            f"{name} {secs:.0f} s" for name, secs in self.phases)
 
 
 def git_commit(root: str | os.PathLike[str]) -> tuple[str | None, bool | None]:
