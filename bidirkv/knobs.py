@@ -113,6 +113,22 @@ def _refused(problem_of: Callable[[str], str | None]) -> AfterValidator:
     return AfterValidator(check)
 
 
+HIDDEN = "<not shown: it holds credentials>"
+
+
+def shown_input(value: Any) -> Any:
+    """A refused value as an error may show it: a URL with credentials in it is not
+    shown (an error lands in logs, Events and status, readable by many)."""
+    if isinstance(value, str) and "@" in value:
+        try:
+            parts = urlsplit(value)
+        except ValueError:
+            return HIDDEN
+        if parts.username is not None or parts.password is not None:
+            return HIDDEN
+    return value
+
+
 def _node_rule(rule: Rule, *fields: str) -> dict[str, str]:
     """The rule as the API server checks it on the node whose keys these are."""
     keys = [to_camel(f) for f in fields]

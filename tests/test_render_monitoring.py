@@ -120,6 +120,15 @@ def test_bad_monitoring_names_the_field(minimal, monitoring, expected):
     assert expected in str(err.value)
 
 
+def test_a_refused_endpoint_with_credentials_is_not_shown(minimal):
+    minimal["spec"]["monitoring"] = {"tracing": {
+        "otlpEndpoint": "https://u:secret-token@otel:4318/v1/traces"}}
+    with pytest.raises(SpecError) as err:
+        render_resource(minimal)
+    assert "secret-token" not in str(err.value)
+    assert "spec.monitoring.tracing.otlpEndpoint: '<not shown" in str(err.value)
+
+
 def test_headers_over_plain_http_only_when_the_spec_says_so(minimal):
     from bidirkv.operator.crd.schema import build_crd
     from kubeapi.crdschema import validate_custom_resource

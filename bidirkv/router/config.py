@@ -33,6 +33,7 @@ from bidirkv.knobs import (
     Timeouts,
     TracingKnobs,
     check_rule,
+    shown_input,
 )
 
 
@@ -167,8 +168,8 @@ def format_errors(exc: ValidationError, source: str) -> str:
         value = err.get("input")
         if where in ("handleStore", "handle_store"):
             value = "<not shown: it may hold a password>"
-        elif where == "tracing.otlpEndpoint" and isinstance(value, str) and "@" in value:
-            value = "<not shown: it holds credentials>"
+        else:
+            value = shown_input(value)
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             model = _SECTIONS.get(err["loc"][0], RouterConfig) if len(err["loc"]) > 1 \

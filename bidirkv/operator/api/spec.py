@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from bidirkv.knobs import LEASE_OUTLIVES_RENEWALS, TTL_SAFETY_MARGIN_SECONDS
+from bidirkv.knobs import LEASE_OUTLIVES_RENEWALS, TTL_SAFETY_MARGIN_SECONDS, shown_input
 from bidirkv.operator.api.base import _Model
 from bidirkv.operator.api.engine import EngineSpec, ModelSpec, RoleSpec
 from bidirkv.operator.api.monitoring import MonitoringSpec
@@ -269,7 +269,7 @@ def format_validation_error(exc: Any) -> str:
         if err["type"] == "value_error" and not loc:
             parts.append(str(err["ctx"]["error"]) if "ctx" in err else err["msg"])
             continue
-        value = err.get("input")
+        value = shown_input(err.get("input"))
         shown = repr(value) if not isinstance(value, dict) else "{...}"
         parts.append(f"{path}: {shown}: {err['msg']}")
     return "; ".join(parts)
