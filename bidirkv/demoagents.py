@@ -47,7 +47,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from bidirkv.bench.agenttrace import FULL, PARENT_HEADERS, QUICK, Replay, Step, Trace, tokens
-from bidirkv.demolong import banner, say, started
+from bidirkv.demolong import banner, finished, run_meta, say, started
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SPEC = ROOT / "examples" / "local-agents.yaml"
@@ -280,12 +280,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bidirkv.bench.client import RequestFailed
     from bidirkv.bench.stamp import Clock, git_commit, run_stamp
     from bidirkv.local.cli import tiny_model_for
     from bidirkv.local.cpu import read_cpu
-    from bidirkv.local.ports import PortInUse
-    from bidirkv.local.stack import StackRunning, StartError, interrupt_on_signals
 
     args = parse_args(argv)
     args.out = args.out.resolve()
@@ -294,39 +291,27 @@ def main(argv: list[str] | None = None) -> int:
     def timed(title: str, fn: Callable[[], Any]) -> Any:
         return clock.timed(title, fn, banner)
 
-    try:
-        with interrupt_on_signals():
-            cpu = read_cpu()
-            trace = trace_for(args)
-            model, choice = timed("tiny model", lambda: tiny_model_for(
-                args.spec, ROOT, not args.no_progress))
-            say(f"{model}; CPU {cpu.describe()}; {choice.line()}")
-            say(f"load average at the start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on "
-                f"{os.cpu_count()} cpus")
-            t0 = clock.started_mono
-            on = timed(f"bidirectional ON, placement cost: start {args.spec.name}, the "
-                       "trace, stop", lambda: phase("on", {}, trace, args, t0, bound=False))
-            off = timed("bidirectional OFF (servers and router): start, the trace with the "
-                        "lower bound, stop", lambda: phase("off", OFF, trace, args, t0,
-                                                           bound=True))
-            meta = {"spec": str(args.spec), "cpu": cpu.to_json(),
-                    "dtype": {"dtype": choice.dtype, "picked": choice.picked,
-                              "reason": choice.reason},
-                    "trace_sha": hashlib.sha256(
-                        (args.out / "trace.json").read_bytes()).hexdigest()[:16],
-                    "loadavg": {"start": list(load), "end": list(os.getloadavg())},
-                    "run": run_stamp(clock, *git_commit(ROOT))}
-            report(on, off, meta, args, f"{cpu.model} ({cpu.isa()})")
-    except KeyboardInterrupt:
-        print("\nbench-agents: interrupted; every process it started is stopped",
-              file=sys.stderr)
-        return 130
-    except (StartError, PortInUse, StackRunning, RequestFailed, ValueError) as exc:
-        print(f"\nbench-agents: {exc}\nbench-agents: every process it started is stopped",
-              file=sys.stderr)
-        return 1
-    banner(clock.done())
-    return 0
+    def run() -> None:
+        cpu = read_cpu()
+        trace = trace_for(args)
+        model, choice = timed("tiny model", lambda: tiny_model_for(
+            args.spec, ROOT, not args.no_progress))
+        say(f"{model}; CPU {cpu.describe()}; {choice.line()}")
+        say(f"load average at the start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on "
+            f"{os.cpu_count()} cpus")
+        t0 = clock.started_mono
+        on = timed(f"bidirectional ON, placement cost: start {args.spec.name}, the "
+                   "trace, stop", lambda: phase("on", {}, trace, args, t0, bound=False))
+        off = timed("bidirectional OFF (servers and router): start, the trace with the "
+                    "lower bound, stop", lambda: phase("off", OFF, trace, args, t0,
+                                                       bound=True))
+        meta = {**run_meta(args.spec, cpu, choice, load),
+                "trace_sha": hashlib.sha256(
+                    (args.out / "trace.json").read_bytes()).hexdigest()[:16],
+                "run": run_stamp(clock, *git_commit(ROOT))}
+        report(on, off, meta, args, f"{cpu.model} ({cpu.isa()})")
+
+    return finished("bench-agents", run, clock)
 
 
 if __name__ == "__main__":

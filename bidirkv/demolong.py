@@ -55,6 +55,38 @@ def banner(title: str) -> None:
     print(f"\n==> {title}", flush=True)
 
 
+def finished(name: str, run: Callable[[], None], clock: Any) -> int:
+    """`run()` with the local stack's signal handling, as a command's exit status: 0 with
+    the run's times, 130 interrupted, 1 when a stack or a request failed; either of
+    those says that every process it started is stopped (the stacks stop them)."""
+    from bidirkv.bench.client import RequestFailed
+    from bidirkv.local.ports import PortInUse
+    from bidirkv.local.stack import StackRunning, StartError, interrupt_on_signals
+
+    try:
+        with interrupt_on_signals():
+            run()
+    except KeyboardInterrupt:
+        print(f"\n{name}: interrupted; every process it started is stopped", file=sys.stderr)
+        return 130
+    except (StartError, PortInUse, StackRunning, RequestFailed, ValueError) as exc:
+        print(f"\n{name}: {exc}\n{name}: every process it started is stopped",
+              file=sys.stderr)
+        return 1
+    banner(clock.done())
+    return 0
+
+
+def run_meta(spec: pathlib.Path, cpu: Any, choice: Any, load: tuple[float, ...]
+             ) -> dict[str, Any]:
+    """What a run's JSON says of where it ran: the spec, the CPU, the dtype and why, the
+    load average at its start and now."""
+    return {"spec": str(spec), "cpu": cpu.to_json(),
+            "dtype": {"dtype": choice.dtype, "picked": choice.picked,
+                      "reason": choice.reason},
+            "loadavg": {"start": list(load), "end": list(os.getloadavg())}}
+
+
 def started(label: str, patch: dict[str, Any], args: argparse.Namespace):
     """A started stack of the long spec under `patch`, in its own state directory."""
     from bidirkv.local.cli import prepare_stack
@@ -248,12 +280,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bidirkv.bench.client import RequestFailed
     from bidirkv.bench.stamp import Clock
     from bidirkv.local.cli import tiny_model_for
     from bidirkv.local.cpu import read_cpu
-    from bidirkv.local.ports import PortInUse
-    from bidirkv.local.stack import StackRunning, StartError, interrupt_on_signals
 
     args = parse_args(argv)
     args.out = args.out.resolve()
@@ -264,37 +293,24 @@ def main(argv: list[str] | None = None) -> int:
     def timed(title: str, fn: Callable[[], Any]) -> Any:
         return clock.timed(title, fn, banner)
 
-    try:
-        with interrupt_on_signals():
-            cpu = read_cpu()
-            model, choice = timed("tiny model", lambda: tiny_model_for(
-                args.spec, ROOT, not args.no_progress))
-            say(f"{model}; CPU {cpu.describe()}; {choice.line()}")
-            say(f"load average at the start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on "
-                f"{os.cpu_count()} cpus; one conversation: "
-                + " -> ".join(f"+{x.words}" for x in args.plan if x.kind == STEP)
-                + f" words, then +{args.restart_words} before and after a router restart")
-            on, restart = timed("bidirectional ON, alwaysDisaggregate: start "
-                                f"{args.spec.name}, the growing turns, a router restart, stop",
-                                lambda: on_phase(args, t0))
-            off = timed("bidirectional OFF (servers and router): start, the growing turns "
-                        "with the lower bound, stop", lambda: off_phase(args, t0))
-            meta = {"spec": str(args.spec), "cpu": cpu.to_json(),
-                    "dtype": {"dtype": choice.dtype, "picked": choice.picked,
-                              "reason": choice.reason},
-                    "loadavg": {"start": list(load), "end": list(os.getloadavg())},
-                    "wall_s": time.monotonic() - t0}
-            report(on, off, restart, meta, args, f"{cpu.model} ({cpu.isa()})")
-    except KeyboardInterrupt:
-        print("\nbench-long: interrupted; every process it started is stopped",
-              file=sys.stderr)
-        return 130
-    except (StartError, PortInUse, StackRunning, RequestFailed, ValueError) as exc:
-        print(f"\nbench-long: {exc}\nbench-long: every process it started is stopped",
-              file=sys.stderr)
-        return 1
-    banner(clock.done())
-    return 0
+    def run() -> None:
+        cpu = read_cpu()
+        model, choice = timed("tiny model", lambda: tiny_model_for(
+            args.spec, ROOT, not args.no_progress))
+        say(f"{model}; CPU {cpu.describe()}; {choice.line()}")
+        say(f"load average at the start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on "
+            f"{os.cpu_count()} cpus; one conversation: "
+            + " -> ".join(f"+{x.words}" for x in args.plan if x.kind == STEP)
+            + f" words, then +{args.restart_words} before and after a router restart")
+        on, restart = timed("bidirectional ON, alwaysDisaggregate: start "
+                            f"{args.spec.name}, the growing turns, a router restart, stop",
+                            lambda: on_phase(args, t0))
+        off = timed("bidirectional OFF (servers and router): start, the growing turns "
+                    "with the lower bound, stop", lambda: off_phase(args, t0))
+        meta = {**run_meta(args.spec, cpu, choice, load), "wall_s": time.monotonic() - t0}
+        report(on, off, restart, meta, args, f"{cpu.model} ({cpu.isa()})")
+
+    return finished("bench-long", run, clock)
 
 
 if __name__ == "__main__":

@@ -187,3 +187,21 @@ def test_report_prints_both_tables_and_writes_json_and_png(tmp_path, capsys):
     written = json.loads((tmp_path / "long.json").read_text())
     assert written["kind"] == "bidirkv-bench-long" and written["plan"][-1]["kind"] == AFTER
     assert (tmp_path / "ttft_long.png").stat().st_size > 0
+
+
+def test_a_bench_run_ends_with_its_exit_status_and_says_why(capsys):
+    from bidirkv.bench.stamp import Clock
+    from bidirkv.demolong import finished
+
+    def fails(exc):
+        def run():
+            raise exc
+        return run
+
+    assert finished("bench-x", lambda: None, Clock()) == 0
+    assert "done in" in capsys.readouterr().out
+    assert finished("bench-x", fails(ValueError("bad trace")), Clock()) == 1
+    assert "bench-x: bad trace\nbench-x: every process it started is stopped" \
+        in capsys.readouterr().err
+    assert finished("bench-x", fails(KeyboardInterrupt()), Clock()) == 130
+    assert "interrupted" in capsys.readouterr().err
