@@ -279,7 +279,7 @@ async def test_a_parent_is_chosen_by_header_then_history_then_head_and_only_whil
 
     async def find(messages, parent_id=None, tenant=TENANT, body=None):
         return await parents.find(tenant, body or salted({"messages": messages,
-                                                          "tools": TOOLS}), parent_id, None)
+                                                          "tools": TOOLS}), parent_id, False)
 
     # By header: a fork of it is given its whole held text, a sub-agent the shared head.
     by_header = await find(fork, "p")
@@ -302,3 +302,17 @@ async def test_a_parent_is_chosen_by_header_then_history_then_head_and_only_whil
     await store.put(Kept(key, b"{}", "http://d2", tenant=TENANT, chars=4000))
     assert await find(fork) is None
     assert (await find(fork, "p")).decode_url == "http://d2"
+
+
+async def test_a_fork_of_a_conversation_named_by_its_history_is_found_by_that_key():
+    store = InProcessStore(100.0, 100)
+    parents = Parents(KEYS, store, Prefixes())
+    prompt = [SYSTEM, {"role": "user", "content": "fix it"}]
+    answer = {"role": "assistant", "content": "done"}
+    key = KEYS.chat_history(TENANT, prompt).store_key(answer)  # as keeping.py stores it
+    await store.put(Kept(key, b"{}", "http://d1", tenant=TENANT, chars=900))
+    fork = salted({"messages": [*prompt, answer, {"role": "user", "content": "and"}]})
+    found = await parents.find(TENANT, fork, None, by_history=True)
+    assert (found.kind, found.decode_url, found.chars) == ("fork", "http://d1", 900)
+    # A turn named by its history looked that key up as its own: not again.
+    assert await parents.find(TENANT, fork, None, by_history=False) is None

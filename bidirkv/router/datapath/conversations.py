@@ -76,16 +76,9 @@ class Conversations:
                 turn.gap = next_gap(entry.gap, time.time() - entry.kept_at)
         elif turn.modes.places and turn.kind == CHAT:
             turn.parent = await ctx.parents.find(turn.tenant, body, parent_id,
-                                                 self._history_key(turn))
+                                                 by_history=turn.history is None)
             if turn.parent is not None:
                 turn.holder_url = turn.parent.decode_url
-
-    def _history_key(self, turn: Turn) -> bytes | None:
-        """The key a history-named conversation that this prompt extends is stored under:
-        for an explicitly named turn a pass over its messages (its first turn only)."""
-        if turn.history is not None:
-            return None  # that key was looked up as the turn's own
-        return self.ctx.keys.chat_history(turn.tenant, turn.body["messages"]).lookup_key
 
     async def end_conversation(self, tenant: bytes, conversation_id: str) -> bool:
         """DELETE /v1/conversations/{id}: drop the handle, D frees its blocks now."""

@@ -131,19 +131,20 @@ class Parents:
         return body.get("cache_salt") == self.keys.cache_salt(tenant)
 
     async def find(self, tenant: bytes, body: dict[str, Any], parent_id: str | None,
-                   history_key: bytes | None) -> Parent | None:
+                   by_history: bool) -> Parent | None:
         """The prefix this first turn shares with a held conversation, or None.
-        `history_key`: the key a history-named conversation would be stored under that
-        this prompt extends (chat_history's lookup key), when the turn has one."""
+        `by_history`: a fork may be found under the key a history-named conversation that
+        this prompt extends is stored under (not for a turn named by its history: that key
+        was its own lookup); hashed only when nothing before it found the parent."""
         if not self.tenant_salted(tenant, body):
             return None
         try:
-            return await self._find(tenant, body, parent_id, history_key)
+            return await self._find(tenant, body, parent_id, by_history)
         except StoreUnavailable:
             return None
 
     async def _find(self, tenant: bytes, body: dict[str, Any], parent_id: str | None,
-                    history_key: bytes | None) -> Parent | None:
+                    by_history: bool) -> Parent | None:
         keys = self.keys
         messages = body.get("messages")
         messages = messages if isinstance(messages, list) else None
@@ -157,7 +158,7 @@ class Parents:
                               self._shared(entry, messages, tenant, headed), label,
                               entry.params)
         if messages is not None:
-            found = await self._fork(tenant, messages, history_key)
+            found = await self._fork(tenant, messages, by_history)
             if found is not None:
                 return found
         if headed is not None:
@@ -184,13 +185,15 @@ class Parents:
                 return min(noted.chars, headed[1])
         return 0
 
-    async def _fork(self, tenant: bytes, messages: list[Any], history_key: bytes | None
+    async def _fork(self, tenant: bytes, messages: list[Any], by_history: bool
                     ) -> Parent | None:
         key = fork_key(self.keys, tenant, messages)
         noted = self.prefixes.get(key) if key is not None else None
         entry = await self._believed(noted)
         if noted is not None and entry is not None:
             return Parent(FORK, noted.decode_url, noted.chars, noted.label, entry.params)
+        history_key = self.keys.chat_history(tenant, messages).lookup_key if by_history \
+            else None
         if history_key is not None:
             entry = await self.store.look(history_key)
             if entry is not None:

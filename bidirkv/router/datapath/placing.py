@@ -63,8 +63,9 @@ class Placing:
         held: int | None = None
         held_chars = 0
         entry = turn.handle.held
-        # Without a handle of its own, a child's parent prefix (parents.py) is held.
-        parent = turn.parent if entry is None and turn.parent and turn.parent.chars else None
+        # A turn without a handle of its own may have a parent (parents.py) whose prefix
+        # it knows the size of.
+        parent = turn.parent if turn.parent is not None and turn.parent.chars else None
         url = entry.decode_url if entry is not None else parent.decode_url if parent else None
         if url is not None:
             found = holder_of(ctx.decode.backends, url, None)

@@ -194,6 +194,17 @@ ID_SOURCES = (("body", "conversation_id"), ("header", "X-Conversation-Id"),
               ("body", "session_id"), ("header", "X-Session-ID"))
 
 
+def _checked_id(name: str, value: Any) -> str | None:
+    """An id as sent (None: not sent), held to a conversation id's bounds."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise _bad(name, value, "a non-empty string")
+    if len(value) > MAX_CONVERSATION_ID:
+        raise _too_long(name, value, MAX_CONVERSATION_ID)
+    return value
+
+
 def _conversation_id(body: dict[str, Any], headers: Mapping[str, str] | None) -> str | None:
     """The conversation's id by ID_SOURCES. `conversation_id` is ours and taken out of the
     body; `session_id` is vLLM's own field and stays for the engines."""
@@ -202,26 +213,10 @@ def _conversation_id(body: dict[str, Any], headers: Mapping[str, str] | None) ->
         if where == "body":
             value = body.pop(name, None) if name == "conversation_id" else body.get(name)
         else:
-            value = _header_id(headers, name) if headers is not None else None
-        if value is None:
-            continue
-        if not isinstance(value, str) or not value:
-            raise _bad(name, value, "a non-empty string")
-        if len(value) > MAX_CONVERSATION_ID:
-            raise _too_long(name, value, MAX_CONVERSATION_ID)
+            value = headers.get(name) if headers is not None else None
+        value = _checked_id(name, value)
         found = value if found is None else found
     return found
-
-
-def _header_id(headers: Mapping[str, str], name: str) -> str | None:
-    value = headers.get(name)
-    if value is None:
-        return None
-    if not value:
-        raise _bad(name, value, "a non-empty string")
-    if len(value) > MAX_CONVERSATION_ID:
-        raise _too_long(name, value, MAX_CONVERSATION_ID)
-    return value
 
 
 def parent_id(headers: Mapping[str, str] | None, names: Sequence[str]) -> str | None:
@@ -230,7 +225,7 @@ def parent_id(headers: Mapping[str, str] | None, names: Sequence[str]) -> str | 
     conversation id, so an oversized one is refused whichever wins."""
     found = None
     for name in names if headers is not None else ():
-        value = _header_id(headers, name)
+        value = _checked_id(name, headers.get(name))
         found = value if found is None else found
     return found
 
