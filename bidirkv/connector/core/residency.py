@@ -139,8 +139,8 @@ class Residency:
     notes: Notes = field(default_factory=Notes)
     # On prefill: the ids of blocks lent to decode for a turn (lease.Lent).
     lent: Lent = field(default_factory=Lent)
-    # Shared reads are granted only where their notifications reach this residency: a
-    # worker in this process says so (nixl/worker.py); one in another (TP > 1) cannot.
+    # Shared reads are granted only where one notification is one read: a decode of one
+    # worker (its connector sets this, nixl/connector.py).
     shares: bool = False
     shared: int = 0  # shared reads granted
 
@@ -342,18 +342,15 @@ class Residency:
         with self.lock:
             h = self.held.get(req_id)
             if not self.shares:
-                reason = "no_shared_reads"
-            elif h is None:
-                reason = "unknown"
-            elif h.state == RELEASING:
-                reason = f"released:{h.cause}"
-            elif h.state == GRANTED:
+                reason: str | None = "no_shared_reads"
+            elif h is not None and h.state == GRANTED:
                 reason = "granted"
-            elif h.release_after is not None:
+            elif h is not None and h.release_after is not None:
                 reason = f"released:{h.release_after}"
-            elif h.deadline - now < GRANT_MARGIN_S:
-                reason = "near_expiry"
             else:
+                reason = self._unreadable(h, now)
+            if reason is None:
+                assert h is not None
                 if not h.readers:
                     self._unfree(h)
                 h.readers += 1
@@ -361,6 +358,17 @@ class Residency:
                 return True, "shared", h.id_lists()
             self.refusals["shared_" + reason.replace(":", "_")] += 1
             return False, reason, []
+
+    def _unreadable(self, h: Held | None, now: float) -> str | None:
+        """Caller holds the lock: why no read of `h` may start now, whether it spends the
+        blocks or shares them (None: it may)."""
+        if h is None:
+            return "unknown"
+        if h.state == RELEASING:
+            return f"released:{h.cause}"
+        if h.deadline - now < GRANT_MARGIN_S:
+            return "near_expiry"
+        return None
 
     def shared_done(self, req_id: str) -> None:
         """A shared read's notification: the last one makes the entry releasable again,
@@ -386,17 +394,13 @@ class Residency:
         now = self.clock()
         with self.lock:
             h = self.held.get(req_id)
-            if h is None:
-                reason = "unknown"
-            elif h.state == GRANTED:
+            if h is not None and h.state == GRANTED:
                 return True, "granted", h.id_lists()
-            elif h.readers:
-                reason = "shared_reading"  # its notification would free them mid-read
-            elif h.state == RELEASING:
-                reason = f"released:{h.cause}"
-            elif h.deadline - now < GRANT_MARGIN_S:
-                reason = "near_expiry"
-            else:
+            # A shared read in flight: this read's notification would free them mid-read.
+            reason = "shared_reading" if h is not None and h.readers else self._unreadable(
+                h, now)
+            if reason is None:
+                assert h is not None
                 self._unfree(h)
                 self.notes.drop(req_id)  # read once: no router will hold it again
                 h.state = GRANTED
