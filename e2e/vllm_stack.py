@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import pathlib
 import re
-import socket
 import sys
 import time
 import urllib.error
@@ -26,6 +25,7 @@ from otlp_receiver import Receiver, receiving
 
 from bidirkv.local.engines import LocalPorts, engine_process, local_router_config, local_secrets
 from bidirkv.local.model import build_model
+from bidirkv.local.ports import free_ports  # below the ephemeral range vLLM binds port 0 in
 from bidirkv.local.procs import Proc, merged_env, stop_all
 from bidirkv.operator.api.spec import parse_spec
 from bidirkv.proof import make_proof
@@ -72,17 +72,6 @@ def spec_for(model: pathlib.Path, max_model_len: int = 4096) -> dict:
         "router": {"conversationTtlSeconds": 100,
                    "placement": {"policy": "alwaysDisaggregate"}},
     }
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass
