@@ -282,7 +282,9 @@ def _second_notification_arrives(tmp_path) -> bool:
         assert reader.local_notify_socket.poll(1000)
         reader.local_notify_socket.recv()
         writer.notify()
-        return bool(reader.local_notify_socket.poll(200))
+        # A dropped notification never arrives; a slow one under a loaded machine may take
+        # longer than a few hundred ms, so wait as long as for the one before.
+        return bool(reader.local_notify_socket.poll(1000))
     finally:
         for sock in (writer.local_notify_socket, reader.local_notify_socket,
                      reader.read_cancel_socket, reader.write_cancel_socket):
