@@ -96,6 +96,7 @@ class Behaviour:
     no_params: bool = False  # decode: finish without kv_transfer_params
     health_status: int = 200
     residency_status: int = 200  # decode: /bidirkv/residency answers with this status
+    recall_gate: asyncio.Event | None = None  # decode: a recall is answered once it is set
     wire_version: int = VERSION  # the bidir-kv wire version its handles carry
     num_blocks: int = 1000  # decode: the capacity /bidirkv/residency reports
     # decode: /bidirkv/residency says it is draining (set, as on the real engine, by a
@@ -255,6 +256,8 @@ class FakeEngine:
             if rid in self.issued:
                 self.notes[rid] = (next(self._note_seq), owner, note)
         if isinstance(body.get("recall"), int):
+            if self.behaviour.recall_gate is not None:
+                await self.behaviour.recall_gate.wait()
             mine = sorted((seq, rid, note) for rid, (seq, who, note) in self.notes.items()
                           if who == owner and seq > body["recall"])
             out.update({"notes": {rid: note for _, rid, note in mine},

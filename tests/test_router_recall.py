@@ -8,6 +8,7 @@ its pid, a new one with the same config, and the next turn reuses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import signal
@@ -244,6 +245,59 @@ async def test_a_restarted_router_reuses_what_decode_still_holds(setup):
     # One owner for both processes: decode kept the blocks for the new one.
     owners = {c["owner"] for c in d.residency_calls}
     assert owners == {stable_owner(KEY.encode())}
+
+
+async def test_a_restarted_router_is_ready_once_its_handles_are_back(setup, tmp_path):
+    """/ready waits for the first recall from each healthy decode: a turn sent as soon as
+    the new router is ready (a rollout moves traffic then) reuses."""
+    p, d, router = setup
+    cfg = tmp_path / "router.json"  # a probe timeout (5 s) well past the gate's wait
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()),
+                               "healthCheckIntervalSeconds": 5}))
+    a = await router("a").start()
+    status, m1 = await a.chat(U1)
+    assert status == 200
+    await noted(d, 1)
+    (kept_rid,) = d.notes
+    a.stop(signal.SIGTERM)
+    d.behaviour.recall_gate = asyncio.Event()
+    b = router("b")
+    starting = asyncio.create_task(b.start())
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 20
+    async with aiohttp.ClientSession() as s:
+        while True:
+            assert loop.time() < deadline, "the new router never reported its recall"
+            with contextlib.suppress(aiohttp.ClientError):
+                async with s.get(b.url + "/ready") as r:
+                    body = await r.json()
+                    if body.get("recalling"):
+                        break
+            await asyncio.sleep(0.05)
+    assert r.status == 503 and body["recalling"] == [d.url] and "recalling" in body["reason"]
+    assert body["mode"] == "disaggregated" and not starting.done()
+    d.behaviour.recall_gate.set()
+    await starting
+    status, _ = await b.chat(U1 + [m1, {"role": "user", "content": "x"}])
+    assert status == 200 and handles_sent(p) == [kept_rid], "a turn right after ready recomputed"
+    async with aiohttp.ClientSession() as s, s.get(b.url + "/metrics") as r:
+        assert f'bidirkv_router_recalled_handles_total{{url="{d.url}"}} 1.0' in await r.text()
+
+
+def test_a_start_waits_for_no_replica_past_its_bound_or_one_that_gives_nothing_back():
+    from bidirkv.router.pool.recall import Recall
+    from bidirkv.router.pool.residency import ResidencyClient
+    from bidirkv.router.store.memory import InProcessStore
+
+    client = ResidencyClient(15, aiohttp.ClientTimeout(total=1))
+    store = InProcessStore(300, 100)
+    recall = Recall(client, store, store.peek, lambda: 300.0, lambda coro: None)
+    client.replica("http://no-route").supported = False
+    recall.asked.add("http://asked")  # recalled, refused or failed: asked again later
+    urls = ["http://new", "http://no-route", "http://asked"]
+    assert recall.waiting(urls) == ["http://new"]
+    recall.ready_wait_s = 0.0
+    assert recall.waiting(urls) == []
 
 
 async def test_several_conversations_come_back_and_a_released_one_does_not(setup):

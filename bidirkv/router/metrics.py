@@ -125,6 +125,11 @@ class Metrics:
             p + "releases_sent", "Decode request ids sent for release, by call result.",
             ["result"], registry=r,
         )
+        self.recalled = Counter(
+            p + "recalled_handles", "Handles a starting router put back into its in-process "
+            "store from the notes decode kept for it (bidirkv/router/pool/recall.py), per "
+            "decode replica.", ["url"], registry=r,
+        )
         self.pinned_blocks = Gauge(
             p + "decode_pinned_blocks", "Decode KV blocks pinned by this router's handles.",
             ["url"], registry=r,

@@ -62,12 +62,14 @@ class Context:
         self.metrics.store_info.labels(store_mode(cfg)).set(1)
         self._tasks: set[asyncio.Task[Any]] = set()
         store = self.store
+        self.recall: Recall | None = None
         if handle_key and isinstance(store, InProcessStore):
             # The in-process store dies with the process: decode keeps a note of each
             # handle, and a restarted router recalls them (pool/recall.py).
             self.residency.notes_key = note_key(handle_key)
-            self.residency.on_first_answer = Recall(
-                self.residency, store, store.peek, lambda: store.ttl, self.spawn)
+            self.recall = Recall(self.residency, store, store.peek, lambda: store.ttl,
+                                 self.spawn, self._on_recalled)
+            self.residency.on_first_answer = self.recall
 
     def backends(self) -> list[Backend]:
         return self.prefill.backends + self.decode.backends
@@ -96,6 +98,9 @@ class Context:
 
     def _on_store_error(self, op: str) -> None:
         self.metrics.store_errors.labels(op).inc()
+
+    def _on_recalled(self, url: str, n: int) -> None:
+        self.metrics.recalled.labels(url).inc(n)
 
     def _on_residency_call(self, url: str, result: str, released: int) -> None:
         self.metrics.residency_calls.labels(result).inc()

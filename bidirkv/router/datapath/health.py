@@ -35,6 +35,14 @@ def serving_mode(ctx: Context) -> tuple[str, str | None]:
     return UNAVAILABLE, "no healthy decode engine (prefillOnlyFallback is off)"
 
 
+def recalling(ctx: Context) -> list[str]:
+    """The healthy decode replicas a starting router still recalls its handles from
+    (pool/recall.py): `/ready` waits for them, within the recall's bound."""
+    if ctx.recall is None or not modes_of(ctx.cfg).bidirectional:
+        return []  # no recall: a shared store keeps the handles, or no reuse at all
+    return ctx.recall.waiting(b.url for b in ctx.decode.healthy())
+
+
 class Health:
     """Which backends are in service; every part that sees an engine fail reports it here."""
 

@@ -3,6 +3,9 @@ replica, when it first answers, for the notes this owner left (notes.py) and put
 live ones back into its store; meanwhile a turn whose handle is not back recomputes.
 For `FOLLOW_S` after that it asks again from its cursor: in a rolling update the old
 router still keeps handles after the new one started (its own come back too: `merge`).
+Until each healthy replica's first recall is done, for at most `READY_WAIT_S` after the
+start, `/ready` answers 503 (`waiting`): in a rollout the old router serves meanwhile,
+instead of the new one taking turns whose handles are not back yet.
 
 A recalled handle lives what its note has left of the TTL, counted from when it was
 kept (`Kept.time_left`), so a restart never makes it outlive decode's blocks; notes past
@@ -14,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import aiohttp
@@ -39,6 +42,10 @@ FOLLOW_S = 60.0
 FOLLOW_EVERY_S = 5.0
 # Pages of one recall, at most (decode's page is up to 1 MiB of notes).
 MAX_PAGES = 1000
+# How long after its start a router reports not ready while a first recall is under way:
+# a recall of thousands of notes takes a second or two; a replica whose residency calls
+# fail must not keep a restarted router (the only one after a crash) out of service.
+READY_WAIT_S = 30.0
 
 
 class Recall:
@@ -57,6 +64,23 @@ class Recall:
         self.follow_s = FOLLOW_S
         self.follow_every_s = FOLLOW_EVERY_S
         self.refused: set[str] = set()  # replicas that take no recall: not followed
+        self.started = time.monotonic()
+        self.ready_wait_s = READY_WAIT_S
+        self.asked: set[str] = set()  # replicas whose first recall ended (or failed)
+
+    def waiting(self, urls: Iterable[str]) -> list[str]:
+        """Which of these replicas a starting router still waits for, within
+        `ready_wait_s` of its start: those whose first recall has not ended. One without
+        the residency route has nothing to give back; one whose recall failed is asked
+        again at its next answer, while the router serves."""
+        if time.monotonic() - self.started >= self.ready_wait_s:
+            return []
+        out = []
+        for url in urls:
+            r = self.residency.replicas.get(url)
+            if url not in self.asked and (r is None or r.supported):
+                out.append(url)
+        return out
 
     def __call__(self, session: aiohttp.ClientSession, url: str) -> None:
         """A replica answered for the first time: recall from it, beside the traffic."""
@@ -65,6 +89,7 @@ class Recall:
     async def replica(self, session: aiohttp.ClientSession, url: str) -> int:
         """Recall from `url`, then follow its new notes for a while; handles put back."""
         cursor = await self.pages(session, url, 0)
+        self.asked.add(url)
         if cursor is None:
             # Not answered: try again at its next answer.
             self.residency.replica(url).answered = False

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from bidirkv.router.codec import dumps, dumps_kept, loads
 from bidirkv.router.datapath.admission import logged
-from bidirkv.router.datapath.health import UNAVAILABLE, serving_mode
+from bidirkv.router.datapath.health import UNAVAILABLE, recalling, serving_mode
 from bidirkv.router.datapath.proxy import Router
 from bidirkv.router.request.replies import json_error, json_response
 from bidirkv.router.request.validation import CHAT, COMPLETIONS, MAX_CONVERSATION_ID
@@ -87,10 +87,17 @@ async def _health(request: web.Request) -> web.Response:
 async def _ready(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
     mode, reason = serving_mode(router.ctx)
+    # A restarted router waits for the handles decode kept for it; in a rollout the old
+    # router serves meanwhile (bounded: a crash leaves no other).
+    waiting = recalling(router.ctx) if mode != UNAVAILABLE else []
+    ready = mode != UNAVAILABLE and not waiting
+    if waiting:
+        reason = (f"recalling the handles decode kept for this router from {len(waiting)} "
+                  "replica(s)")
     body = dumps({
-        "ready": mode != UNAVAILABLE,
+        "ready": ready,
         # prefill-only still serves: see bidirkv/router/datapath/flow.py
-        "mode": mode, "reason": reason,
+        "mode": mode, "reason": reason, "recalling": waiting,
         "prefill": {"healthy": len(router.ctx.prefill.healthy()),
                     "total": len(router.ctx.prefill.backends)},
         "decode": {"healthy": len(router.ctx.decode.healthy()),
@@ -100,7 +107,7 @@ async def _ready(request: web.Request) -> web.Response:
                         or router.ctx.cfg.handle_store is not None,
                         "available": router.ctx.store.available},
     })
-    return json_response(503 if mode == UNAVAILABLE else 200, body)
+    return json_response(200 if ready else 503, body)
 
 
 async def _metrics(request: web.Request) -> web.Response:
