@@ -37,6 +37,11 @@ SHARED_KEY = "bidirkv_shared"
 # The decode request id a shared read asks for and notifies with: decode tells it from
 # the read that spends the handle (side channel, NIXL notification).
 SHARE_PREFIX = "bidirkv-share:"
+# kv_transfer_params, D -> router beside a handle (optional): how many of its blocks D
+# already kept for other requests when it retained this one (a fork's prefix shared with
+# its parent, an extend's history with the turn it extends). Decode pins a block once;
+# the router counts it once too (router/datapath/keeping.py) and never sends it on.
+SHARED_BLOCKS_KEY = "bidirkv_shared_blocks"
 # kv_transfer_params, P -> router (prefill leg reply): the reuse report
 REPORT_KEY = "bidirkv"
 # HTTP, router -> each decode engine: leases and releases of retained KV

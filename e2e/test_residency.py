@@ -27,6 +27,7 @@ from bidirkv.wire import (  # noqa: E402
     COUNTS_KEY,
     RESIDENCY_PATH,
     RESIDENCY_VERSION_FIELD,
+    SHARED_BLOCKS_KEY,
     VERSION,
     VERSION_KEY,
 )
@@ -201,6 +202,21 @@ def test_a_waiting_request_takes_retained_blocks(stack):
     grew = after["released"]["pressure"] - full["released"].get("pressure", 0)
     assert metric_reaches(stack.d_url, "vllm:bidirkv_released_requests_total",
                           released + grew) >= released + grew
+
+
+def test_a_forks_handle_says_decode_kept_its_parents_blocks_already(stack):
+    """A fork computed after its parent's turn takes the parent's retained blocks from
+    decode's prefix cache: decode pins them once, and the fork's handle says how many of
+    its blocks it had kept already (SHARED_BLOCKS_KEY), so the router counts them once."""
+    user, text, parent = first_turn(stack, seed=71, words=400)
+    parent_blocks = sum(parent[COUNTS_KEY])
+    assert parent[SHARED_BLOCKS_KEY] == 0 and parent_blocks >= 2
+    body = next_body(user, text, seed=72)
+    _, fork, _ = decode_leg(stack, body, prefill_leg(stack, body), streamed=False)
+    # Every full block of the parent's (its last may be partial: the fork writes its own).
+    assert parent_blocks - 1 <= fork[SHARED_BLOCKS_KEY] <= parent_blocks
+    assert sum(fork[COUNTS_KEY]) > fork[SHARED_BLOCKS_KEY]
+    residency(stack, release=[parent["remote_request_id"], fork["remote_request_id"]])
 
 
 def test_untracked_request_is_freed_on_release(stack):

@@ -45,7 +45,15 @@ from multidict import CIMultiDict
 
 from bidirkv.connector.core import digests
 from bidirkv.connector.core.handles import sign, stamp_expiry
-from bidirkv.wire import BLOCKS_KEY, COUNTS_KEY, MAC_KEY, NOTE_LEAVES_OUT, VERSION, VERSION_KEY
+from bidirkv.wire import (
+    BLOCKS_KEY,
+    COUNTS_KEY,
+    MAC_KEY,
+    NOTE_LEAVES_OUT,
+    SHARED_BLOCKS_KEY,
+    VERSION,
+    VERSION_KEY,
+)
 
 # Realistic handles (Behaviour.block_size): block ids below this (a large KV pool), the
 # key they are signed with and the digest seed (any: only their bytes are measured).
@@ -99,6 +107,7 @@ class Behaviour:
     recall_gate: asyncio.Event | None = None  # decode: a recall is answered once it is set
     wire_version: int = VERSION  # the bidir-kv wire version its handles carry
     num_blocks: int = 1000  # decode: the capacity /bidirkv/residency reports
+    shared_blocks: int | None = None  # decode: its handles say this many were kept already
     # decode: /bidirkv/residency says it is draining (set, as on the real engine, by a
     # call with `"drain": true`; a call with false clears it)
     draining: bool = False
@@ -202,6 +211,8 @@ class FakeEngine:
             del out["remote_block_ids"]
             stamp_expiry(out, 480.0)
             out[MAC_KEY] = sign(out, HANDLE_KEY)
+        if decode and self.behaviour.shared_blocks is not None:
+            out[SHARED_BLOCKS_KEY] = self.behaviour.shared_blocks  # beside the signed part
         return out
 
     @staticmethod

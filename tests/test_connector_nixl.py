@@ -15,7 +15,7 @@ from bidirkv.connector.hooks import tally
 from bidirkv.connector.hooks.retention import Retention
 from bidirkv.connector.patches import connector as guard
 from bidirkv.roleconfig import KV_CONNECTOR, KV_CONNECTOR_MODULE
-from bidirkv.wire import COUNTS_KEY, OWNER_KEY, RETURN_KEY, TENANT_KEY
+from bidirkv.wire import COUNTS_KEY, OWNER_KEY, RETURN_KEY, SHARED_BLOCKS_KEY, TENANT_KEY
 
 pytest.importorskip("vllm")
 
@@ -122,6 +122,24 @@ def test_retention_follows_vllms_bookkeeping():
     assert r.tally.take()[tally.RELEASED] == {"router": 1}
     r.count()
     assert r.tally.take() is None  # only what grew since
+
+
+def test_a_handle_says_how_many_of_its_blocks_decode_kept_already():
+    """A fork's handle on the holder of its parent: the prefix it shares is pinned once
+    on decode, and the handle tells the router so (wire.SHARED_BLOCKS_KEY)."""
+    s, res = sched(), Residency()
+    r = Retention(s, res)
+    s._reqs_need_send.update(parent=99.0, fork=99.0, other=99.0)
+    parent = {"do_remote_decode": True, "remote_block_ids": [[1, 2, 3, 4]]}
+    fork = {"do_remote_decode": True, "remote_block_ids": [[1, 2, 3, 9]]}
+    other = {"do_remote_decode": True, "remote_block_ids": [[7, 8]]}
+    for rid, out in (("parent", parent), ("fork", fork), ("other", other)):
+        r.finished(req(rid, {}), True, out)
+    assert [o[SHARED_BLOCKS_KEY] for o in (parent, fork, other)] == [0, 3, 0]
+    assert res.kept_blocks() == 7
+    not_kept = {"do_remote_decode": True, "remote_block_ids": [[1, 2]]}
+    r.finished(req("x", {}), False, not_kept)  # not delayed: no handle, nothing said
+    assert SHARED_BLOCKS_KEY not in not_kept
 
 
 def test_retention_is_off_without_bidirectional_transfer():

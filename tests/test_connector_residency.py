@@ -367,9 +367,10 @@ def test_an_extend_and_the_turn_it_extends_pin_their_shared_blocks_once():
     releases the old turn (after the leg), both are retained. Counted twice, decode's
     watermark saw 22 of its 24 blocks pinned and released the conversation just extended."""
     res, clock = make(watermark=0.5)
-    res.retain("turn1", 10, "r", clock.t + 100, gap=5.0, block_ids=range(1, 11))
+    assert res.retain("turn1", 10, "r", clock.t + 100, gap=5.0, block_ids=range(1, 11)) == 0
     clock.t += 5
-    res.retain("turn2", 12, "r", clock.t + 100, gap=5.0, block_ids=range(1, 13))
+    # Said in its handle: the router counts the 10 it shares once, too.
+    assert res.retain("turn2", 12, "r", clock.t + 100, gap=5.0, block_ids=range(1, 13)) == 10
     assert res.kept_blocks() == 12
     assert res.over_watermark(24) == 0
     # The router drops the old turn's handle: nothing is freed, the extend pins it all.

@@ -111,6 +111,47 @@ async def test_watermark_keeps_pinned_blocks_under_the_share_of_decode():
         assert "bidirkv_router_decode_kv_blocks" in metrics
 
 
+@pytest.mark.parametrize(("total", "shared", "replaced", "counted"), [
+    (10, 0, None, 10),  # a first turn: all its own
+    (12, 10, None, 2),  # a fork on its parent's holder: the prefix is the parent's
+    (12, 10, 10, 12),  # an extend: the turn it replaces leaves, its blocks are this one's
+    (14, 12, 2, 4),  # a fork's next turn: its own two, two more; the prefix stays shared
+    (5, 9, None, 0),  # more than it has (a decode's nonsense): never below 0
+    (5, 0, 9, 5),  # never above its own blocks
+])
+def test_a_handle_counts_the_blocks_decode_kept_for_it_alone(total, shared, replaced, counted):
+    from bidirkv.router.datapath.keeping import counted_blocks
+    from bidirkv.router.store.base import Entry
+
+    entry = None if replaced is None else Entry(b"k" * 32, b"{}", "http://d", None, 0, 0.0,
+                                                None, 0, blocks=replaced)
+    assert counted_blocks(total, shared, entry) == counted
+
+
+async def test_forks_on_the_parents_holder_count_the_shared_prefix_once():
+    """Decode says how many of a handle's blocks it kept already (SHARED_BLOCKS_KEY): six
+    handles that share everything fit under a watermark that holds four whole ones, and
+    the count never reaches the prefill leg."""
+    from bidirkv.wire import SHARED_BLOCKS_KEY
+
+    async with Cluster(config={"retentionWatermark": 0.5,
+                               "healthCheckIntervalSeconds": 0.05}) as c:
+        c.d[0].behaviour.num_blocks = 8
+        for _ in range(100):
+            if c.router.ctx.residency.capacity(c.d[0].url) == 8:
+                break
+            await asyncio.sleep(0.02)
+        replies = {}
+        for i in range(6):
+            replies[i] = await c.chat(U1, conversation_id=f"c{i}")
+            c.d[0].behaviour.shared_blocks = 1_000  # the later ones share every block
+        assert await c.router.ctx.store.pinned(c.d[0].url) == 1
+        assert len(c.router.ctx.store) == 6 and not c.d[0].released
+        await c.chat(more(replies[0]), conversation_id="c0")
+        (leg,) = [g for g in c.p[0].generations() if g.has_handle]
+        assert SHARED_BLOCKS_KEY not in leg.kv
+
+
 async def test_unidentifiable_turn_releases_at_once():
     async with Cluster() as c:
         # A batched prompt: no conversation can be named for it, so no handle is stored.

@@ -148,11 +148,16 @@ class Residency:
     def retain(self, req_id: str, blocks: int, owner: str | None, deadline: float,
                tenant: str | None = None, gap: float | None = None,
                block_ids: Iterable[int] = (), bulk: dict | None = None,
-               groups: tuple[int, ...] = ()) -> None:
+               groups: tuple[int, ...] = ()) -> int:
+        """Keep a finished request's blocks; how many of them other kept requests already
+        pinned (a prefix it shares with them: pinned once, and said so in its handle)."""
         now = self.clock()
+        ids = tuple(block_ids)
         with self.lock:
+            pins = self._pins
+            shared = sum(1 for b in ids if b in pins)
             h = self.held[req_id] = Held(req_id, blocks, owner, deadline, tenant=tenant,
-                                         kept_at=now, gap=gap, ids=tuple(block_ids),
+                                         kept_at=now, gap=gap, ids=ids,
                                          bulk=bulk, groups=groups)
             if gap is not None:
                 self.prior_gap = next_gap(self.prior_gap, gap)
@@ -164,6 +169,7 @@ class Residency:
             self._move(h, kept=1)
             self._parked += 1
             self._refree(h)
+        return shared
 
     def _refree(self, h: Held) -> None:
         """Caller holds the lock: `h`, in state HELD, is releasable (again)."""

@@ -30,6 +30,7 @@ from bidirkv.wire import (
     NOTE_LEAVES_OUT,
     OWNER_KEY,
     RETURN_KEY,
+    SHARED_BLOCKS_KEY,
     TENANT_KEY,
 )
 
@@ -71,11 +72,13 @@ class Retention:
             # grant hands them to the reader as vLLM lists them.
             groups = out.get("remote_block_ids") or ()
             ids = [b for g in groups for b in g]
-            self.residency.retain(request.request_id, len(ids),
-                                  owner if isinstance(owner, str) else None, deadline,
-                                  tenant, gap_of(params.get(RETURN_KEY)), ids,
-                                  {k: out[k] for k in NOTE_LEAVES_OUT if k in out},
-                                  tuple(len(g) for g in groups))
+            shared = self.residency.retain(
+                request.request_id, len(ids), owner if isinstance(owner, str) else None,
+                deadline, tenant, gap_of(params.get(RETURN_KEY)), ids,
+                {k: out[k] for k in NOTE_LEAVES_OUT if k in out},
+                tuple(len(g) for g in groups))
+            # The router's block bounds count a shared prefix once, as decode does.
+            out[SHARED_BLOCKS_KEY] = shared
 
     def after_alloc(self, request: Any) -> None:
         params = request.kv_transfer_params

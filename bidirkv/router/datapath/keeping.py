@@ -11,7 +11,7 @@ from typing import Any
 from bidirkv.router.codec import dumps_kept
 from bidirkv.router.datapath.context import Context
 from bidirkv.router.datapath.turn import Turn
-from bidirkv.router.engine.bodies import handle_blocks
+from bidirkv.router.engine.bodies import handle_blocks, shared_blocks
 from bidirkv.router.engine.sse import MessageCollector
 from bidirkv.router.pool.backends import Backend
 from bidirkv.router.pool.placement import message_chars
@@ -61,6 +61,8 @@ async def store_handle(ctx: Context, turn: Turn, d: Backend, params: dict[str, A
         return
     n = params.get("remote_num_tokens")
     n = n if isinstance(n, int) and not isinstance(n, bool) else 0
+    total = handle_blocks(params)
+    blocks = counted_blocks(total, shared_blocks(params, total), turn.handle.superseded)
     chars = held_chars(turn, collector)
     prompt_key = _prompt_key(turn, ctx.keys) if turn.plan.keyed else None
     try:
@@ -69,7 +71,7 @@ async def store_handle(ctx: Context, turn: Turn, d: Backend, params: dict[str, A
         kept = Kept(
             key, dumps_kept(params), d.url, engine, n, tenant=accounting_tenant(turn.tenant),
             prefix_len=prefix_len, chars=chars, prompt_key=prompt_key, request_id=rid,
-            blocks=handle_blocks(params), max_pinned=limit,
+            blocks=blocks, max_pinned=limit,
             gap=turn.gap, replaces=turn.handle.superseded,
             tenant_max_pinned=int(share * limit) if limit is not None and share < 1
             else None)
@@ -80,6 +82,16 @@ async def store_handle(ctx: Context, turn: Turn, d: Backend, params: dict[str, A
     except StoreUnavailable:
         if rid is not None:  # not kept anywhere: D frees the blocks now
             ctx.residency.release_ids(d.url, [rid])
+
+
+def counted_blocks(total: int, shared: int, replaced: Entry | None) -> int:
+    """The blocks a handle adds to its replica in the router's block bounds. Decode pins
+    a block once, however many kept requests share it (a fork's prefix with its parent,
+    an extend's history with the turn it extends), and says how many of this handle's
+    blocks were pinned already (`shared`). The handle an extend replaces leaves now:
+    what only that one pinned (its own count) is this handle's from now on."""
+    own = total - shared + (replaced.blocks if replaced is not None else 0)
+    return max(0, min(total, own))
 
 
 def held_chars(turn: Turn, collector: MessageCollector | None) -> int:

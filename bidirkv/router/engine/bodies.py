@@ -16,6 +16,7 @@ from bidirkv.wire import (
     OWNER_KEY,
     PROOF_KEY,
     RETURN_KEY,
+    SHARED_BLOCKS_KEY,
     TENANT_KEY,
     TENANT_LABEL_LEN,
     VERSION,
@@ -108,6 +109,16 @@ def model_len(models: Any, name: str | None) -> int | None:
     chosen = next((m for m in cards if m.get("id") == name), cards[0] if cards else None)
     n = chosen.get("max_model_len") if chosen else None
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def shared_blocks(params: dict[str, Any], total: int) -> int:
+    """Of a D handle's `total` blocks, those D said other kept requests already pinned
+    (wire.SHARED_BLOCKS_KEY). Taken out of `params`: the router's to read, never sent on.
+    0 from a decode that does not say, or says nonsense."""
+    n = params.pop(SHARED_BLOCKS_KEY, None)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        return 0
+    return min(n, total)
 
 
 def handle_blocks(params: dict[str, Any]) -> int:
