@@ -91,14 +91,19 @@ async def test_failed_reuse_releases_but_a_read_does_not():
         assert "rid-1" not in c.d[0].released
 
 
+async def eight_blocks(c: Cluster) -> None:
+    """The decode replica reports 8 blocks, and the router has learned it."""
+    c.d[0].behaviour.num_blocks = 8
+    for _ in range(100):
+        if c.router.ctx.residency.capacity(c.d[0].url) == 8:
+            return
+        await asyncio.sleep(0.02)
+
+
 async def test_watermark_keeps_pinned_blocks_under_the_share_of_decode():
     async with Cluster(config={"retentionWatermark": 0.5,
                                "healthCheckIntervalSeconds": 0.05}) as c:
-        c.d[0].behaviour.num_blocks = 8
-        for _ in range(100):
-            if c.router.ctx.residency.capacity(c.d[0].url) == 8:
-                break
-            await asyncio.sleep(0.02)
+        await eight_blocks(c)
         for i in range(6):
             await c.chat(U1, conversation_id=f"c{i}", headers={"X-Request-Id": f"rid-{i}"})
             assert await c.router.ctx.store.pinned(c.d[0].url) <= 4
@@ -136,11 +141,7 @@ async def test_forks_on_the_parents_holder_count_the_shared_prefix_once():
 
     async with Cluster(config={"retentionWatermark": 0.5,
                                "healthCheckIntervalSeconds": 0.05}) as c:
-        c.d[0].behaviour.num_blocks = 8
-        for _ in range(100):
-            if c.router.ctx.residency.capacity(c.d[0].url) == 8:
-                break
-            await asyncio.sleep(0.02)
+        await eight_blocks(c)
         replies = {}
         for i in range(6):
             replies[i] = await c.chat(U1, conversation_id=f"c{i}")
