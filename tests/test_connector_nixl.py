@@ -142,6 +142,21 @@ def test_a_handle_says_how_many_of_its_blocks_decode_kept_already():
     assert SHARED_BLOCKS_KEY not in not_kept
 
 
+def test_a_step_counts_its_shared_reads_before_it_frees_what_was_read():
+    """The shared read's notification and the spending read's in one step: the shared one
+    counts first, so the blocks go in that step; a shared read still in flight holds
+    them back to a later step."""
+    s, res = sched(), Residency(shares=True)
+    r = Retention(s, res)
+    for rid in ("a", "b"):
+        s._reqs_need_send[rid] = 1e12
+        r.finished(req(rid, {}), True, {"do_remote_decode": True, "remote_block_ids": [[1]]})
+        assert res.share(rid)[0] and res.grant(rid)[0]
+    assert r.sent({"a", "b"}, ["a"]) == {"a"} and "a" not in res.held
+    assert r.sent(None, []) == set() and "b" in res.held
+    assert r.sent(None, ["b"]) == {"b"} and not res.held
+
+
 def test_retention_is_off_without_bidirectional_transfer():
     s, res = sched(bidirectional=False), Residency()
     r = Retention(s, res)

@@ -522,10 +522,10 @@ def test_shared_reads_keep_the_blocks_and_hold_back_what_would_free_them_mid_rea
     res.shares = True  # a worker in this process counts their notifications
     assert res.answer(SHARE_PREFIX + "parent") == (True, "shared", [[1, 2, 3, 4]])
     assert res.share("parent")[0]  # a second child at once
-    # While read: neither pressure nor the router's release frees it, nor does the
-    # parent's own read get a grant (its notification would free the blocks mid-read).
+    # While read: neither pressure nor the router's release frees it, and a read that
+    # would spend it after that release is refused as after any release.
     assert res.reclaim(4) == 0 and res.release(["parent"]) == 0
-    assert res.grant("parent")[:2] == (False, "shared_reading")
+    assert res.grant("parent")[:2] == (False, "released:router")
     assert res.held["parent"].state == "held" and not res.take_pending()
     res.shared_done("parent")
     assert res.held["parent"].readers == 1 and not res.take_pending()
@@ -534,6 +534,33 @@ def test_shared_reads_keep_the_blocks_and_hold_back_what_would_free_them_mid_rea
     assert res.share("parent")[:2] == (False, "released:router")
     res.shared_done("parent")  # a late or stray notification changes nothing
     assert res.stats()["sharedReads"] == 2
+
+
+def test_the_parent_spends_its_handle_while_children_read_it_and_is_freed_after_them():
+    """The parent's own read-back during a child's shared read is granted; its
+    notification frees the blocks only once the shared reads are done, or at the TTL."""
+    res, clock = make()
+    res.shares = True
+    res.retain("parent", 2, "r", clock.t + 100, tenant="t", block_ids=[1, 2], groups=(2,))
+    res.retain("other", 1, "r", clock.t + 100, tenant="t", block_ids=[3], groups=(1,))
+    assert res.share("parent")[0] and res.share("parent")[0]
+    assert res.grant("parent") == (True, "granted", [[1, 2]])
+    assert res.share("parent")[:2] == (False, "granted")  # no new reader once spent
+    # The parent's read notified, and "other" expired: only "other" is freed now.
+    assert res.frees(["parent", "other"]) == {"other"}
+    res.on_freed(["other"])
+    res.shared_done("parent")
+    assert res.frees([]) == set() and "parent" in res.held
+    res.shared_done("parent")  # the last reader: the held-back free goes now
+    assert res.frees([]) == {"parent"}
+    res.on_freed(["parent"])
+    assert res.freed["read"] == 1 and not res.held and res.frees([]) == set()
+    # A reader that never notifies holds the blocks back until their TTL, no longer.
+    res.retain("p2", 1, "r", clock.t + 100, tenant="t", block_ids=[4], groups=(1,))
+    assert res.share("p2")[0] and res.grant("p2")[0]
+    assert res.frees(["p2"]) == set()
+    clock.t += 100
+    assert res.frees([]) == {"p2"}
 
 
 def test_after_its_shared_reads_the_parent_is_read_once_as_before():

@@ -111,6 +111,8 @@ class Residency:
     grants: int = 0
     refusals: Counter = field(default_factory=Counter)  # reason -> grants refused
     _pending: list[str] = field(default_factory=list)
+    # Spent requests whose blocks vLLM frees only once their shared reads end (`frees`).
+    _deferred: set[str] = field(default_factory=set)
     # Running totals: the scheduler reads them before every step, so no step walks
     # `held`. Kept = held or granted (pinned until something frees them). Blocks, not
     # entries' sums: a block two entries share (an extend and the turn it extends) is
@@ -351,8 +353,6 @@ class Residency:
                 reason: str | None = "no_shared_reads"
             elif h is not None and h.state == GRANTED:
                 reason = "granted"
-            elif h is not None and h.release_after is not None:
-                reason = f"released:{h.release_after}"
             else:
                 reason = self._unreadable(h, now)
             if reason is None:
@@ -372,6 +372,8 @@ class Residency:
             return "unknown"
         if h.state == RELEASING:
             return f"released:{h.cause}"
+        if h.release_after is not None:  # decided while shared reads were in flight
+            return f"released:{h.release_after}"
         if h.deadline - now < GRANT_MARGIN_S:
             return "near_expiry"
         return None
@@ -392,6 +394,23 @@ class Residency:
             if h.release_after is not None:
                 self._release(h, h.release_after)
 
+    def frees(self, finished: Iterable[str]) -> set[str]:
+        """Of the requests whose blocks vLLM is about to free (a read notified, or their
+        TTL ran out), those it may free now, and those held back before that may go now.
+        A request spent while children still read it shared keeps its blocks until the
+        last of them notifies, or until its TTL (a reader that never notifies)."""
+        now = self.clock()
+        with self.lock:
+            out: set[str] = set()
+            for rid in [*finished, *self._deferred]:
+                h = self.held.get(rid)
+                if h is not None and h.readers and now < h.deadline:
+                    self._deferred.add(rid)
+                else:
+                    self._deferred.discard(rid)
+                    out.add(rid)
+            return out
+
     def grant(self, req_id: str) -> Grant:
         """May prefill read this request's blocks now, and which are they? Decided once,
         under the lock; every worker of a prefill engine asks (one per TP rank), so a
@@ -402,9 +421,9 @@ class Residency:
             h = self.held.get(req_id)
             if h is not None and h.state == GRANTED:
                 return True, "granted", h.id_lists()
-            # A shared read in flight: this read's notification would free them mid-read.
-            reason = "shared_reading" if h is not None and h.readers else self._unreadable(
-                h, now)
+            # With shared reads in flight too: vLLM frees the blocks on this read's
+            # notification only after theirs (`frees`).
+            reason = self._unreadable(h, now)
             if reason is None:
                 assert h is not None
                 self._unfree(h)

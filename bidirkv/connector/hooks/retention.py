@@ -98,6 +98,16 @@ class Retention:
         if req_ids:
             self.residency.on_freed(req_ids)
 
+    def sent(self, finished: Iterable[str] | None, shared_done: Iterable[str]) -> set[str]:
+        """A step's reads: the shared ones done count first, then of the requests vLLM
+        would free (`finished`), those it may free now; a request spent while children
+        still read it shared keeps its blocks until they are done (Residency.frees)."""
+        for rid in shared_done:
+            self.residency.shared_done(rid)
+        out = self.residency.frees(finished or ())
+        self.freed(out)
+        return out
+
     def count(self) -> None:
         """Hand the residency's cumulative counters to the tally (what grew)."""
         res = self.residency

@@ -132,11 +132,11 @@ class NixlConnector(NixlPullConnector):
     def update_connector_output(self, connector_output) -> None:
         assert self._reuse is not None and self._retention is not None
         self._reuse.failed(getattr(connector_output, "failed_recving", None))
-        self._retention.freed(getattr(connector_output, "finished_sending", None))
         done = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(done, SharedReadsDone) and (res := current()) is not None:
-            for rid in done.req_ids:
-                res.shared_done(rid)
+        # vLLM frees what is left in finished_sending right after this call.
+        connector_output.finished_sending = self._retention.sent(
+            getattr(connector_output, "finished_sending", None),
+            done.req_ids if isinstance(done, SharedReadsDone) else ()) or None
         super().update_connector_output(connector_output)
 
     # -- worker side --------------------------------------------------------------------
