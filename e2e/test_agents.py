@@ -1,11 +1,16 @@
 """Agents as they call, on real servers (the shared stack): a session named by
 `X-Session-ID` alone, and a parent's forks and sub-agent reading the prefix decode holds
-for it, with the reuse-off output, while the parent keeps its handle. The client is the
+for it, with the reuse-off output, while the parent keeps its handle, also when the
+parent's own read-back runs at the same time as the children's reads. The client is the
 `openai` SDK (installed with vLLM), sending the headers as an agent's client does."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -28,6 +33,7 @@ from .vllm_stack import (  # noqa: E402
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(420)]
 PLACED = "X-Bidirkv-Placement"
+LONG_APPEND = {"policy": "thresholds", "localPrefillTokens": 64, "maxLocalPrefillTokens": 128}
 # Short appends run whole on the holder; a holder busy with one leg takes no more.
 POLICY = {"policy": "thresholds", "localPrefillTokens": 64, "maxLocalPrefillTokens": 2048,
           "decodeBusyRequests": 1}
@@ -133,8 +139,7 @@ def test_a_long_fork_reads_the_parents_blocks_shared_and_the_parent_reads_them_a
     with a shared read, which leaves them retained on decode, so the parent's own next
     turn (over the cap too) reads the same blocks back once more; both outputs are the
     reuse-off outputs."""
-    policy = {"policy": "thresholds", "localPrefillTokens": 64, "maxLocalPrefillTokens": 128}
-    with running_router(stack, "router-shared", placement=policy, placementHeader=True
+    with running_router(stack, "router-shared", placement=LONG_APPEND, placementHeader=True
                         ) as (url, _):
         c = client(url)
         parent = {"X-Session-ID": "agent-2"}
@@ -159,3 +164,44 @@ def test_a_long_fork_reads_the_parents_blocks_shared_and_the_parent_reads_them_a
             url, 'bidirkv_router_reuse_total{outcome="verified-partial"}') == 1
     assert text_f == reuse_off(stack, fork)
     assert text_p == reuse_off(stack, own)
+
+
+def decode_reports(url: str, field: str) -> float:
+    """A field of decode's residency report, as the router last heard it."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    got = re.findall(r'^bidirkv_router_decode_residency\{[^}]*field="' + field
+                     + r'"[^}]*\} (\S+)$', text, re.M)
+    return sum(float(v) for v in got)
+
+
+def test_forks_and_the_parent_read_the_same_blocks_at_once(stack):
+    """Two long forks read the parent's blocks shared while the parent's own long turn
+    reads them to spend them: the parent's read is granted (decode frees the blocks
+    after the children's reads, and holds nothing granted once all are answered), and
+    every output is the reuse-off output."""
+    with running_router(stack, "router-at-once", placement=LONG_APPEND,
+                        healthCheckIntervalSeconds=0.5) as (url, _):
+        c = client(url)
+        parent = {"X-Session-ID": "agent-3"}
+        msgs = [{"role": "system", "content": random_text(300, seed=461)},
+                {"role": "user", "content": random_text(40, seed=462)}]
+        text1, _ = ask(c, msgs, parent)
+        history = msgs + [{"role": "assistant", "content": text1}]
+        turns = [(history + [{"role": "user", "content": random_text(200, seed=463 + i)}],
+                  {"X-Session-ID": f"fork-at-once-{i}"}) for i in range(2)]
+        turns.append((history + [{"role": "user", "content": random_text(200, seed=466)}],
+                      parent))
+        time.sleep(1.5)  # three health rounds: the router's reading is after the turn
+        grants = decode_reports(url, "grants")
+        with ThreadPoolExecutor(len(turns)) as pool:
+            texts = list(pool.map(lambda t: ask(c, *t)[0], turns))
+        time.sleep(1.5)
+        deadline = time.monotonic() + 30
+        while decode_reports(url, "granted_blocks") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert decode_reports(url, "granted_blocks") == 0
+        # The parent's own read, whether or not the children's were in flight.
+        assert decode_reports(url, "grants") - grants == 1
+    for (messages, _), text in zip(turns, texts, strict=True):
+        assert text == reuse_off(stack, messages)
