@@ -140,5 +140,7 @@ def agents_plot(rows: Sequence[Mapping[str, Any]], path: pathlib.Path, title: st
     ax.set_ylabel("median TTFT (ms)")
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
+    # Headroom above the tallest bar: the legend goes there, not over a bar.
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.2)
+    ax.legend(fontsize=8, ncol=3, loc="upper center")
     return save(plt, fig, path)
