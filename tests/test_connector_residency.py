@@ -543,24 +543,23 @@ def test_the_parent_spends_its_handle_while_children_read_it_and_is_freed_after_
     res.shares = True
     res.retain("parent", 2, "r", clock.t + 100, tenant="t", block_ids=[1, 2], groups=(2,))
     res.retain("other", 1, "r", clock.t + 100, tenant="t", block_ids=[3], groups=(1,))
-    assert res.share("parent")[0] and res.share("parent")[0]
+    assert res.share("parent")[0]
     assert res.grant("parent") == (True, "granted", [[1, 2]])
-    assert res.share("parent")[:2] == (False, "granted")  # no new reader once spent
+    assert res.share("parent")[:2] == (True, "shared")  # a child after the spend too
     # The parent's read notified, and "other" expired: only "other" is freed now.
-    assert res.frees(["parent", "other"]) == {"other"}
-    res.on_freed(["other"])
+    assert res.frees(["parent", "other"]) == {"other"} and "other" not in res.held
     res.shared_done("parent")
     assert res.frees([]) == set() and "parent" in res.held
     res.shared_done("parent")  # the last reader: the held-back free goes now
     assert res.frees([]) == {"parent"}
-    res.on_freed(["parent"])
     assert res.freed["read"] == 1 and not res.held and res.frees([]) == set()
+    assert res.share("parent")[:2] == (False, "unknown")  # freed: nothing to share
     # A reader that never notifies holds the blocks back until their TTL, no longer.
     res.retain("p2", 1, "r", clock.t + 100, tenant="t", block_ids=[4], groups=(1,))
     assert res.share("p2")[0] and res.grant("p2")[0]
     assert res.frees(["p2"]) == set()
     clock.t += 100
-    assert res.frees([]) == {"p2"}
+    assert res.frees([]) == {"p2"} and not res.held
 
 
 def test_after_its_shared_reads_the_parent_is_read_once_as_before():
@@ -572,7 +571,6 @@ def test_after_its_shared_reads_the_parent_is_read_once_as_before():
         res.shared_done("parent")
     assert res.reclaim(0) == 0 and res.held["parent"].readers == 0
     assert res.grant("parent")[:2] == (True, "granted")
-    assert res.share("parent")[:2] == (False, "granted")  # being spent: not shared
     res.on_freed(["parent"])
     assert res.freed["read"] == 1 and not res.held
     # Releasable again after its shared reads: pressure takes it as any other.

@@ -191,22 +191,26 @@ class Residency:
         req_ids = list(req_ids)
         self.lent.freed(req_ids)
         with self.lock:
-            for rid in req_ids:
-                h = self.held.pop(rid, None)
-                if h is None:
-                    continue
-                self.notes.drop(rid)
-                if h.state == RELEASING:
-                    self._move(h, releasing=-1)
-                    self.freed["released"] += 1
-                else:
-                    self._move(h, kept=-1)
-                    if h.state == GRANTED:
-                        self._granted -= h.blocks
-                    if h.state == HELD:
-                        self._parked -= 1
-                        self._unfree(h)
-                    self.freed["read" if h.state == GRANTED else "expired"] += 1
+            self._gone(req_ids)
+
+    def _gone(self, req_ids: Iterable[str]) -> None:
+        """Caller holds the lock: these requests' blocks are freed."""
+        for rid in req_ids:
+            h = self.held.pop(rid, None)
+            if h is None:
+                continue
+            self.notes.drop(rid)
+            if h.state == RELEASING:
+                self._move(h, releasing=-1)
+                self.freed["released"] += 1
+            else:
+                self._move(h, kept=-1)
+                if h.state == GRANTED:
+                    self._granted -= h.blocks
+                if h.state == HELD:
+                    self._parked -= 1
+                    self._unfree(h)
+                self.freed["read" if h.state == GRANTED else "expired"] += 1
 
     def take_pending(self) -> list[str]:
         """Releases decided since the last call, for vLLM to free now."""
@@ -344,17 +348,13 @@ class Residency:
         """May a child read these retained blocks and leave them retained? Like a grant,
         decided under the lock, but the entry stays held (its handle, note and owner are
         the parent's) and leaves the releasable ones until its shared reads are done
-        (`shared_done`, on each read's notification). Refused while a read that spends it
-        is granted: that read's notification frees the blocks."""
+        (`shared_done`, on each read's notification). Also while a read that spends it is
+        granted: vLLM frees the blocks on that read's notification only after this one's
+        (`frees`)."""
         now = self.clock()
         with self.lock:
             h = self.held.get(req_id)
-            if not self.shares:
-                reason: str | None = "no_shared_reads"
-            elif h is not None and h.state == GRANTED:
-                reason = "granted"
-            else:
-                reason = self._unreadable(h, now)
+            reason = self._unreadable(h, now) if self.shares else "no_shared_reads"
             if reason is None:
                 assert h is not None
                 if not h.readers:
@@ -396,9 +396,11 @@ class Residency:
 
     def frees(self, finished: Iterable[str]) -> set[str]:
         """Of the requests whose blocks vLLM is about to free (a read notified, or their
-        TTL ran out), those it may free now, and those held back before that may go now.
-        A request spent while children still read it shared keeps its blocks until the
-        last of them notifies, or until its TTL (a reader that never notifies)."""
+        TTL ran out), those it may free now, and those held back before that may go now;
+        those go as `on_freed` takes them, in the same hold of the lock, so no shared read
+        is granted between this decision and the free. A request spent while children
+        still read it shared keeps its blocks until the last of them notifies, or until
+        its TTL (a reader that never notifies)."""
         now = self.clock()
         with self.lock:
             out: set[str] = set()
@@ -409,7 +411,9 @@ class Residency:
                 else:
                     self._deferred.discard(rid)
                     out.add(rid)
-            return out
+            self._gone(out)
+        self.lent.freed(out)
+        return out
 
     def grant(self, req_id: str) -> Grant:
         """May prefill read this request's blocks now, and which are they? Decided once,

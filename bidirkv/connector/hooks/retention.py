@@ -104,9 +104,7 @@ class Retention:
         still read it shared keeps its blocks until they are done (Residency.frees)."""
         for rid in shared_done:
             self.residency.shared_done(rid)
-        out = self.residency.frees(finished or ())
-        self.freed(out)
-        return out
+        return self.residency.frees(finished or ())
 
     def count(self) -> None:
         """Hand the residency's cumulative counters to the tally (what grew)."""
