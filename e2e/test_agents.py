@@ -60,6 +60,14 @@ def ask(c, messages: list[dict], headers: dict[str, str]) -> tuple[str, str]:
     return raw.parse().choices[0].message.content, raw.headers.get(PLACED, "")
 
 
+def first_turn(c, headers: dict[str, str], seed: int) -> list[dict]:
+    """A parent's first turn (a 300-word system message, a 40-word task); its history."""
+    msgs = [{"role": "system", "content": random_text(300, seed=seed)},
+            {"role": "user", "content": random_text(40, seed=seed + 1)}]
+    text, _ = ask(c, msgs, headers)
+    return msgs + [{"role": "assistant", "content": text}]
+
+
 def reuse_off(stack, messages: list[dict]) -> str:
     """The output of the two legs with no handle: P recomputes every token."""
     return turn(stack, chat(messages), None, streamed=False)[0]
@@ -143,10 +151,7 @@ def test_a_long_fork_reads_the_parents_blocks_shared_and_the_parent_reads_them_a
                         ) as (url, _):
         c = client(url)
         parent = {"X-Session-ID": "agent-2"}
-        msgs = [{"role": "system", "content": random_text(300, seed=451)},
-                {"role": "user", "content": random_text(40, seed=452)}]
-        text1, _ = ask(c, msgs, parent)
-        history = msgs + [{"role": "assistant", "content": text1}]
+        history = first_turn(c, parent, seed=451)
         reused = 'bidirkv_router_reuse_tokens_total{source="bidirkv"}'
         before = metric(url, reused)
         fork = history + [{"role": "user", "content": random_text(200, seed=453)}]
@@ -184,10 +189,7 @@ def test_forks_and_the_parent_read_the_same_blocks_at_once(stack):
                         healthCheckIntervalSeconds=0.5) as (url, _):
         c = client(url)
         parent = {"X-Session-ID": "agent-3"}
-        msgs = [{"role": "system", "content": random_text(300, seed=461)},
-                {"role": "user", "content": random_text(40, seed=462)}]
-        text1, _ = ask(c, msgs, parent)
-        history = msgs + [{"role": "assistant", "content": text1}]
+        history = first_turn(c, parent, seed=461)
         turns = [(history + [{"role": "user", "content": random_text(200, seed=463 + i)}],
                   {"X-Session-ID": f"fork-at-once-{i}"}) for i in range(2)]
         turns.append((history + [{"role": "user", "content": random_text(200, seed=466)}],
