@@ -84,7 +84,7 @@ def test_prefill_lends_the_ids_its_compact_handle_leaves_out(bidirectional):
     r.finished(req("p2", {}), False, dict(out))  # not delayed: nothing lent
     r.finished(req("p3", {}), True, {k: v for k, v in out.items() if k != COUNTS_KEY})
     assert len(res.lent) == 1
-    r.freed(["p1"])
+    r.sent(["p1"], [])
     assert res.answer("p1")[0] is False and len(res.lent) == 0
 
 
@@ -107,7 +107,7 @@ def test_retention_follows_vllms_bookkeeping():
         s._reqs_need_send["g"] = 99.0
         r.finished(req("g", {RETURN_KEY: sent}), True, handle)
         assert res.held["g"].gap == kept, sent
-        r.freed(["g"])
+        r.sent(["g"], [])
     r.finished(req("d2", {}), False, handle)  # not delayed: nothing retained
     assert "d2" not in res.held
     # A decode request that came without P's handle is tracked, so it can be freed.
@@ -116,7 +116,7 @@ def test_retention_follows_vllms_bookkeeping():
     assert res.release(["d1"], "router") == 3
     r.expire_pending()
     assert s._reqs_need_send["d1"] == 0.0  # vLLM's expiry path frees it on this step
-    r.freed(["d1"])
+    r.sent(["d1"], [])
     assert "d1" not in res.held
     r.count()
     assert r.tally.take()[tally.RELEASED] == {"router": 1}

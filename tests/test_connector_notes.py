@@ -45,7 +45,7 @@ def test_a_note_is_kept_only_beside_a_request_its_owner_holds():
 @pytest.mark.parametrize("leave", [
     lambda res, clock: res.release(["q0"]),
     lambda res, clock: res.grant("q0"),
-    lambda res, clock: res.on_freed(["q0"]),
+    lambda res, clock: res.frees(["q0"]),
     lambda res, clock: res.reclaim(100),
     lambda res, clock: (setattr(clock, "t", clock.t + 60), res.expire_owners()),
 ])
@@ -148,5 +148,5 @@ def test_a_recall_gives_back_what_each_note_leaves_out_of_its_handle():
     assert list(first["notes"]) == ["long"] and first["recallMore"] is True
     assert list(first["recallHandles"]) == ["long"]
     # A request that left takes what it was issued with along.
-    res.on_freed(["long"])
+    res.frees(["long"])
     assert res.bulk_of("long") is None

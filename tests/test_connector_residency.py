@@ -41,7 +41,7 @@ def test_release_then_grant_is_refused_and_grant_then_release_is_a_no_op():
     assert res.take_pending() == []
     # Refusals name what released the blocks.
     assert res.stats()["refusals"] == {"released_router": 1}
-    res.on_freed(["b"])
+    res.frees(["b"])
     assert res.grant("b")[:2] == (False, "unknown")
 
 
@@ -124,7 +124,7 @@ def test_pressure_takes_from_the_tenant_holding_the_most_first():
     assert res.reclaim(9) == 10
     assert res.take_pending() == ["flood-1", "flood-2", "quiet-old"]
     assert res.reclaim(1) == 3 and res.take_pending() == ["flood-3"]  # 6 against 4
-    res.on_freed(["quiet-new"])  # vLLM's TTL: no longer anyone's to reclaim
+    res.frees(["quiet-new"])  # vLLM's TTL: no longer anyone's to reclaim
     assert res.reclaim(100) == 3 and res.take_pending() == ["flood-4"]
     assert res.reclaim(100) == 0 and res.kept_blocks() == 3  # the granted one stays
 
@@ -159,7 +159,7 @@ def test_freed_requests_are_counted_by_how_they_went():
         res.retain(rid, 1, None, clock.t + 100)
     res.grant("read")
     res.release(["released"])
-    res.on_freed(["read", "released", "expired", "never-seen"])
+    res.frees(["read", "released", "expired", "never-seen"])
     st = res.stats()
     assert st["freed"] == {"read": 1, "released": 1, "expired": 1}
     assert st["retainedRequests"] == 0
@@ -236,7 +236,7 @@ def test_parked_counts_retained_entries_nothing_acts_on():
     assert res.grant("a")[:2] == (True, "granted")
     res.release(["b"])
     assert res.parked() == 2
-    res.on_freed(["a", "b", "c"])  # read, released, expired
+    res.frees(["a", "b", "c"])  # read, released, expired
     assert res.parked() == 1
     assert res.parked() == sum(1 for h in res.held.values() if h.state == "held")
 
@@ -340,7 +340,7 @@ def test_reclaim_order_matches_the_sorted_rule_under_random_traffic():
             if rng.random() < 0.5:
                 assert res.grant(rid)[0]
             else:
-                res.on_freed([rid])
+                res.frees([rid])
             del kept[rid]
         else:
             weights = {}
@@ -376,7 +376,7 @@ def test_an_extend_and_the_turn_it_extends_pin_their_shared_blocks_once():
     # The router drops the old turn's handle: nothing is freed, the extend pins it all.
     assert res.release(["turn1"]) == 0
     assert (res.kept_blocks(), res.releasing_blocks()) == (12, 0)
-    res.on_freed(res.take_pending())
+    res.frees(res.take_pending())
     assert (res.kept_blocks(), res.releasing_blocks()) == (12, 0)
     assert res.release(["turn2"]) == 12 and res.releasing_blocks() == 12
 
@@ -391,9 +391,9 @@ def test_a_release_counts_only_the_blocks_it_frees():
     assert (res.kept_blocks(), res.releasing_blocks()) == (7, 2)
     assert res.release(["old"]) == 4
     assert (res.kept_blocks(), res.releasing_blocks()) == (3, 6)
-    res.on_freed(["new"])  # vLLM freed 5 and 6; 1-4 go with "old"
+    res.frees(["new"])  # vLLM freed 5 and 6; 1-4 go with "old"
     assert (res.kept_blocks(), res.releasing_blocks()) == (3, 4)
-    res.on_freed(["old", "other"])
+    res.frees(["old", "other"])
     assert (res.kept_blocks(), res.releasing_blocks()) == (0, 0)
     assert not res._pins and not res._rel
 
@@ -416,7 +416,7 @@ def test_the_block_totals_agree_with_a_recount_under_random_traffic():
         elif op < 0.8:
             res.reclaim(rng.randrange(1, 6))
         else:
-            res.on_freed([rng.choice(live)])
+            res.frees([rng.choice(live)])
         kept = {b for h in res.held.values() if h.state != "releasing" for b in h.ids}
         going = {b for h in res.held.values() if h.state == "releasing" for b in h.ids}
         assert res.kept_blocks() == len(kept), step
@@ -481,7 +481,7 @@ def test_prefills_lent_blocks_are_answered_until_vllm_frees_them():
     assert res.answer("p-1") == (True, "lent", [[4, 5, 6]])
     assert res.answer("p-1") == (True, "lent", [[4, 5, 6]])  # every worker of D asks
     assert res.grants == 0 and res.kept_blocks() == 0
-    res.on_freed(iter(["p-1"]))  # D read them (or the lease ran out)
+    res.frees(iter(["p-1"]))  # D read them (or the lease ran out)
     assert res.answer("p-1") == (False, "unknown", []) and len(res.lent) == 0
     # Decode's retained requests are answered by their grant, as before.
     res.retain("d-1", 2, None, clock.t + 100, block_ids=[8, 9], groups=(2,))
@@ -571,7 +571,7 @@ def test_after_its_shared_reads_the_parent_is_read_once_as_before():
         res.shared_done("parent")
     assert res.reclaim(0) == 0 and res.held["parent"].readers == 0
     assert res.grant("parent")[:2] == (True, "granted")
-    res.on_freed(["parent"])
+    res.frees(["parent"])
     assert res.freed["read"] == 1 and not res.held
     # Releasable again after its shared reads: pressure takes it as any other.
     res.retain("other", 2, "r", clock.t + 100, tenant="t", block_ids=[5, 6], groups=(2,))

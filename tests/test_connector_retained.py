@@ -22,7 +22,7 @@ def test_the_reading_counts_parked_requests_and_goes_out_when_it_changed():
     assert res.grant("a")[:2] == (True, "granted")  # its turn came back: it is being read
     res.release(["b"])  # the router let it go
     assert gauge.readings(res) == {workingset.RETAINED: 1}
-    res.on_freed(["a", "b"])
+    res.frees(["a", "b"])
     assert gauge.readings(res) == {}
 
 

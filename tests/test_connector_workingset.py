@@ -38,7 +38,7 @@ def test_retained_blocks_are_held_granted_and_releasing_ones():
     assert res.grant("a")[:2] == (True, "granted")  # freed once prefill's read completes
     assert res.release(["b"]) == 3  # on its way out, still allocated in vLLM
     assert workingset.retained_blocks(res) == 9
-    res.on_freed(["a", "b"])  # vLLM freed them: no longer in vLLM's usage either
+    res.frees(["a", "b"])  # vLLM freed them: no longer in vLLM's usage either
     assert workingset.retained_blocks(res) == 2
 
 

@@ -186,15 +186,9 @@ class Residency:
         if h.owner is not None:
             self._owned.setdefault(h.owner, {})[h.req_id] = h
 
-    def on_freed(self, req_ids: Iterable[str]) -> None:
-        """vLLM freed these requests' blocks (read, TTL, or a release we asked for)."""
-        req_ids = list(req_ids)
-        self.lent.freed(req_ids)
-        with self.lock:
-            self._gone(req_ids)
-
     def _gone(self, req_ids: Iterable[str]) -> None:
-        """Caller holds the lock: these requests' blocks are freed."""
+        """Caller holds the lock: vLLM frees these requests' blocks (read, TTL, or a
+        release we asked for)."""
         for rid in req_ids:
             h = self.held.pop(rid, None)
             if h is None:
@@ -397,8 +391,8 @@ class Residency:
     def frees(self, finished: Iterable[str]) -> set[str]:
         """Of the requests whose blocks vLLM is about to free (a read notified, or their
         TTL ran out), those it may free now, and those held back before that may go now;
-        those go as `on_freed` takes them, in the same hold of the lock, so no shared read
-        is granted between this decision and the free. A request spent while children
+        those leave the residency in the same hold of the lock, so no shared read is
+        granted between this decision and the free. A request spent while children
         still read it shared keeps its blocks until the last of them notifies, or until
         its TTL (a reader that never notifies)."""
         now = self.clock()

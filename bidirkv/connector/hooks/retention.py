@@ -94,10 +94,6 @@ class Retention:
         for rid in self.residency.take_pending():
             need_send[rid] = 0.0
 
-    def freed(self, req_ids: Iterable[str] | None) -> None:
-        if req_ids:
-            self.residency.on_freed(req_ids)
-
     def sent(self, finished: Iterable[str] | None, shared_done: Iterable[str]) -> set[str]:
         """A step's reads: the shared ones done count first, then of the requests vLLM
         would free (`finished`), those it may free now; a request spent while children
