@@ -111,7 +111,8 @@ class Residency:
     grants: int = 0
     refusals: Counter = field(default_factory=Counter)  # reason -> grants refused
     _pending: list[str] = field(default_factory=list)
-    # Spent requests whose blocks vLLM frees only once their shared reads end (`frees`).
+    # Spent requests whose blocks vLLM frees only once their shared reads end (`frees`;
+    # the engine thread's alone, so read without the lock).
     _deferred: set[str] = field(default_factory=set)
     # Running totals: the scheduler reads them before every step, so no step walks
     # `held`. Kept = held or granted (pinned until something frees them). Blocks, not
@@ -395,10 +396,13 @@ class Residency:
         granted between this decision and the free. A request spent while children
         still read it shared keeps its blocks until the last of them notifies, or until
         its TTL (a reader that never notifies)."""
+        todo = [*finished, *self._deferred]
+        if not todo:  # most steps: no lock taken
+            return set()
         now = self.clock()
         with self.lock:
             out: set[str] = set()
-            for rid in [*finished, *self._deferred]:
+            for rid in todo:
                 h = self.held.get(rid)
                 if h is not None and h.readers and now < h.deadline:
                     self._deferred.add(rid)
